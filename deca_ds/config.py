@@ -1,0 +1,89 @@
+"""DecaConfig: the hyperparameters of Algorithm 1, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+
+VARIANTS = ("deca", "trivial_bma", "no_bma")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float64": torch.float64, "fp64": torch.float64,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype, what: str = "dtype") -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ValueError(f"{what} must be one of {sorted(_DTYPES)}, got {value!r}") from None
+
+
+def _check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
+    betas = tuple(float(b) for b in betas)
+    if len(betas) != 2 or not all(0.0 <= b <= 1.0 for b in betas):
+        raise ValueError(f"{name} must be two numbers in [0, 1], got {betas}")
+    return betas
+
+
+@dataclass
+class DecaConfig:
+    """Algorithm 1's hyperparameters. Defaults are the paper's (classification tasks).
+
+    lr is γ, adam_betas (α1, α2), bma_betas (β1, β2), steps_per_block R, rounds T.
+    """
+
+    lr: float = 5e-5
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    bma_betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    steps_per_block: int = 48
+    rounds: int = 4
+    layers_per_block: int = 2
+    variant: str = "deca"
+    block_order: str = "ascending"
+    seed: int = 0
+    master_dtype: torch.dtype = torch.float32
+    grad_clip: float | None = None
+    weight_decay: float = 0.0
+    train_embeddings: bool = False
+    train_final_norm: bool = False
+    train_lm_head: bool = False
+    custom_blocks: list | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        from .blocks import BLOCK_ORDERS  # blocks imports torch only; kept local to avoid a cycle
+
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        self.adam_betas = _check_betas("adam_betas", self.adam_betas)
+        self.bma_betas = _check_betas("bma_betas", self.bma_betas)
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        for name in ("steps_per_block", "rounds", "layers_per_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.block_order not in BLOCK_ORDERS:
+            raise ValueError(f"block_order must be one of {BLOCK_ORDERS}, got {self.block_order!r}")
+        self.master_dtype = parse_dtype(self.master_dtype, "master_dtype")
+        if self.master_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"master_dtype must be float32 or float64, got {self.master_dtype}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["master_dtype"] = str(self.master_dtype).removeprefix("torch.")
+        return out

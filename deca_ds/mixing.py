@@ -1,0 +1,59 @@
+"""Neighbor mixing, x⁺_i = Σ_j w_ij · x½_j (Algorithm 1, step 5), for clients in one process.
+
+The DeepSpeed runtime has its own mixer that exchanges over torch.distributed; both form the
+sum with `weighted_sum` in the same (ascending j) order, so a distributed run and the in-process
+simulator produce the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from .topology import validate_mixing_matrix
+
+
+class Mixer(Protocol):
+    """What DecaOptimizer.step() needs: this client's x⁺ from its own x½."""
+
+    def mix(self, x_half: torch.Tensor) -> torch.Tensor: ...
+
+
+def weighted_sum(terms: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """Σ w·x over (w, x) pairs, accumulated left to right in the tensors' dtype."""
+    (w0, x0), *rest = terms
+    out = x0 * w0
+    for w, x in rest:
+        out.add_(x, alpha=w)
+    return out
+
+
+def support(W: np.ndarray, i: int) -> list[int]:
+    """Clients whose x½ enters client i's mix (w_ij > 0), i itself included when w_ii > 0."""
+    return [j for j in range(W.shape[0]) if W[i, j] > 0]
+
+
+class IdentityMixer:
+    """A single client (W = [1]): x⁺ = x½. Makes N = 1 plain block-wise Adam."""
+
+    def mix(self, x_half: torch.Tensor) -> torch.Tensor:
+        return x_half
+
+
+class InProcessMixer:
+    """Mixes the x½ of all N clients held in one process (the simulator)."""
+
+    def __init__(self, mixing_matrix) -> None:
+        self.W = validate_mixing_matrix(mixing_matrix)
+
+    @property
+    def n(self) -> int:
+        return self.W.shape[0]
+
+    def mix_all(self, x_halves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if len(x_halves) != self.n:
+            raise ValueError(f"expected {self.n} client vectors, got {len(x_halves)}")
+        return [weighted_sum([(float(self.W[i, j]), x_halves[j]) for j in support(self.W, i)])
+                for i in range(self.n)]

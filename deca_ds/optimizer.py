@@ -1,0 +1,235 @@
+"""DecaOptimizer: block-wise Adam with block-wise moment approximation (Algorithm 1).
+
+One step on the active block, with x its master vector (all the block's tensors flattened):
+
+    adam_half_step()   m½ = α1·m + (1−α1)·g            v½ = α2·v + (1−α2)·g⊙g
+                       x½ = x − γ · m̂ / (√v̂ + ε)       m̂ = m½/(1−α1^(r+1)), v̂ = v½/(1−α2^(r+1))
+    mixer.mix(x½)      x⁺ = Σ_j w_ij · x½_j
+    bma_correct(x⁺)    h = (x − x⁺) / ‖x − x⁺‖
+                       deca:        m = β1·m½ + (1−β1)·h      v = β2·v½ + (1−β2)·h⊙h
+                       trivial_bma: m = α1·m + (1−α1)·h       v = α2·v + (1−α2)·h⊙h
+                       no_bma:      m = m½                    v = v½
+                       x = x⁺, and the working weights are refreshed from x.
+
+Only the active block has a master copy and moments, in `master_dtype`; they are created when the
+block is activated and dropped when it is left. Every parameter outside the active block has
+requires_grad=False, so backward never produces a gradient for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .blocks import Partition, block_order, partition_model
+from .config import DecaConfig
+from .mixing import IdentityMixer, Mixer
+
+
+@dataclass
+class ActiveBlock:
+    index: int
+    params: list[nn.Parameter]
+    master: torch.Tensor  # x
+    m: torch.Tensor
+    v: torch.Tensor
+
+    def segments(self, flat: torch.Tensor):
+        """(param, view of `flat` shaped like param) for each of the block's tensors."""
+        offset = 0
+        for p in self.params:
+            yield p, flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.master, self.m, self.v))
+
+
+def model_partition(model: nn.Module, config: DecaConfig) -> Partition:
+    return partition_model(
+        model, config.layers_per_block,
+        train_embeddings=config.train_embeddings, train_final_norm=config.train_final_norm,
+        train_lm_head=config.train_lm_head, custom=config.custom_blocks,
+    )
+
+
+class DecaOptimizer(torch.optim.Optimizer):
+    """A torch optimizer over all blocks of `model`; one param group per block.
+
+    It owns the block schedule (T rounds × B blocks × R steps): after R steps on a block it
+    activates the next one in the configured order. `step()` runs the three phases with
+    `mixer` (default: a single client); the simulator calls the phases itself.
+    """
+
+    def __init__(self, model: nn.Module, config: DecaConfig, *,
+                 partition: Partition | None = None, mixer: Mixer | None = None) -> None:
+        self.config = config
+        self.partition = partition or model_partition(model, config)
+        self.mixer = mixer or IdentityMixer()
+        groups = [{"params": self.partition.params(model, k), "block": k}
+                  for k in range(self.partition.num_blocks)]
+        super().__init__(groups, {"lr": config.lr, "weight_decay": config.weight_decay})
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.round = 0
+        self.position = 0  # index into this round's block order
+        self.step_in_block = 0  # r
+        self.active: ActiveBlock | None = None
+        self._activate(self.block_schedule(0)[0])
+
+    # ---- schedule -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.partition.num_blocks
+
+    @property
+    def total_steps(self) -> int:
+        c = self.config
+        return c.rounds * self.num_blocks * c.steps_per_block
+
+    @property
+    def global_step(self) -> int:
+        c = self.config
+        return (self.round * self.num_blocks + self.position) * c.steps_per_block + self.step_in_block
+
+    @property
+    def done(self) -> bool:
+        return self.round >= self.config.rounds
+
+    def block_schedule(self, round_index: int) -> list[int]:
+        return block_order(self.num_blocks, self.config.block_order, round_index, self.config.seed)
+
+    # ---- block activation ----------------------------------------------------------------
+    def _activate(self, index: int, restored: dict | None = None) -> None:
+        params = self.param_groups[index]["params"]
+        dtype = self.config.master_dtype
+        if restored is None:
+            master = torch.cat([p.detach().reshape(-1).to(dtype) for p in params])
+            m, v = torch.zeros_like(master), torch.zeros_like(master)
+        else:
+            master, m, v = (restored[k].to(device=params[0].device, dtype=dtype).clone()
+                            for k in ("master", "m", "v"))
+        for p in params:
+            p.requires_grad_(True)
+        self.active = ActiveBlock(index, params, master, m, v)
+
+    def _deactivate(self) -> None:
+        for p in self.active.params:
+            p.requires_grad_(False)
+            p.grad = None
+        self.active = None
+
+    def _advance(self) -> None:
+        self.step_in_block += 1
+        if self.step_in_block < self.config.steps_per_block:
+            return
+        self._deactivate()
+        self.step_in_block = 0
+        self.position += 1
+        if self.position == self.num_blocks:
+            self.position, self.round = 0, self.round + 1
+        if not self.done:
+            self._activate(self.block_schedule(self.round)[self.position])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held now (master, m, v of the active block)."""
+        return self.active.nbytes() if self.active else 0
+
+    # ---- Algorithm 1 ----------------------------------------------------------------------
+    def _grad_scale(self) -> float:
+        """Factor that clips the active block's gradient to global norm grad_clip (1.0 = off)."""
+        if self.config.grad_clip is None:
+            return 1.0
+        norms = [p.grad.detach().to(self.config.master_dtype).norm() for p in self.active.params
+                 if p.grad is not None]
+        total = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+        return min(1.0, self.config.grad_clip / (total + 1e-6))
+
+    @torch.no_grad()
+    def adam_half_step(self) -> torch.Tensor:
+        """Steps 1–4: fold the gradient into m½, v½ (in place of m, v) and return x½."""
+        if self.done:
+            raise RuntimeError(f"all {self.config.rounds} rounds are done; no block is active")
+        blk, (a1, a2) = self.active, self.config.adam_betas
+        group = self.param_groups[blk.index]
+        if self.config.variant == "trivial_bma":
+            self._m_prev, self._v_prev = blk.m.clone(), blk.v.clone()
+        scale = self._grad_scale()
+        # The gradient is folded in tensor by tensor, converted on the fly: no full-size
+        # master-dtype gradient copy is ever held.
+        for (p, m), (_, v) in zip(blk.segments(blk.m), blk.segments(blk.v)):
+            m.mul_(a1)
+            v.mul_(a2)
+            if p.grad is not None:
+                g = p.grad if scale == 1.0 else p.grad * scale
+                m.add_(g, alpha=1 - a1)
+                v.addcmul_(g, g, value=1 - a2)
+            p.grad = None
+        m_half, v_half, r = blk.m, blk.v, self.step_in_block
+        bc1, bc2 = 1 - a1 ** (r + 1), 1 - a2 ** (r + 1)
+        x_half = torch.div(v_half, bc2).sqrt_().add_(self.config.eps)  # √v̂ + ε, reused as x½
+        torch.addcdiv(blk.master, m_half, x_half, value=-group["lr"] / bc1, out=x_half)
+        if group["weight_decay"]:
+            x_half.add_(blk.master, alpha=-group["lr"] * group["weight_decay"])
+        return x_half
+
+    @torch.no_grad()
+    def bma_correct(self, x_plus: torch.Tensor) -> None:
+        """Steps 6–8: discrepancy h, carried moments by variant, x = x⁺; then the next step."""
+        blk = self.active
+        (a1, a2), (b1, b2) = self.config.adam_betas, self.config.bma_betas
+        d = blk.master.sub_(x_plus)  # the master buffer holds d, then h, until x = x⁺ below
+        h = d.div_(torch.linalg.vector_norm(d).clamp_min(torch.finfo(d.dtype).tiny))  # h = 0 if d = 0
+        variant = self.config.variant
+        if variant == "deca":
+            blk.m.mul_(b1).add_(h, alpha=1 - b1)
+            blk.v.mul_(b2).addcmul_(h, h, value=1 - b2)
+        elif variant == "trivial_bma":
+            blk.m = self._m_prev.mul_(a1).add_(h, alpha=1 - a1)
+            blk.v = self._v_prev.mul_(a2).addcmul_(h, h, value=1 - a2)
+            del self._m_prev, self._v_prev
+        blk.master.copy_(x_plus)
+        for p, x in blk.segments(blk.master):
+            p.copy_(x)
+        self._advance()
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.bma_correct(self.mixer.mix(self.adam_half_step()))
+        return loss
+
+    # ---- checkpointing --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        blk = self.active
+        return {
+            "round": self.round, "position": self.position, "step_in_block": self.step_in_block,
+            "block": None if blk is None else blk.index,
+            "master": None if blk is None else blk.master.clone(),
+            "m": None if blk is None else blk.m.clone(),
+            "v": None if blk is None else blk.v.clone(),
+            "lr": [g["lr"] for g in self.param_groups],
+            "config": self.config.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["config"] != self.config.to_dict():
+            diff = {k: (v, self.config.to_dict().get(k)) for k, v in state["config"].items()
+                    if self.config.to_dict().get(k) != v}
+            raise ValueError(f"optimizer state was saved with a different DecaConfig: {diff}")
+        if self.active is not None:
+            self._deactivate()
+        self.round, self.position, self.step_in_block = (
+            state["round"], state["position"], state["step_in_block"])
+        for group, lr in zip(self.param_groups, state["lr"]):
+            group["lr"] = lr
+        if state["block"] is not None:
+            expected = self.block_schedule(self.round)[self.position]
+            if state["block"] != expected:
+                raise ValueError(f"checkpoint's active block {state['block']} is not block {expected} "
+                                 f"of round {self.round}, position {self.position}")
+            self._activate(state["block"], restored=state)

@@ -1,0 +1,70 @@
+"""simulate(): N DECA clients in one process, one model copy each, mixed through W."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .config import DecaConfig
+from .mixing import InProcessMixer
+from .optimizer import DecaOptimizer, model_partition
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What `on_step` sees after each synchronous step of all clients."""
+
+    step: int  # global inner step, 0-based
+    round: int
+    block: int
+    step_in_block: int
+    losses: list[float]  # one per client
+
+
+def simulate(
+    model: nn.Module,
+    client_batches: Sequence[Iterable[Mapping[str, torch.Tensor]]],
+    mixing_matrix,
+    config: DecaConfig,
+    *,
+    on_step: Callable[[StepInfo], None] | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Run Algorithm 1 for N clients and return each client's final parameters by name.
+
+    `model.forward(**batch)` must return an object with `.loss` (the transformers convention).
+    The model is deep-copied per client, so every client starts from the same weights and the
+    caller's model is left untouched. Client i takes one batch from `client_batches[i]` per
+    local step, T·B·R batches in all.
+    """
+    mixer = InProcessMixer(mixing_matrix)
+    if len(client_batches) != mixer.n:
+        raise ValueError(f"mixing matrix is {mixer.n}x{mixer.n} but {len(client_batches)} "
+                         "clients' batches were given")
+    partition = model_partition(model, config)
+    clients = [copy.deepcopy(model).train() for _ in range(mixer.n)]
+    optimizers = [DecaOptimizer(c, config, partition=partition) for c in clients]
+    streams = [iter(b) for b in client_batches]
+    lead = optimizers[0]
+    while not lead.done:
+        info = dict(step=lead.global_step, round=lead.round, block=lead.active.index,
+                    step_in_block=lead.step_in_block)
+        losses, x_halves = [], []
+        for i, (client, opt, stream) in enumerate(zip(clients, optimizers, streams)):
+            try:
+                batch = next(stream)
+            except StopIteration:
+                raise ValueError(f"client {i} ran out of batches at step {info['step']} of "
+                                 f"{lead.total_steps}") from None
+            loss = client(**batch).loss
+            loss.backward()
+            losses.append(loss.item())
+            x_halves.append(opt.adam_half_step())
+        for opt, x_plus in zip(optimizers, mixer.mix_all(x_halves)):
+            opt.bma_correct(x_plus)
+        if on_step is not None:
+            on_step(StepInfo(losses=losses, **info))
+    return [{name: p.detach().clone() for name, p in c.named_parameters()} for c in clients]

@@ -1,0 +1,208 @@
+"""DecaOptimizer: degenerate cases of ALGORITHM.md, state lifetime, precision, resume, config."""
+
+import copy
+
+import pytest
+import torch
+
+from deca_ds import DecaConfig, DecaOptimizer, make_topology, partition_model, simulate
+from helpers import client_batches, tiny_llama
+
+
+def config(**kw):
+    base = dict(lr=1e-3, steps_per_block=3, rounds=2, layers_per_block=1, master_dtype=torch.float64)
+    return DecaConfig(**{**base, **kw})
+
+
+def test_beta_one_deca_is_no_bma():
+    model, batches = tiny_llama(), client_batches(4, steps=18)
+    W = make_topology("ring", 4).W
+    deca = simulate(model, batches, W, config(bma_betas=(1.0, 1.0), variant="deca"))
+    plain = simulate(model, batches, W, config(variant="no_bma"))
+    for a, b in zip(deca, plain):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])
+def test_complete_uniform_graph_gives_identical_clients(variant):
+    model, batches = tiny_llama(), client_batches(4, steps=18)
+    W = make_topology("complete", 4, weights="uniform").W
+    seen = []
+
+    def check(info):
+        seen.append(info.losses)
+
+    finals = simulate(model, batches, W, config(variant=variant), on_step=check)
+    assert len(seen) == 18 and len(set(seen[-1])) > 1, "clients saw different data"
+    for other in finals[1:]:
+        assert all(torch.equal(finals[0][n], other[n]) for n in other)
+
+
+def test_single_client_no_bma_is_block_adam_with_resets():
+    """N = 1, no_bma: torch.optim.Adam re-created (moments reset) at every block switch."""
+    cfg = config(variant="no_bma", rounds=2, steps_per_block=4, layers_per_block=2)
+    model, batches = tiny_llama(layers=3), client_batches(1, steps=16)
+    got = simulate(model, batches, [[1.0]], cfg)[0]
+
+    ref = copy.deepcopy(model)
+    stream = iter(batches[0])
+    blocks = [[f"model.layers.{l}." for l in ls] for ls in ([0, 1], [2])]
+    for _ in range(cfg.rounds):
+        for prefixes in blocks:
+            params = [p for n, p in ref.named_parameters() if n.startswith(tuple(prefixes))]
+            adam = torch.optim.Adam(params, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.eps)
+            for _ in range(cfg.steps_per_block):
+                ref.zero_grad()
+                ref(**next(stream)).loss.backward()
+                adam.step()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_state_exists_only_for_the_active_block_and_is_released():
+    model = tiny_llama(layers=3, dtype=torch.bfloat16)
+    cfg = config(master_dtype=torch.float32, steps_per_block=2, rounds=2)
+    opt = DecaOptimizer(model, cfg)
+    partition = opt.partition
+    stream = iter(client_batches(1, steps=12)[0])
+    seen_blocks = []
+    while not opt.done:
+        k = opt.active.index
+        seen_blocks.append(k)
+        expected = 3 * partition.blocks[k].numel * 4  # master, m, v in fp32
+        assert opt.state_bytes() == expected
+        active = {n for n in partition.blocks[k].param_names}
+        for n, p in model.named_parameters():
+            assert p.requires_grad == (n in active), n
+        model(**next(stream)).loss.backward()
+        for n, p in model.named_parameters():
+            assert (p.grad is not None) == (n in active), n
+        opt.step()
+    assert seen_blocks == [0, 0, 1, 1, 2, 2] * 2
+    assert opt.state_bytes() == 0 and opt.active is None and len(opt.state) == 0
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+    with pytest.raises(RuntimeError, match="rounds are done"):
+        opt.step()
+
+
+def test_bf16_working_weights_follow_fp32_master():
+    model = tiny_llama(layers=2, dtype=torch.bfloat16)
+    opt = DecaOptimizer(model, config(master_dtype=torch.float32, steps_per_block=5, rounds=1))
+    batch = client_batches(1, steps=1)[0][0]
+    model(**batch).loss.backward()
+    opt.step()
+    blk = opt.active
+    assert blk.master.dtype == torch.float32
+    for p, x in blk.segments(blk.master):
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p, x.to(torch.bfloat16))
+
+
+def test_frozen_parameters_are_bit_identical_after_training():
+    model = tiny_llama(layers=3, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finals = simulate(model, client_batches(2, steps=18), make_topology("ring", 2).W,
+                      config(master_dtype=torch.float32))
+    frozen = partition_model(model, 1).frozen
+    assert set(frozen) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for final in finals:
+        for n in frozen:
+            assert torch.equal(final[n], before[n])
+        assert not torch.equal(final["model.layers.2.mlp.down_proj.weight"],
+                               before["model.layers.2.mlp.down_proj.weight"])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "caller's model changed"
+
+
+def test_state_dict_resume_is_bit_identical():
+    """Stop mid-block, rebuild model and optimizer from the checkpoint, continue: same bits."""
+    cfg = config(master_dtype=torch.float32, steps_per_block=4, rounds=1, variant="deca")
+    batches = client_batches(1, steps=12)[0]
+    base = tiny_llama(layers=3, dtype=torch.bfloat16)
+
+    def run(model, opt, steps):
+        for batch in steps:
+            model(**batch).loss.backward()
+            opt.step()
+
+    straight = copy.deepcopy(base)
+    run(straight, DecaOptimizer(straight, cfg), batches)
+
+    first = copy.deepcopy(base)
+    opt = DecaOptimizer(first, cfg)
+    run(first, opt, batches[:6])  # block 1, step 2 of 4
+    saved_model, saved_opt = copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict())
+
+    resumed = copy.deepcopy(base)
+    resumed.load_state_dict(saved_model)
+    opt2 = DecaOptimizer(resumed, cfg)
+    opt2.load_state_dict(saved_opt)
+    assert (opt2.active.index, opt2.step_in_block) == (1, 2)
+    run(resumed, opt2, batches[6:])
+    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_resume_with_another_config_is_refused():
+    model = tiny_llama(layers=2)
+    state = DecaOptimizer(model, config()).state_dict()
+    with pytest.raises(ValueError, match="different DecaConfig.*lr"):
+        DecaOptimizer(model, config(lr=2e-3)).load_state_dict(state)
+
+
+def test_grad_clip_bounds_the_first_update():
+    """With clipping at c, Adam's first step is unchanged in direction (sign) but g is scaled; with
+    a tiny clip, m̂/√v̂ is still ±1, so compare m directly."""
+    model = tiny_llama(layers=2)
+    opt = DecaOptimizer(model, config(grad_clip=1e-3, variant="no_bma"))
+    batch = client_batches(1, steps=1)[0][0]
+    model(**batch).loss.backward()
+    g = torch.cat([p.grad.reshape(-1) for p in opt.active.params])
+    opt.step()
+    a1 = opt.config.adam_betas[0]
+    torch.testing.assert_close(opt.active.m, (1 - a1) * g * (1e-3 / (g.norm() + 1e-6)))
+
+
+def test_weight_decay_is_decoupled():
+    model = tiny_llama(layers=2)
+    cfg = config(weight_decay=0.1, variant="no_bma")
+    opt = DecaOptimizer(model, cfg)
+    x0 = opt.active.master.clone()
+    model(**client_batches(1, steps=1)[0][0]).loss.backward()
+    x_half = opt.adam_half_step()
+    m_hat = opt.active.m / (1 - cfg.adam_betas[0])
+    v_hat = opt.active.v / (1 - cfg.adam_betas[1])
+    want = x0 - cfg.lr * m_hat / (v_hat.sqrt() + cfg.eps) - cfg.lr * 0.1 * x0
+    torch.testing.assert_close(x_half, want, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(lr=0), "lr must be > 0"),
+    (dict(lr=-1e-3), "lr must be > 0"),
+    (dict(adam_betas=(0.9, 1.5)), "adam_betas must be two numbers in \\[0, 1\\]"),
+    (dict(bma_betas=(-0.1, 0.9)), "bma_betas must be two numbers in \\[0, 1\\]"),
+    (dict(bma_betas=(0.9,)), "bma_betas must be two numbers"),
+    (dict(eps=0), "eps must be > 0"),
+    (dict(steps_per_block=0), "steps_per_block must be an integer >= 1"),
+    (dict(rounds=0), "rounds must be an integer >= 1"),
+    (dict(layers_per_block=0), "layers_per_block must be an integer >= 1"),
+    (dict(layers_per_block=1.5), "layers_per_block must be an integer >= 1"),
+    (dict(variant="adam"), "variant must be one of"),
+    (dict(block_order="sideways"), "block_order must be one of"),
+    (dict(master_dtype="bf16"), "master_dtype must be float32 or float64"),
+    (dict(master_dtype="fp128"), "master_dtype must be one of"),
+    (dict(grad_clip=0.0), "grad_clip must be > 0"),
+    (dict(weight_decay=-1.0), "weight_decay must be >= 0"),
+])
+def test_config_rejects_bad_values(kw, message):
+    with pytest.raises(ValueError, match=message):
+        DecaConfig(**kw)
+
+
+def test_simulate_rejects_mismatched_inputs():
+    model = tiny_llama(layers=2)
+    with pytest.raises(ValueError, match="3x3 but 2 clients"):
+        simulate(model, client_batches(2, steps=1), make_topology("ring", 3).W, config())
+    with pytest.raises(ValueError, match="client 1 ran out of batches at step 0"):
+        simulate(model, [client_batches(1, 1)[0], []], make_topology("ring", 2).W, config())
+    with pytest.raises(ValueError, match="mixing matrix .*row"):
+        simulate(model, client_batches(2, steps=1), [[0.5, 0.5], [0.5, 0.4]], config())
