@@ -1,0 +1,84 @@
+"""Classification by answer likelihood: each label is scored by how likely the model finds its answer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from .data import ANSWER, PROMPT, Example, collate, encode
+
+
+@torch.no_grad()
+def score_labels(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    label_words: Sequence[str],
+    *,
+    max_length: int,
+    batch_size: int = 32,
+) -> torch.Tensor:
+    """(len(prompts), len(label_words)) log-likelihoods log p(answer | prompt), in float32.
+
+    The answer is scored exactly as `data.encode` lays it out for training: ANSWER's tokens plus
+    eos, summed over every position whose label is not -100. So a label's score is minus the
+    training loss of that (prompt, answer) pair, and multi-token label words are compared fairly
+    as whole sequences. `batch_size` counts (prompt, label) sequences per forward pass.
+    """
+    pairs = [encode(tokenizer, p, ANSWER.format(word=w), max_length) for p in prompts for w in label_words]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        scores = []
+        for start in range(0, len(pairs), batch_size):
+            batch = collate(pairs[start:start + batch_size], tokenizer.pad_token_id)
+            logits = model(input_ids=batch["input_ids"].to(device),
+                           attention_mask=batch["attention_mask"].to(device)).logits
+            # Position t predicts token t+1.
+            log_probs = logits[:, :-1].float().log_softmax(-1)
+            targets = batch["labels"][:, 1:].to(device)
+            answer = targets != -100
+            picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            scores.append((picked * answer).sum(-1).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(scores).view(len(prompts), len(label_words))
+
+
+def classification_metrics(y_true: Sequence[int], y_pred: Sequence[int], num_labels: int) -> dict:
+    """Accuracy and macro-F1. As scikit-learn's macro average, F1 is averaged over the labels that
+    occur in y_true or y_pred; a label never predicted but present has F1 = 0."""
+    y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
+    if y_true.shape != y_pred.shape or y_true.size == 0:
+        raise ValueError(f"y_true and y_pred must be non-empty and of one length, got {y_true.size} and {y_pred.size}")
+    hits = y_true == y_pred
+    tp = np.bincount(y_true[hits], minlength=num_labels)
+    fp = np.bincount(y_pred[~hits], minlength=num_labels)
+    fn = np.bincount(y_true[~hits], minlength=num_labels)
+    present = tp + fp + fn > 0
+    f1 = 2 * tp[present] / (2 * tp[present] + fp[present] + fn[present])
+    return {"accuracy": float(hits.mean()), "macro_f1": float(f1.mean())}
+
+
+def evaluate_classification(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[Example],
+    label_words: Sequence[str],
+    *,
+    max_length: int,
+    batch_size: int = 32,
+    limit: int | None = None,
+) -> dict:
+    """Predict each example's label as the argmax of `score_labels`: accuracy, macro-F1, n, chance."""
+    examples = examples[:limit]
+    scores = score_labels(model, tokenizer, [PROMPT.format(text=ex.text) for ex in examples], label_words,
+                          max_length=max_length, batch_size=batch_size)
+    y_pred = scores.argmax(-1).numpy()
+    metrics = classification_metrics([ex.label for ex in examples], y_pred, len(label_words))
+    return {**metrics, "n": len(examples), "chance": 1 / len(label_words)}

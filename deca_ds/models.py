@@ -1,0 +1,104 @@
+"""Loading the model and tokenizer: a local checkpoint, a hub id, a bare config, or the built-in tiny Llama."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+# Small enough for CPU demos and tests. initializer_range is raised from Llama's 0.02 because the
+# demo keeps the random embeddings and LM head frozen: with rows of std 0.02 the head caps every
+# logit near ±1, so the loss could not fall much below ln(vocab) however well the layers learn.
+TINY_LLAMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    initializer_range=0.1,
+)
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:
+    """A randomly initialised Llama of TINY_LLAMA's shape (updated by `overrides`), the same for the same seed.
+
+    The global RNG is left as it was, so building a model does not shift anyone else's random stream.
+    """
+    config = LlamaConfig(**{**TINY_LLAMA, **overrides, "vocab_size": vocab_size})
+    return _from_config(config, dtype=dtype, seed=seed, attn_implementation="eager")
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+    from_config: bool = False,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """The causal LM named by `name_or_path`.
+
+    "tiny": `tiny_llama(vocab_size, seed)`. A local directory or hub id: its pretrained weights,
+    or with `from_config=True` a random initialisation (from `seed`) of its architecture, which
+    needs only a config.json (a directory holding one, or the file itself) - enough for
+    measuring memory and speed without downloading weights. `vocab_size` is used by "tiny" only;
+    a checkpoint or config fixes its own vocabulary.
+    """
+    if name_or_path == "tiny":
+        if vocab_size is None:
+            raise ValueError("load_model('tiny') needs vocab_size (the tokenizer's length)")
+        return tiny_llama(vocab_size, seed=seed, dtype=dtype)
+    _check_local(name_or_path, "model")
+    try:
+        if from_config:
+            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+            return _from_config(config, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
+            use_safetensors=_has_safetensors(name_or_path),
+        )
+    except (OSError, ValueError) as e:  # transformers raises either, depending on what is missing
+        raise ValueError(f"could not load model {name_or_path!r}: {e}. {_ALTERNATIVES}") from e
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """AutoTokenizer for `name_or_path`, with pad = eos where it has no pad token (e.g. Llama, GPT-2)."""
+    _check_local(name_or_path, "tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load tokenizer {name_or_path!r}: {e}. {_ALTERNATIVES}") from e
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+_ALTERNATIVES = "Use 'tiny' for the built-in tiny Llama, or a local directory written by save_pretrained."
+
+
+def _from_config(config, *, dtype: torch.dtype, seed: int, **kwargs) -> PreTrainedModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+
+
+def _check_local(name_or_path: str, what: str) -> None:
+    # Anything that can only be a filesystem path fails here, before transformers would take it
+    # for a hub id and go to the network. Hub ids are "name" or "org/name".
+    looks_local = os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
+    if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
+        raise ValueError(f"{what} {name_or_path!r}: no such file or directory. {_ALTERNATIVES}")
+
+
+def _has_safetensors(name_or_path: str) -> bool | None:
+    # True for a local checkpoint in safetensors (never unpickle one); None lets a hub repo fall
+    # back to .bin weights when it has no safetensors.
+    path = Path(name_or_path).expanduser()
+    return True if path.is_dir() and any(path.glob("*.safetensors")) else None

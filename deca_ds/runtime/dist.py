@@ -1,0 +1,167 @@
+"""Clients over torch.distributed: rank layout, process groups and neighbor mixing.
+
+World = N clients × G ranks. Client c owns ranks c·G … c·G+G−1; they do data parallelism inside
+the client (DeepSpeed's data-parallel group). Rank l of client c gossips with rank l of each
+neighbor client, over a two-rank process group per link: on gloo a timed-out or broken link
+poisons its whole group, so one group per link keeps a failure local and attributable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..mixing import support, weighted_sum
+
+
+class PeerError(RuntimeError):
+    """A neighbor did not deliver its block: it died, hung past the timeout, or broke the link."""
+
+
+@dataclass(frozen=True)
+class ClientLayout:
+    rank: int
+    world_size: int
+    ranks_per_client: int
+
+    @property
+    def n_clients(self) -> int:
+        return self.world_size // self.ranks_per_client
+
+    @property
+    def client(self) -> int:
+        return self.rank // self.ranks_per_client
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_client
+
+    def rank_of(self, client: int, local_rank: int | None = None) -> int:
+        return client * self.ranks_per_client + (self.local_rank if local_rank is None else local_rank)
+
+    @property
+    def client_ranks(self) -> list[int]:
+        return [self.rank_of(self.client, l) for l in range(self.ranks_per_client)]
+
+
+def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None, topology_n: int) -> None:
+    """The errors every rank raises, before any group is built, when the numbers do not fit."""
+    if world_size % ranks_per_client:
+        raise ValueError(f"world size {world_size} is not divisible by ranks per client G={ranks_per_client}")
+    n = world_size // ranks_per_client
+    if n_clients is not None and n_clients != n:
+        raise ValueError(f"--clients {n_clients} but world size {world_size} with G={ranks_per_client} "
+                         f"makes {n} clients")
+    if topology_n != n:
+        raise ValueError(f"the topology has {topology_n} clients but the run has {n} "
+                         f"(world size {world_size}, G={ranks_per_client})")
+
+
+def init_process_group(timeout_s: float) -> tuple[int, int, torch.device]:
+    """Join the job started by deepspeed/torchrun (env://); NCCL on GPUs, gloo on CPU."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise RuntimeError(f"{var} is not set: start training with `deepspeed` or `torchrun`")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # CPU ranks share the machine's cores; letting each use all of them thrashes.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+class ClientGroups:
+    """Every process group the run needs, created in the same order on every rank."""
+
+    def __init__(self, layout: ClientLayout, W: np.ndarray, timeout_s: float) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        self.client = None
+        self.single = None
+        for c in range(layout.n_clients):
+            ranks = [layout.rank_of(c, l) for l in range(layout.ranks_per_client)]
+            group = dist.new_group(ranks, timeout=timeout)
+            if c == layout.client:
+                self.client = group
+        # DeepSpeed clips with a model-parallel group; it must span this rank alone.
+        for r in range(layout.world_size):
+            group = dist.new_group([r], timeout=timeout)
+            if r == layout.rank:
+                self.single = group
+        self.links: dict[int, dist.ProcessGroup] = {}
+        n = layout.n_clients
+        for a in range(n):
+            for b in range(a + 1, n):
+                if W[a, b] <= 0:
+                    continue
+                for l in range(layout.ranks_per_client):
+                    group = dist.new_group([layout.rank_of(a, l), layout.rank_of(b, l)], timeout=timeout)
+                    if l == layout.local_rank and layout.client in (a, b):
+                        self.links[b if layout.client == a else a] = group
+
+
+class DistributedMixer:
+    """x⁺_i = Σ_j w_ij x½_j with x½_j received from rank `local_rank` of each neighbor client j.
+
+    Transfers in the master dtype by default (exact). transfer_dtype set to the working dtype
+    ("working-dtype mixing") halves the bytes of a bf16 run at the cost of rounding the
+    neighbors' contribution.
+    """
+
+    def __init__(self, W: np.ndarray, layout: ClientLayout, groups: ClientGroups, *, timeout_s: float,
+                 transfer_dtype: torch.dtype | None = None) -> None:
+        self.W, self.layout, self.groups = W, layout, groups
+        self.support = support(W, layout.client)
+        self.neighbors = [j for j in self.support if j != layout.client]
+        self.timeout = timedelta(seconds=timeout_s)
+        self.transfer_dtype = transfer_dtype
+        self.last_bytes_sent = 0
+        self.total_bytes_sent = 0
+
+    def _peer(self, j: int) -> str:
+        return f"client {j} (rank {self.layout.rank_of(j)})"
+
+    def mix(self, x_half: torch.Tensor) -> torch.Tensor:
+        send = x_half if self.transfer_dtype in (None, x_half.dtype) else x_half.to(self.transfer_dtype)
+        received = {j: torch.empty_like(send) for j in self.neighbors}
+        pending = []
+        for j in self.neighbors:
+            peer = self.layout.rank_of(j)
+            group = self.groups.links[j]
+            try:
+                pending.append((j, dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend, send, peer, group=group),
+                    dist.P2POp(dist.irecv, received[j], peer, group=group),
+                ])))
+            except RuntimeError as err:
+                raise PeerError(f"lost {self._peer(j)} while sending to it: {err}") from err
+        for j, works in pending:
+            for work in works:
+                try:
+                    work.wait(timeout=self.timeout)
+                except RuntimeError as err:
+                    raise PeerError(f"no block from {self._peer(j)} within {self.timeout.total_seconds():g} s "
+                                    f"or the link broke: {err}") from err
+        self.last_bytes_sent = len(self.neighbors) * send.numel() * send.element_size()
+        self.total_bytes_sent += self.last_bytes_sent
+        i = self.layout.client
+        return weighted_sum([(float(self.W[i, j]),
+                              x_half if j == i else received[j].to(x_half.dtype)) for j in self.support])
+
+
+def all_mean_(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place mean over every rank of the world (each client counted once: its G ranks agree)."""
+    dist.all_reduce(tensor)
+    return tensor.div_(dist.get_world_size())

@@ -1,0 +1,180 @@
+"""Run options of launch/train.py: one dataclass, four sources.
+
+Precedence, lowest first: the defaults below < the preset's "deca" section < a run file
+(--config, YAML or JSON) < the command line. The command line is generated from the dataclass,
+so every option has one name everywhere (`--steps-per-block` on the command line,
+`steps_per_block` in files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..config import VARIANTS, DecaConfig, parse_dtype
+from ..topology import TOPOLOGIES, WEIGHT_SCHEMES
+from .ds_engine import HONORED, load_ds_config
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class RunOptions:
+    # model and data
+    model: str = _opt("tiny", "hub id or local path of a causal LM, or 'tiny' (built-in random Llama)")
+    trust_remote_code: bool = _opt(False, "allow the model repo's own code (off unless you ask)")
+    from_config: bool = _opt(False, "random-initialize the model from its config (no weights)")
+    dataset: str = _opt("synthetic", "training data: 'synthetic' (built-in non-IID task)",
+                        choices=("synthetic",))
+    dirichlet_alpha: float = _opt(0.25, "Dirichlet concentration μ of the label split across clients")
+    max_seq_len: int = _opt(64, "tokens per example (prompt truncated from the left, never the answer)")
+    eval_limit: int = _opt(512, "held-out examples scored per evaluation (0 = all)")
+    # clients and graph
+    clients: int | None = _opt(None, "number of clients N (default: world size / ranks per client)")
+    ranks_per_client: int = _opt(1, "ranks per client G (data parallel inside a client)")
+    topology: str = _opt("erdos_renyi", "communication graph", choices=(*TOPOLOGIES, "file"))
+    er_p: float = _opt(0.5, "Erdős–Rényi edge probability")
+    topology_seed: int = _opt(0, "seed of random graphs")
+    weights: str = _opt("metropolis_hastings", "mixing weights", choices=WEIGHT_SCHEMES)
+    matrix_file: str | None = _opt(None, "mixing matrix file (.json, .csv, .npy) for --topology file")
+    # Algorithm 1
+    layers_per_block: int = _opt(2, "decoder layers per block (granularity)")
+    steps_per_block: int = _opt(48, "local steps per block R")
+    rounds: int = _opt(4, "rounds T")
+    lr: float = _opt(5e-5, "learning rate γ")
+    adam_betas: tuple[float, float] = _opt((0.9, 0.999), "Adam α1 α2")
+    eps: float = _opt(1e-8, "Adam ε")
+    bma_betas: tuple[float, float] = _opt((0.9, 0.999), "BMA β1 β2")
+    variant: str = _opt("deca", "moment correction", choices=VARIANTS)
+    block_order: str = _opt("ascending", "block order per round", choices=("ascending", "descending", "random"))
+    seed: int = _opt(0, "seed of model init, data split, data order and random block order")
+    # precision
+    working_dtype: str = _opt("fp32", "dtype of the model's weights", choices=("fp32", "bf16"))
+    master_dtype: str = _opt("fp32", "dtype of the active block's master, m, v", choices=("fp32", "fp64"))
+    mix_dtype: str = _opt("master", "dtype exchanged between neighbors: 'master' (exact) or 'working'",
+                          choices=("master", "working"))
+    # batch (override the preset's DeepSpeed keys)
+    micro_batch: int | None = _opt(None, "micro-batch per rank (train_micro_batch_size_per_gpu)")
+    grad_accum: int | None = _opt(None, "micro-batches per step (gradient_accumulation_steps)")
+    # outputs
+    output_dir: str = _opt("outputs/deca", "where metrics, checkpoints and the exported model go")
+    overwrite: bool = _opt(False, "allow writing into an output directory that already holds a run")
+    consensus_interval: int = _opt(10, "steps between consensus-distance measurements (0 = off)")
+    eval_interval: int = _opt(0, "steps between evaluations of each client's model (0 = end only)")
+    checkpoint_interval: int = _opt(0, "steps between checkpoints (0 = none)")
+    keep_checkpoints: int = _opt(2, "complete checkpoints kept")
+    resume: bool = _opt(False, "continue from the latest complete checkpoint in --output-dir")
+    save_clients: bool = _opt(False, "also export every client's model")
+    tensorboard: bool = _opt(False, "write TensorBoard event files")
+    timeout: float = _opt(300.0, "seconds any wait on another rank may take before the run fails")
+
+    def __post_init__(self) -> None:
+        for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("micro_batch", "grad_accum", "clients"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout}")
+        if not self.dirichlet_alpha > 0:
+            raise ValueError(f"dirichlet_alpha must be > 0, got {self.dirichlet_alpha}")
+        if (self.topology == "file") != (self.matrix_file is not None):
+            raise ValueError("--topology file and --matrix-file go together")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+        self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
+        self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
+
+    def deca_config(self) -> DecaConfig:
+        return DecaConfig(
+            lr=self.lr, adam_betas=self.adam_betas, bma_betas=self.bma_betas, eps=self.eps,
+            steps_per_block=self.steps_per_block, rounds=self.rounds,
+            layers_per_block=self.layers_per_block, variant=self.variant, block_order=self.block_order,
+            seed=self.seed, master_dtype=parse_dtype(self.master_dtype),
+        )
+
+
+def _field_type(f: dataclasses.Field):
+    hint = typing.get_type_hints(RunOptions)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return hint if not args else (hint if typing.get_origin(hint) is tuple else args[0])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch/train.py",
+        description="Decentralized full-parameter fine-tuning with DECA, one client per rank group.",
+        epilog="DeepSpeed keys honored in --ds_config: " + "; ".join(f"{k}: {v}" for k, v in HONORED.items()),
+    )
+    p.add_argument("--ds_config", "--ds-config", dest="ds_config", required=True,
+                   help="DeepSpeed JSON preset (see ds_configs/)")
+    p.add_argument("--config", help="run file (YAML or JSON) of options; the command line wins")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    for f in dataclasses.fields(RunOptions):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_type(f)
+        kw = dict(default=argparse.SUPPRESS, help=f.metadata["help"], dest=f.name)
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif typing.get_origin(kind) is tuple:
+            p.add_argument(flag, type=float, nargs=2, metavar=("B1", "B2"), **kw)
+        else:
+            p.add_argument(flag, type=kind, choices=f.metadata.get("choices"), **kw)
+    return p
+
+
+def _read_run_file(path: str) -> dict:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ValueError(f"run file {path} does not exist") from None
+    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"run file {path} must hold a mapping of options")
+    return data
+
+
+def _check_names(source: str, values: dict) -> None:
+    known = {f.name for f in dataclasses.fields(RunOptions)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown option(s) {unknown}")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[RunOptions, dict]:
+    """(options, DeepSpeed config) with every source merged and validated."""
+    args = vars(build_parser().parse_args(argv))
+    ds_config, preset = load_ds_config(args.pop("ds_config"))
+    run_file = args.pop("config")
+    args.pop("local_rank")
+    _check_names("\"deca\" section of the DeepSpeed config", preset)
+    merged = dict(preset)
+    if run_file:
+        values = _read_run_file(run_file)
+        _check_names(f"run file {run_file}", values)
+        merged.update(values)
+    merged.update(args)
+    opts = RunOptions(**merged)
+    if opts.micro_batch is not None:
+        ds_config["train_micro_batch_size_per_gpu"] = opts.micro_batch
+    if opts.grad_accum is not None:
+        ds_config["gradient_accumulation_steps"] = opts.grad_accum
+    ds_config.setdefault("train_micro_batch_size_per_gpu", 1)
+    ds_config.setdefault("gradient_accumulation_steps", 1)
+    opts.micro_batch = ds_config["train_micro_batch_size_per_gpu"]
+    opts.grad_accum = ds_config["gradient_accumulation_steps"]
+    return opts, ds_config

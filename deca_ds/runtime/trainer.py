@@ -1,0 +1,291 @@
+"""The training job behind launch/train.py: one DeepSpeed engine per rank, N clients, Algorithm 1.
+
+Everything that can be wrong with the input is checked before the process group exists and
+before anything is written, so a bad run fails on every rank with the same message and leaves
+earlier outputs as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .. import __version__
+from ..blocks import Partition
+from ..data import ClientStream, SyntheticTask, build_word_tokenizer, dirichlet_partition, encode_examples, label_histogram
+from ..evaluation import evaluate_classification
+from ..models import load_model
+from ..optimizer import DecaOptimizer, model_partition
+from ..topology import Topology, make_topology
+from . import checkpoint as ckpt
+from .dist import ClientGroups, ClientLayout, DistributedMixer, PeerError, all_mean_, check_layout, init_process_group
+from .ds_engine import ClientMPU, initialize
+from .metrics import MetricsWriter, plot_losses, read_metrics, summarize, summary_table
+from .options import RunOptions, parse_args
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+@dataclass
+class Task:
+    """What the loop needs from the data: a tokenizer, per-client training features, held-out examples."""
+
+    tokenizer: object
+    features: list
+    client_indices: list[list[int]]
+    test: list
+    label_words: tuple[str, ...]
+    label_hist: list[list[int]]
+
+
+def build_task(opts: RunOptions, n_clients: int) -> Task:
+    task = SyntheticTask(seed=opts.seed)
+    train, test = task.generate()
+    tokenizer = build_word_tokenizer(task.vocabulary())
+    features = encode_examples(tokenizer, train, task.label_words, max_length=opts.max_seq_len)
+    labels = [ex.label for ex in train]
+    parts = dirichlet_partition(labels, n_clients, opts.dirichlet_alpha, seed=opts.seed,
+                                min_size=opts.micro_batch)
+    return Task(tokenizer, features, parts, test, task.label_words,
+                label_histogram(labels, parts, task.num_labels).tolist())
+
+
+def build_model(opts: RunOptions, vocab_size: int):
+    return load_model(opts.model, dtype=_DTYPES[opts.working_dtype], trust_remote_code=opts.trust_remote_code,
+                      from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed)
+
+
+def check_output_dir(opts: RunOptions) -> Path:
+    out = Path(opts.output_dir)
+    if (out / "run_config.json").exists() and not (opts.resume or opts.overwrite):
+        raise ValueError(f"output directory {out} already holds a run; pass --resume to continue it "
+                         "or --overwrite to replace it")
+    if opts.resume and not (out / "run_config.json").exists():
+        raise ValueError(f"--resume: {out} holds no run to continue")
+    return out
+
+
+class Timer:
+    """Wall-clock sections; on a GPU the device is synchronized so kernels are counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _resume_step(root: Path, layout: ClientLayout) -> int:
+    mine = set(ckpt.complete_steps(root, layout.client, layout.ranks_per_client))
+    everyone = [None] * layout.world_size
+    dist.all_gather_object(everyone, sorted(mine))
+    common = set.intersection(*(set(s) for s in everyone))
+    if not common:
+        raise ValueError(f"--resume: no checkpoint in {root / 'checkpoints'} is complete for every client")
+    return max(common)
+
+
+def _consensus_distance(x: torch.Tensor) -> float:
+    mean = all_mean_(x.detach().clone())
+    return torch.linalg.vector_norm(x - mean).item()
+
+
+def export_consensus(model, out: Path, tokenizer, layout: ClientLayout, save_clients: bool) -> float:
+    """Replace every client's weights by x̄ = mean over clients (one all-reduce per tensor, in at
+    least fp32), write it with save_pretrained on rank 0, and return ‖x_i − x̄‖ of this client."""
+    if save_clients and layout.local_rank == 0:
+        model.save_pretrained(out / "clients" / f"client_{layout.client:03d}", safe_serialization=True)
+    sq = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            mean = all_mean_(p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True))
+            sq += torch.sum((p - mean) ** 2).item()
+            p.copy_(mean)
+    if layout.rank == 0:
+        model.save_pretrained(out / "consensus", safe_serialization=True)
+        tokenizer.save_pretrained(out / "consensus")
+    return math.sqrt(sq)
+
+
+def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Topology, partition: Partition,
+                     layout: ClientLayout, task: Task) -> None:
+    resolved = {
+        "options": asdict(opts), "ds_config": ds_config, "topology": topology.to_dict(),
+        "blocks": [asdict(b) for b in partition.blocks], "frozen": list(partition.frozen),
+        "world_size": layout.world_size, "n_clients": layout.n_clients,
+        "client_sizes": [len(ix) for ix in task.client_indices], "label_histogram": task.label_hist,
+        "versions": {"deca_ds": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
+    }
+    ckpt.atomic_write(out / "run_config.json", lambda tmp: Path(tmp).write_text(json.dumps(resolved, indent=2)))
+    print(json.dumps({"options": asdict(opts), "ds_config": ds_config}, indent=2))
+    print(topology.describe())
+    print(partition.describe())
+    print("examples per client:", [len(ix) for ix in task.client_indices])
+
+
+def train(opts: RunOptions, ds_config: dict) -> dict | None:
+    # ---- everything that can fail on bad input, before any rank talks or writes --------------
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    topology = make_topology(opts.topology, world_size // opts.ranks_per_client if opts.clients is None
+                             else opts.clients, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed,
+                             matrix_file=opts.matrix_file)
+    check_layout(world_size, opts.ranks_per_client, opts.clients, topology.n)
+    n_clients = topology.n
+    task = build_task(opts, n_clients)
+    model = build_model(opts, len(task.tokenizer))
+    config = opts.deca_config()
+    partition = model_partition(model, config)
+    out = check_output_dir(opts)
+
+    # ---- the job ---------------------------------------------------------------------------
+    rank, world_size, device = init_process_group(opts.timeout)
+    layout = ClientLayout(rank, world_size, opts.ranks_per_client)
+    groups = ClientGroups(layout, topology.W, opts.timeout)
+    torch.manual_seed(opts.seed * 1_000_003 + rank)
+    mixer = DistributedMixer(topology.W, layout, groups, timeout_s=opts.timeout,
+                             transfer_dtype=_DTYPES[opts.working_dtype] if opts.mix_dtype == "working" else None)
+    optimizer = DecaOptimizer(model, config, partition=partition, mixer=mixer)
+    if "activation_checkpointing" in ds_config:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single))
+    stream = ClientStream(task.features, task.client_indices[layout.client], opts.micro_batch,
+                          pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=layout.client)
+    lead = layout.local_rank == 0
+
+    start = 0
+    if opts.resume:
+        start = _resume_step(out, layout)
+        state = ckpt.load_client(out, start, layout.client, layout.local_rank, device)
+        engine.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        stream.load_state_dict(state["rank"]["stream"])
+        torch.set_rng_state(state["rank"]["torch_rng"])
+        if rank == 0:
+            print(f"resumed from step {start} of {optimizer.total_steps}")
+    elif rank == 0:
+        for stale in ("checkpoints", "metrics", "tensorboard", "consensus", "clients"):
+            shutil.rmtree(out / stale, ignore_errors=True)  # --overwrite: nothing of the old run survives
+        out.mkdir(parents=True, exist_ok=True)
+        write_run_config(out, opts, ds_config, topology, partition, layout, task)
+    dist.barrier()
+    metrics = MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard) if lead else None
+    if rank == 0 and not opts.resume:
+        before = evaluate_classification(engine.module, task.tokenizer, task.test, task.label_words,
+                                         max_length=opts.max_seq_len, limit=opts.eval_limit or None)
+        print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
+
+    timer = Timer(device)
+    bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
+               dynamic_ncols=True, desc="DECA")
+    while not optimizer.done:
+        step, where = optimizer.global_step, (optimizer.round, optimizer.active.index, optimizer.step_in_block)
+        record = {"step": step, "round": where[0], "block": where[1], "r": where[2]}
+        try:
+            if opts.consensus_interval and step % opts.consensus_interval == 0:
+                record["consensus_distance"] = _consensus_distance(optimizer.active.master)
+            t_fwd = t_bwd = t_step = 0.0
+            losses = []
+            for _ in range(opts.grad_accum):
+                batch = {k: v.to(device) for k, v in next(stream).items()}
+                t0 = timer.now()
+                loss = engine(**batch).loss
+                t1 = timer.now()
+                engine.backward(loss)
+                t2 = timer.now()
+                engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
+                t3 = timer.now()
+                t_fwd, t_bwd, t_step = t_fwd + t1 - t0, t_bwd + t2 - t1, t_step + t3 - t2
+                losses.append(loss.item())
+            loss_t = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
+            if layout.ranks_per_client > 1:
+                dist.all_reduce(loss_t, group=groups.client)
+                loss_t /= layout.ranks_per_client
+            record.update(loss=loss_t.item(), t_forward=t_fwd, t_backward=t_bwd, t_mix_update=t_step,
+                          bytes_sent=mixer.last_bytes_sent)
+            if opts.eval_interval and (step + 1) % opts.eval_interval == 0 and lead:
+                record.update({f"eval_{k}": v for k, v in evaluate_classification(
+                    engine.module, task.tokenizer, task.test, task.label_words, max_length=opts.max_seq_len,
+                    limit=opts.eval_limit or None).items()})
+            if metrics:
+                metrics.write(record)
+            bar.set_postfix(round=where[0], block=where[1], r=where[2], loss=f"{record['loss']:.4f}")
+            bar.update(1)
+            if opts.checkpoint_interval and (step + 1) % opts.checkpoint_interval == 0 and not optimizer.done:
+                save_checkpoint(out, step + 1, layout, engine.module, optimizer, stream, opts.keep_checkpoints)
+        except RuntimeError as err:  # PeerError from mixing, or a collective that lost a rank
+            raise PeerError(f"rank {rank} (client {layout.client}) failed at step {step} (round {where[0]}, "
+                            f"block {where[1]}, r {where[2]}): {err}") from err
+    bar.close()
+
+    if metrics:
+        metrics.close()
+    distance = export_consensus(engine.module, out, task.tokenizer, layout, opts.save_clients)
+    distances = [None] * world_size
+    dist.all_gather_object(distances, distance)
+    result = None
+    if rank == 0:
+        result = final_report(out, engine.module, task, opts, layout, distances[::layout.ranks_per_client])
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer: DecaOptimizer,
+                    stream: ClientStream, keep: int) -> None:
+    lead = layout.local_rank == 0
+    ckpt.save_client(out, step, layout.client, layout.local_rank,
+                     model=model if lead else None, optimizer_state=optimizer.state_dict() if lead else None,
+                     rank_state={"step": step, "stream": stream.state_dict(), "torch_rng": torch.get_rng_state()})
+    dist.barrier()  # every client has `step` before anyone drops an older one
+    if lead:
+        done = ckpt.complete_steps(out, layout.client, layout.ranks_per_client)
+        ckpt.prune(out, layout.client, done[-keep:])
+
+
+def final_report(out: Path, model, task: Task, opts: RunOptions, layout: ClientLayout,
+                 distances: list[float]) -> dict:
+    records = read_metrics(out, layout.n_clients)
+    summary = summarize(records)
+    evaluation = evaluate_classification(model, task.tokenizer, task.test, task.label_words,
+                                         max_length=opts.max_seq_len, limit=opts.eval_limit or None)
+    summary.update(consensus_eval=evaluation, final_consensus_distance=distances,
+                   bytes_sent_total=sum(c["bytes_sent"] for c in summary["clients"]))
+    plot_losses(records, out / "loss_curve.png")
+    table = summary_table(summary)
+    (out / "summary.md").write_text(table)
+    ckpt.atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
+    c = summary["clients"]
+    print("\n" + table)
+    print(f"loss (mean over clients): start {sum(x['loss_start'] for x in c) / len(c):.4f} -> "
+          f"end {sum(x['loss_end'] for x in c) / len(c):.4f}")
+    print(f"consensus model: accuracy {evaluation['accuracy']:.3f} (chance {evaluation['chance']:.3f}), "
+          f"macro-F1 {evaluation['macro_f1']:.3f} on {evaluation['n']} held-out examples")
+    print("final consensus distance ||x_i - x̄|| per client: " + ", ".join(f"{d:.4g}" for d in distances))
+    print(f"bytes sent (all clients): {summary['bytes_sent_total'] / 1e6:.2f} MB")
+    print(f"step time split (mean over clients): forward {sum(x['forward_ms'] for x in c) / len(c):.1f} ms, "
+          f"backward {sum(x['backward_ms'] for x in c) / len(c):.1f} ms, "
+          f"mixing+update {sum(x['mix_update_ms'] for x in c) / len(c):.2f} ms")
+    print(f"outputs: {out} (consensus/, metrics/, loss_curve.png, summary.json)")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    rank = os.environ.get("RANK", "0")
+    try:
+        opts, ds_config = parse_args(argv)
+        train(opts, ds_config)
+    except (ValueError, PeerError) as err:
+        print(f"[rank {rank}] error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)

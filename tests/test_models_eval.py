@@ -1,0 +1,128 @@
+"""Model loading (tiny, local checkpoint, bare config) and likelihood-based classification."""
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import accuracy_score, f1_score
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from deca_ds.data import PROMPT, ClientStream, SyntheticTask, build_word_tokenizer, encode_examples
+from deca_ds.evaluation import classification_metrics, evaluate_classification, score_labels
+from deca_ds.models import load_model, load_tokenizer, tiny_llama
+
+TASK = SyntheticTask()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_word_tokenizer(TASK.vocabulary())
+
+
+def _same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_tiny_llama_is_deterministic_and_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a, b = tiny_llama(50, seed=3), tiny_llama(50, seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert _same_weights(a, b)
+    assert not _same_weights(a, tiny_llama(50, seed=4))
+    assert a.config.vocab_size == 50 and a.config._attn_implementation == "eager"
+    assert a.lm_head.weight is not a.model.embed_tokens.weight
+    assert tiny_llama(50, dtype=torch.bfloat16, num_hidden_layers=2).model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+
+
+def test_load_tiny(tokenizer):
+    model = load_model("tiny", dtype=torch.float32, vocab_size=len(tokenizer), seed=1)
+    assert _same_weights(model, tiny_llama(len(tokenizer), seed=1))
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_model("tiny", dtype=torch.float32)
+
+
+def test_local_checkpoint_round_trips(tmp_path, tokenizer):
+    model = tiny_llama(len(tokenizer), seed=5, num_hidden_layers=2)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = load_model(str(tmp_path), dtype=torch.float32)
+    assert isinstance(loaded, LlamaForCausalLM) and _same_weights(model, loaded)
+    assert load_tokenizer(str(tmp_path)).pad_token_id == tokenizer.pad_token_id
+
+
+def test_load_tokenizer_pads_with_eos(tmp_path, tokenizer):
+    tokenizer.save_pretrained(tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"pad_token": "<pad>"', '"pad_token": null'))
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.pad_token == loaded.eos_token == "<eos>"
+
+
+def test_from_config_builds_the_architecture(tmp_path):
+    LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=40).to_json_file(tmp_path / "config.json")
+    for path in (tmp_path / "config.json", tmp_path):
+        model = load_model(str(path), dtype=torch.bfloat16, from_config=True, seed=2)
+        assert isinstance(model, LlamaForCausalLM)
+        assert len(model.model.layers) == 3 and model.lm_head.weight.shape == (40, 48)
+        assert model.lm_head.weight.dtype == torch.bfloat16
+    assert _same_weights(model, load_model(str(tmp_path), dtype=torch.bfloat16, from_config=True, seed=2))
+
+
+@pytest.mark.parametrize("load", [load_model, load_tokenizer])
+def test_missing_path_is_a_clear_error(tmp_path, load):
+    kwargs = {"dtype": torch.float32} if load is load_model else {}
+    with pytest.raises(ValueError, match=r"no such file or directory.*'tiny'"):
+        load(str(tmp_path / "missing"), **kwargs)
+    with pytest.raises(ValueError, match=r"could not load .*'tiny'"):
+        load(str(tmp_path), **kwargs)  # exists, but holds no checkpoint
+
+
+def test_classification_metrics_match_sklearn():
+    y_true = [0, 1, 2, 2, 1, 0, 3, 3, 0, 1]
+    y_pred = [0, 2, 2, 2, 1, 1, 0, 0, 0, 1]  # label 3 is never predicted
+    got = classification_metrics(y_true, y_pred, num_labels=5)  # label 4 never occurs at all
+    assert got["accuracy"] == pytest.approx(accuracy_score(y_true, y_pred), abs=1e-12)
+    assert got["macro_f1"] == pytest.approx(f1_score(y_true, y_pred, average="macro"), abs=1e-12)
+    perfect = classification_metrics([1, 0, 1], np.array([1, 0, 1]), num_labels=2)
+    assert perfect == {"accuracy": 1.0, "macro_f1": 1.0}
+
+
+def test_score_labels_is_the_answer_log_likelihood(tokenizer):
+    model = tiny_llama(len(tokenizer), seed=0).train()
+    texts = ["w1 k0.1 w2 k0.3", "k2.0 w5 w5 k2.1 w9 k1.0 w7", "w3"]  # different lengths: padding
+    prompts = [PROMPT.format(text=t) for t in texts]
+    scores = score_labels(model, tokenizer, prompts, TASK.label_words, max_length=32, batch_size=5)
+    assert model.training  # mode restored
+
+    assert scores.shape == (len(prompts), TASK.num_labels)
+    for i, prompt in enumerate(prompts):
+        for k, word in enumerate(TASK.label_words):
+            tokens = prompt.split() + [word, "<eos>"]
+            ids = torch.tensor([tokenizer.convert_tokens_to_ids(tokens)])
+            log_probs = model(input_ids=ids).logits.log_softmax(-1)[0]
+            n = len(prompt.split())
+            expected = log_probs[n - 1, ids[0, n]] + log_probs[n, ids[0, n + 1]]
+            torch.testing.assert_close(scores[i, k], expected.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_evaluation_after_brief_training():
+    task = SyntheticTask(num_labels=2, distractors_per_example=1, train_size=400, test_size=200, seed=1)
+    train, test = task.generate()
+    tok = build_word_tokenizer(task.vocabulary())
+    model = tiny_llama(len(tok), seed=0, num_hidden_layers=2)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".layers." in name)  # as in the demo: embeddings and head stay frozen
+    features = encode_examples(tok, train, task.label_words, max_length=32)
+    stream = ClientStream(features, list(range(len(train))), 16, pad_id=tok.pad_token_id, seed=0, client=0)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(80):
+        optimizer.zero_grad()
+        model(**next(stream)).loss.backward()
+        optimizer.step()
+
+    result = evaluate_classification(model, tok, test, task.label_words, max_length=32, limit=150)
+    assert result["n"] == 150 and result["chance"] == 0.5
+    assert result["accuracy"] > 0.8
