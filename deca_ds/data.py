@@ -103,7 +103,8 @@ def build_word_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, prompt: str, answer: str, max_length: int) -> dict[str, list[int]]:
-    """Token ids of bos? + prompt + answer + eos, with labels only on the answer and eos.
+    """Token ids of [bos] + prompt + answer + eos (bos where the tokenizer has one), with labels on
+    the answer and eos only.
 
     Prompt and answer are tokenized separately, so the answer's tokens do not depend on the
     prompt (also for BPE tokenizers, which would otherwise merge across the boundary). Too long

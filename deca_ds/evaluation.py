@@ -39,12 +39,14 @@ def score_labels(
             batch = collate(pairs[start:start + batch_size], tokenizer.pad_token_id)
             logits = model(input_ids=batch["input_ids"].to(device),
                            attention_mask=batch["attention_mask"].to(device)).logits
-            # Position t predicts token t+1.
-            log_probs = logits[:, :-1].float().log_softmax(-1)
-            targets = batch["labels"][:, 1:].to(device)
+            targets = batch["labels"][:, 1:].to(device)  # position t predicts token t+1
             answer = targets != -100
-            picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            scores.append((picked * answer).sum(-1).cpu())
+            # Softmax only where the answer is predicted: a full (batch, length, vocab) float32
+            # copy would be large for real vocabularies.
+            log_probs = logits[:, :-1][answer].float().log_softmax(-1)
+            picked = log_probs.gather(-1, targets[answer].unsqueeze(-1)).squeeze(-1)
+            rows = answer.nonzero()[:, 0]
+            scores.append(torch.zeros(len(targets), device=device).index_add_(0, rows, picked).cpu())
     finally:
         model.train(was_training)
     return torch.cat(scores).view(len(prompts), len(label_words))

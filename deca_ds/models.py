@@ -65,7 +65,7 @@ def load_model(
             use_safetensors=_has_safetensors(name_or_path),
         )
     except (OSError, ValueError) as e:  # transformers raises either, depending on what is missing
-        raise ValueError(f"could not load model {name_or_path!r}: {e}. {_ALTERNATIVES}") from e
+        raise ValueError(f"could not load model {name_or_path!r}. {_ALTERNATIVES}\n{e}") from e
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -74,13 +74,16 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ValueError(f"could not load tokenizer {name_or_path!r}: {e}. {_ALTERNATIVES}") from e
+        raise ValueError(f"could not load tokenizer {name_or_path!r}. {_ALTERNATIVES}\n{e}") from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-_ALTERNATIVES = "Use 'tiny' for the built-in tiny Llama, or a local directory written by save_pretrained."
+_ALTERNATIVES = (
+    "Use the model 'tiny' (the built-in tiny Llama, with the synthetic task's word tokenizer) or a local "
+    "directory written by save_pretrained."
+)
 
 
 def _from_config(config, *, dtype: torch.dtype, seed: int, **kwargs) -> PreTrainedModel:

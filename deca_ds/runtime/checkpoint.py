@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_model, save_model
 
 _STEP = re.compile(r"step_(\d+)$")
 
@@ -54,8 +54,7 @@ def save_client(root: Path, step: int, client: int, local_rank: int, *, model: t
     """Write this rank's part of checkpoint `step`; model and optimizer only on a client's first rank."""
     d = client_dir(root, step, client)
     if model is not None:
-        tensors = {n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()}
-        atomic_write(d / "model.safetensors", lambda tmp: save_file(tensors, tmp))
+        atomic_write(d / "model.safetensors", lambda tmp: save_model(model, tmp))  # tied weights stored once
         atomic_write(d / "optimizer.pt", lambda tmp: torch.save(optimizer_state, tmp))
     atomic_write(d / f"rank_{local_rank}.pt", lambda tmp: torch.save(rank_state, tmp))
 
@@ -72,13 +71,24 @@ def complete_steps(root: Path, client: int, ranks_per_client: int) -> list[int]:
     return sorted(steps)
 
 
-def load_client(root: Path, step: int, client: int, local_rank: int, device: torch.device) -> dict:
+def load_client(root: Path, step: int, client: int, local_rank: int, model: torch.nn.Module,
+                device: torch.device) -> dict:
+    """Load the model's weights in place; return the optimizer state and this rank's state."""
     d = client_dir(root, step, client)
+    load_model(model, d / "model.safetensors", strict=True, device=str(device))
     return {
-        "model": load_file(d / "model.safetensors", device=str(device)),
         "optimizer": torch.load(d / "optimizer.pt", map_location=device, weights_only=True),
         "rank": torch.load(d / f"rank_{local_rank}.pt", weights_only=True),
     }
+
+
+def save_hf_model(model: torch.nn.Module, directory: Path) -> None:
+    """config.json + model.safetensors, loadable by from_pretrained, from any rank.
+
+    (transformers' save_pretrained writes only on global rank 0 once torch.distributed is up.)"""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(directory / "config.json")
+    atomic_write(directory / "model.safetensors", lambda tmp: save_model(model, tmp, metadata={"format": "pt"}))
 
 
 def prune(root: Path, client: int, keep: list[int]) -> None:

@@ -49,17 +49,16 @@ class ClientLayout:
         return [self.rank_of(self.client, l) for l in range(self.ranks_per_client)]
 
 
-def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None, topology_n: int) -> None:
-    """The errors every rank raises, before any group is built, when the numbers do not fit."""
+def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None) -> int:
+    """The number of clients; the error every rank raises, before any group exists, when the
+    numbers do not fit."""
     if world_size % ranks_per_client:
         raise ValueError(f"world size {world_size} is not divisible by ranks per client G={ranks_per_client}")
     n = world_size // ranks_per_client
     if n_clients is not None and n_clients != n:
         raise ValueError(f"--clients {n_clients} but world size {world_size} with G={ranks_per_client} "
                          f"makes {n} clients")
-    if topology_n != n:
-        raise ValueError(f"the topology has {topology_n} clients but the run has {n} "
-                         f"(world size {world_size}, G={ranks_per_client})")
+    return n
 
 
 def init_process_group(timeout_s: float) -> tuple[int, int, torch.device]:

@@ -173,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunOptions, dict]:
         ds_config["train_micro_batch_size_per_gpu"] = opts.micro_batch
     if opts.grad_accum is not None:
         ds_config["gradient_accumulation_steps"] = opts.grad_accum
+    # DeepSpeed 0.19 clips at global norm 1.0 unless told otherwise; DECA (and the paper) does not clip.
+    ds_config.setdefault("gradient_clipping", 0.0)
     ds_config.setdefault("train_micro_batch_size_per_gpu", 1)
     ds_config.setdefault("gradient_accumulation_steps", 1)
     opts.micro_batch = ds_config["train_micro_batch_size_per_gpu"]

@@ -106,7 +106,7 @@ def export_consensus(model, out: Path, tokenizer, layout: ClientLayout, save_cli
     """Replace every client's weights by x̄ = mean over clients (one all-reduce per tensor, in at
     least fp32), write it with save_pretrained on rank 0, and return ‖x_i − x̄‖ of this client."""
     if save_clients and layout.local_rank == 0:
-        model.save_pretrained(out / "clients" / f"client_{layout.client:03d}", safe_serialization=True)
+        ckpt.save_hf_model(model, out / "clients" / f"client_{layout.client:03d}")
     sq = 0.0
     with torch.no_grad():
         for p in model.parameters():
@@ -137,12 +137,9 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
 
 def train(opts: RunOptions, ds_config: dict) -> dict | None:
     # ---- everything that can fail on bad input, before any rank talks or writes --------------
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    topology = make_topology(opts.topology, world_size // opts.ranks_per_client if opts.clients is None
-                             else opts.clients, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed,
-                             matrix_file=opts.matrix_file)
-    check_layout(world_size, opts.ranks_per_client, opts.clients, topology.n)
-    n_clients = topology.n
+    n_clients = check_layout(int(os.environ.get("WORLD_SIZE", "1")), opts.ranks_per_client, opts.clients)
+    topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p,
+                             seed=opts.topology_seed, matrix_file=opts.matrix_file)
     task = build_task(opts, n_clients)
     model = build_model(opts, len(task.tokenizer))
     config = opts.deca_config()
@@ -167,8 +164,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     start = 0
     if opts.resume:
         start = _resume_step(out, layout)
-        state = ckpt.load_client(out, start, layout.client, layout.local_rank, device)
-        engine.module.load_state_dict(state["model"])
+        state = ckpt.load_client(out, start, layout.client, layout.local_rank, engine.module, device)
         optimizer.load_state_dict(state["optimizer"])
         stream.load_state_dict(state["rank"]["stream"])
         torch.set_rng_state(state["rank"]["torch_rng"])

@@ -1,0 +1,278 @@
+"""The distributed runtime on CPU ranks (gloo): equality with the simulator, exact resume after a
+SIGKILL, failure of a dead or hung peer, export, and the input errors.
+
+Ranks are started the way `deepspeed`/`torchrun` start them (RANK, WORLD_SIZE, MASTER_ADDR, …);
+the reference run goes through the real `deepspeed` launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import deca_ds
+from deca_ds.data import ClientStream
+from deca_ds.runtime import trainer
+from deca_ds.runtime.options import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = str(ROOT / "launch" / "train.py")
+PRESET = str(ROOT / "ds_configs" / "cpu_demo.json")
+N = 4
+# 2 rounds × 2 blocks × 5 steps; checkpoints every 3 steps land mid-block (3, 6, 9, …).
+RUN = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "5",
+       "--rounds", "2", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "64",
+       "--consensus-interval", "2", "--checkpoint-interval", "3", "--save-clients", "--timeout", "60"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(args: list[str], world: int, logs: Path) -> list[subprocess.Popen]:
+    logs.mkdir(parents=True, exist_ok=True)
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, LAUNCH, *args], env=env, cwd=ROOT,
+                                      stdout=open(logs / f"rank{rank}.out", "w"),
+                                      stderr=open(logs / f"rank{rank}.err", "w")))
+    return procs
+
+
+def wait_all(procs, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"ranks still running after {timeout} s")
+    return codes
+
+
+def last_step(out: Path, client: int = 0) -> int:
+    path = out / "metrics" / f"client_{client:03d}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines else -1
+
+
+def client_params(out: Path, client: int) -> dict[str, torch.Tensor]:
+    return load_file(out / "clients" / f"client_{client:03d}" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """The uninterrupted run, through the real deepspeed launcher."""
+    out = tmp_path_factory.mktemp("reference")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(N),
+           "--master_port", str(free_port()), LAUNCH, *RUN, "--output-dir", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, done.stdout
+
+
+def test_distributed_run_equals_simulator(reference_run):
+    out, _ = reference_run
+    opts, _ = parse_args([*RUN, "--output-dir", "unused"])
+    task = trainer.build_task(opts, N)
+    model = trainer.build_model(opts, len(task.tokenizer))
+    streams = [ClientStream(task.features, task.client_indices[c], opts.micro_batch,
+                            pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c) for c in range(N)]
+    W = deca_ds.make_topology("ring", N).W
+    simulated = deca_ds.simulate(model, streams, W, opts.deca_config())
+    init = dict(model.named_parameters())
+    for c in range(N):
+        got = client_params(out, c)
+        moved = 0.0
+        for name, want in simulated[c].items():
+            torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6)
+            moved = max(moved, (want - init[name]).abs().max().item())
+        assert moved > 1e-3, "training did not move the weights; the comparison would be vacuous"
+
+
+def test_export_is_the_mean_of_clients_and_loads_with_transformers(reference_run):
+    out, stdout = reference_run
+    consensus = AutoModelForCausalLM.from_pretrained(out / "consensus")
+    clients = [client_params(out, c) for c in range(N)]
+    for name, p in consensus.named_parameters():
+        mean = sum(c[name] for c in clients) / N
+        torch.testing.assert_close(p.detach(), mean, rtol=0, atol=1e-6)
+    assert not torch.equal(clients[0]["model.layers.0.mlp.up_proj.weight"],
+                           clients[1]["model.layers.0.mlp.up_proj.weight"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 20 and len(summary["clients"]) == N
+    # ring: 2 neighbors × block numel × 4 bytes, every step
+    run = json.loads((out / "run_config.json").read_text())
+    sizes = [b["numel"] for b in run["blocks"]]
+    assert summary["clients"][0]["bytes_sent"] == 2 * 4 * 5 * 2 * sum(sizes)
+    assert (out / "loss_curve.png").stat().st_size > 10_000
+    for c in range(N):
+        rows = [json.loads(l) for l in (out / "metrics" / f"client_{c:03d}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(20))
+        assert {"loss", "t_forward", "t_backward", "t_mix_update", "bytes_sent"} <= set(rows[0])
+        assert sum("consensus_distance" in r for r in rows) == 10
+    assert "consensus model: accuracy" in stdout and "bytes sent" in stdout
+
+
+def test_sigkill_mid_block_then_resume_is_bit_identical(reference_run, tmp_path):
+    ref, _ = reference_run
+    out = tmp_path / "run"
+    args = [*RUN, "--output-dir", str(out)]
+    procs = start_ranks(args, N, tmp_path / "logs1")
+    victim = 2
+    deadline = time.monotonic() + 300
+    while last_step(out) < 7:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "run ended before the kill"
+        time.sleep(0.01)
+    procs[victim].send_signal(signal.SIGSTOP)  # freeze at once; the kill below is the real SIGKILL
+    procs[victim].send_signal(signal.SIGKILL)
+    codes = wait_all(procs, timeout=120)
+    assert codes[victim] == -signal.SIGKILL
+    survivors = [r for r in range(N) if r != victim]
+    assert all(codes[r] != 0 for r in survivors), codes
+    for r in (1, 3):  # the victim's ring neighbors name it
+        err = (tmp_path / "logs1" / f"rank{r}.err").read_text()
+        assert "client 2 (rank 2)" in err and "failed at step" in err, err[-2000:]
+    assert not (out / "consensus").exists()
+
+    procs = start_ranks([*args, "--resume"], N, tmp_path / "logs2")
+    assert wait_all(procs, timeout=300) == [0] * N, (tmp_path / "logs2" / "rank0.err").read_text()[-3000:]
+    assert "resumed from step 6" in (tmp_path / "logs2" / "rank0.out").read_text()
+    for c in range(N):
+        got, want = client_params(out, c), client_params(ref, c)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), (c, name)
+    steps = [json.loads(l)["step"] for l in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
+    assert steps == list(range(20)), "metrics must read as one run after resume"
+
+
+def test_hung_peer_fails_every_rank_within_the_timeout(tmp_path):
+    out = tmp_path / "run"
+    args = [*RUN, "--output-dir", str(out), "--timeout", "8", "--steps-per-block", "50",
+            "--checkpoint-interval", "0", "--consensus-interval", "0"]
+    procs = start_ranks(args, N, tmp_path / "logs")
+    deadline = time.monotonic() + 300
+    while last_step(out) < 2:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "run ended early"
+        time.sleep(0.01)
+    procs[1].send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        codes = wait_all(procs[:1] + procs[2:], timeout=90)
+    finally:
+        procs[1].kill()
+    assert all(c != 0 for c in codes), codes
+    assert time.monotonic() - stopped < 60
+    for r in (0, 2):
+        err = (tmp_path / "logs" / f"rank{r}.err").read_text()
+        assert "client 1 (rank 1)" in err and "within 8 s" in err, err[-2000:]
+
+
+def test_bad_world_layout_fails_on_every_rank(tmp_path):
+    out = tmp_path / "run"
+    procs = start_ranks(["--ds_config", PRESET, "--ranks-per-client", "3", "--output-dir", str(out)], 2,
+                        tmp_path / "logs")
+    assert wait_all(procs, timeout=120) == [1, 1]
+    for r in range(2):
+        assert "world size 2 is not divisible by ranks per client G=3" in \
+            (tmp_path / "logs" / f"rank{r}.err").read_text()
+    assert not out.exists()
+
+
+# ---- input errors, checked in-process (they all happen before any rank talks) -----------------
+
+@pytest.fixture
+def previous_run(tmp_path, monkeypatch):
+    """An output directory that already holds a run; bad inputs must leave it untouched."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    out = tmp_path / "run"
+    (out / "metrics").mkdir(parents=True)
+    (out / "run_config.json").write_text('{"earlier": true}')
+    (out / "metrics" / "client_000.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    return out
+
+
+def snapshot(out: Path) -> dict:
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def write_matrix(tmp_path: Path, W) -> str:
+    path = tmp_path / "W.json"
+    path.write_text(json.dumps(np.asarray(W).tolist()))
+    return str(path)
+
+
+BAD_INPUTS = {
+    "clients_vs_topology": (lambda t: ["--topology", "file", "--matrix-file",
+                                       write_matrix(t, np.full((3, 3), 1 / 3))],
+                            "mixing matrix file .* is for 3 clients but n=4"),
+    "clients_vs_world": (lambda t: ["--clients", "3"], "--clients 3 but world size 4"),
+    "world_vs_G": (lambda t: ["--ranks-per-client", "3"], "world size 4 is not divisible by ranks per client G=3"),
+    "disconnected_W": (lambda t: ["--topology", "file", "--matrix-file",
+                                  write_matrix(t, np.kron(np.eye(2), np.full((2, 2), 0.5)))],
+                       "not connected"),
+    "non_stochastic_W": (lambda t: ["--topology", "file", "--matrix-file",
+                                    write_matrix(t, np.full((4, 4), 0.2))], "row .* sums to"),
+    "layers_per_block": (lambda t: ["--layers-per-block", "9"], "layers_per_block"),
+    "bad_lr": (lambda t: ["--lr", "-1"], "lr must be > 0"),
+    "existing_run": (lambda t: [], "already holds a run"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_refused_before_anything_is_written(case, previous_run, tmp_path, capsys):
+    extra, message = BAD_INPUTS[case]
+    before = snapshot(previous_run)
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.main(["--ds_config", PRESET, "--output-dir", str(previous_run), *extra(tmp_path)])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "error:" in err
+    assert __import__("re").search(message, err), err
+    assert snapshot(previous_run) == before
+
+
+@pytest.mark.parametrize("preset, message", [
+    ({"train_micro_batch_size_per_gpu": 2, "foo": 1}, "unknown key\\(s\\) \\['foo'\\]"),
+    ({"bf16": {"enabled": True}}, "FP32 master copies"),
+    ({"zero_optimization": {"stage": 2}}, "ZeRO stages above 0"),
+    ({"optimizer": {"type": "Adam"}}, "DECA supplies the optimizer"),
+    ({"deca": {"stepz_per_block": 3}}, "unknown option\\(s\\) \\['stepz_per_block'\\]"),
+])
+def test_bad_preset_is_refused(preset, message, previous_run, tmp_path, capsys):
+    path = tmp_path / "preset.json"
+    path.write_text(json.dumps(preset))
+    before = snapshot(previous_run)
+    with pytest.raises(SystemExit):
+        trainer.main(["--ds_config", str(path), "--output-dir", str(previous_run), "--overwrite"])
+    assert __import__("re").search(message, capsys.readouterr().err)
+    assert snapshot(previous_run) == before
+
+
+def test_deepspeed_clipping_default_is_turned_off(tmp_path):
+    """DeepSpeed clips at norm 1.0 by default; DECA must not clip unless the preset says so."""
+    _, ds_config = parse_args(["--ds_config", PRESET])
+    assert ds_config["gradient_clipping"] == 0.0
+    path = tmp_path / "preset.json"
+    path.write_text(json.dumps({"gradient_clipping": 0.5}))
+    assert parse_args(["--ds_config", str(path)])[1]["gradient_clipping"] == 0.5
