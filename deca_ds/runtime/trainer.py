@@ -24,7 +24,7 @@ from .. import __version__
 from ..blocks import Partition
 from ..data import ClientStream, SyntheticTask, build_word_tokenizer, dirichlet_partition, encode_examples, label_histogram
 from ..evaluation import evaluate_classification
-from ..models import load_model
+from ..models import load_model, load_tokenizer
 from ..optimizer import DecaOptimizer, model_partition
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
@@ -51,7 +51,12 @@ class Task:
 def build_task(opts: RunOptions, n_clients: int) -> Task:
     task = SyntheticTask(seed=opts.seed)
     train, test = task.generate()
-    tokenizer = build_word_tokenizer(task.vocabulary())
+    # A pretrained model reads the task with its own tokenizer; the tiny model and models built
+    # from a bare config (resource profiling) use the task's word-level one, whose ids any vocabulary holds.
+    if opts.model == "tiny" or opts.from_config:
+        tokenizer = build_word_tokenizer(task.vocabulary())
+    else:
+        tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
     features = encode_examples(tokenizer, train, task.label_words, max_length=opts.max_seq_len)
     labels = [ex.label for ex in train]
     parts = dirichlet_partition(labels, n_clients, opts.dirichlet_alpha, seed=opts.seed,
@@ -63,6 +68,15 @@ def build_task(opts: RunOptions, n_clients: int) -> Task:
 def build_model(opts: RunOptions, vocab_size: int):
     return load_model(opts.model, dtype=_DTYPES[opts.working_dtype], trust_remote_code=opts.trust_remote_code,
                       from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed)
+
+
+def next_shard(stream: ClientStream, layout: ClientLayout) -> dict:
+    """Rank l of a client takes micro-batches l, l+G, l+2G, … of the client's stream, so the G
+    ranks of a client see disjoint data and their averaged gradient is that of G micro-batches."""
+    stream.position += layout.local_rank
+    batch = next(stream)
+    stream.position += layout.ranks_per_client - layout.local_rank - 1
+    return batch
 
 
 def check_output_dir(opts: RunOptions) -> Path:
@@ -194,7 +208,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             t_fwd = t_bwd = t_step = 0.0
             losses = []
             for _ in range(opts.grad_accum):
-                batch = {k: v.to(device) for k, v in next(stream).items()}
+                batch = {k: v.to(device) for k, v in next_shard(stream, layout).items()}
                 t0 = timer.now()
                 loss = engine(**batch).loss
                 t1 = timer.now()
