@@ -9,6 +9,7 @@ poisons its whole group, so one group per link keeps a failure local and attribu
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -61,11 +62,19 @@ def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None) 
     return n
 
 
-def init_process_group(timeout_s: float) -> tuple[int, int, torch.device]:
-    """Join the job started by deepspeed/torchrun (env://); NCCL on GPUs, gloo on CPU."""
+def init_process_group(timeout_s: float) -> tuple[int, int, torch.device, dist.Store]:
+    """Join the job started by deepspeed/torchrun; NCCL on GPUs, gloo on CPU.
+
+    The rendezvous store is created here, as env:// would, so that the run keeps a handle on it
+    for the heartbeat board (torchrun's agent hosts it itself; then every rank is a client)."""
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"{var} is not set: start training with `deepspeed` or `torchrun`")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, timeout=timedelta(seconds=timeout_s),
+                          multi_tenant=True)
     os.environ.setdefault("LOCAL_RANK", "0")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -76,10 +85,47 @@ def init_process_group(timeout_s: float) -> tuple[int, int, torch.device]:
         # CPU ranks share the machine's cores; letting each use all of them thrashes.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if backend == "nccl" else None)
-    return dist.get_rank(), dist.get_world_size(), device
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)
+    return rank, world_size, device, store
+
+
+class Heartbeat:
+    """Every rank posts its step on the rendezvous store. When a wait fails, the rank that saw it
+    reads the board to name the ranks that went silent: a dead or hung rank neither posts new
+    steps nor reports a failure of its own, while its survivors do one or the other."""
+
+    def __init__(self, store: dist.Store, layout: ClientLayout) -> None:
+        self.store, self.layout = dist.PrefixStore("deca", store), layout
+
+    def beat(self, step: int) -> None:
+        self.store.set(f"step/{self.layout.rank}", str(step))
+
+    def _board(self) -> dict[int, tuple[int, bool]]:
+        board = {}
+        for r in range(self.layout.world_size):
+            step = int(self.store.get(f"step/{r}")) if self.store.check([f"step/{r}"]) else -1
+            board[r] = step, self.store.check([f"failed/{r}"])
+        return board
+
+    def silent_ranks(self, step: int, grace_s: float) -> str:
+        """Who stopped, as a sentence; waits `grace_s` for live ranks to move or report."""
+        try:
+            self.store.set(f"failed/{self.layout.rank}", str(step))
+            before = self._board()
+            time.sleep(grace_s)
+            after = self._board()
+        except Exception:  # the store lives in rank 0: no answer means rank 0 is gone
+            return f"the rendezvous store on {self._name(0)} does not answer: {self._name(0)} is down"
+        silent = [r for r in after if r != self.layout.rank and not after[r][1] and after[r][0] == before[r][0]]
+        if not silent:
+            return "every other rank is alive or has reported its own failure"
+        return (f"silent for {grace_s:g} s (dead or hung): "
+                + ", ".join(f"{self._name(r)} at step {after[r][0]}" for r in silent))
+
+    def _name(self, r: int) -> str:
+        return f"client {r // self.layout.ranks_per_client} (rank {r})"
 
 
 class ClientGroups:

@@ -28,7 +28,8 @@ from ..models import load_model, load_tokenizer
 from ..optimizer import DecaOptimizer, model_partition
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
-from .dist import ClientGroups, ClientLayout, DistributedMixer, PeerError, all_mean_, check_layout, init_process_group
+from .dist import (ClientGroups, ClientLayout, DistributedMixer, Heartbeat, PeerError, all_mean_, check_layout,
+                   init_process_group)
 from .ds_engine import ClientMPU, initialize
 from .metrics import MetricsWriter, plot_losses, read_metrics, summarize, summary_table
 from .options import RunOptions, parse_args
@@ -161,8 +162,9 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     out = check_output_dir(opts)
 
     # ---- the job ---------------------------------------------------------------------------
-    rank, world_size, device = init_process_group(opts.timeout)
+    rank, world_size, device, store = init_process_group(opts.timeout)
     layout = ClientLayout(rank, world_size, opts.ranks_per_client)
+    heartbeat = Heartbeat(store, layout)
     groups = ClientGroups(layout, topology.W, opts.timeout)
     torch.manual_seed(opts.seed * 1_000_003 + rank)
     mixer = DistributedMixer(topology.W, layout, groups, timeout_s=opts.timeout,
@@ -199,10 +201,13 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     timer = Timer(device)
     bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
                dynamic_ncols=True, desc="DECA")
+    last_step_s = 0.0
     while not optimizer.done:
         step, where = optimizer.global_step, (optimizer.round, optimizer.active.index, optimizer.step_in_block)
         record = {"step": step, "round": where[0], "block": where[1], "r": where[2]}
+        step_start = time.perf_counter()
         try:
+            heartbeat.beat(step)
             if opts.consensus_interval and step % opts.consensus_interval == 0:
                 record["consensus_distance"] = _consensus_distance(optimizer.active.master)
             t_fwd = t_bwd = t_step = 0.0
@@ -234,9 +239,13 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             bar.update(1)
             if opts.checkpoint_interval and (step + 1) % opts.checkpoint_interval == 0 and not optimizer.done:
                 save_checkpoint(out, step + 1, layout, engine.module, optimizer, stream, opts.keep_checkpoints)
+            last_step_s = time.perf_counter() - step_start
         except RuntimeError as err:  # PeerError from mixing, or a collective that lost a rank
+            # Live ranks post a step (or their own failure) within a few step times.
+            grace = min(opts.timeout, max(3.0, 3 * last_step_s))
             raise PeerError(f"rank {rank} (client {layout.client}) failed at step {step} (round {where[0]}, "
-                            f"block {where[1]}, r {where[2]}): {err}") from err
+                            f"block {where[1]}, r {where[2]}): {err}; "
+                            f"{heartbeat.silent_ranks(step, grace)}") from err
     bar.close()
 
     if metrics:
