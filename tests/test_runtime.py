@@ -325,7 +325,7 @@ def test_ranks_per_client_do_data_parallelism_inside_the_client(tmp_path):
 def test_bf16_working_weights_with_working_dtype_mixing(tmp_path):
     out = tmp_path / "run"
     args = [*RUN, "--output-dir", str(out), "--working-dtype", "bf16", "--mix-dtype", "working",
-            "--checkpoint-interval", "0", "--steps-per-block", "10"]
+            "--checkpoint-interval", "0", "--steps-per-block", "10", "--tensorboard"]
     procs = start_ranks(args, 2, tmp_path / "logs")
     assert wait_all(procs, timeout=300) == [0, 0], (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
     consensus = AutoModelForCausalLM.from_pretrained(out / "consensus")
@@ -335,3 +335,5 @@ def test_bf16_working_weights_with_working_dtype_mixing(tmp_path):
     # one neighbor (ring of 2), bf16 on the wire: 2 bytes per parameter of the active block
     assert summary["clients"][0]["bytes_sent"] == 2 * 10 * 2 * sum(b["numel"] for b in blocks)
     assert all(c["loss_end"] < c["loss_start"] - 0.5 for c in summary["clients"]), summary["clients"]
+    for c in range(2):
+        assert list((out / "tensorboard" / f"client_{c:03d}").glob("events.out.tfevents.*"))
