@@ -4,7 +4,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from deca_ds.data import (

@@ -1,0 +1,520 @@
+"""Analytic GPU memory and communication of one DECA client, from a model config alone.
+
+Nothing is downloaded and nothing is allocated: the architecture is built on the meta device and
+cut into blocks by the same `partition_model` the trainer uses, so block sizes are exact. Every
+term below is in bytes and mirrors what the implementation holds (DecaOptimizer, DistributedMixer,
+the DeepSpeed stage-0 engine); only `activations` is an approximation, and is labelled so.
+
+    spec = ModelSpec.from_config("profiling/configs/llama-3.1-8b-instruct.json")
+    est = estimate_memory(spec, layers_per_block=1, offload="none")
+    est.peak, est.peak_phase, est.optimizer_state, est.fits("RTX 5090")
+
+Units: functions return bytes. Reports use GiB (2^30 B) for memory, because NVIDIA's "32 GB",
+"80 GB", "96 GB" cards carry 32, 80, 96 GiB of physical memory and nvidia-smi / torch report in
+MiB / GiB; communication is reported in MB (10^6 B), as network volumes usually are.
+
+Phase model of one inner step (what is alive at once; the peak is the largest phase):
+
+    backward       weights + optimizer_state + grad + activations
+                   (conservative: the active block's full .grad is counted together with the
+                   activation peak, although the gradient of the lowest block only appears at
+                   the very end of backward, when most activations are already freed)
+    grad_allreduce weights + optimizer_state + grad + grad_allreduce
+                   (DeepSpeed stage 0 flattens the .grad tensors into buckets of up to 5e8
+                   elements and casts the bucket to its communication dtype, fp32 unless DeepSpeed's
+                   own bf16/fp16 mode is on - which deca-ds refuses - even with one rank per client;
+                   activations are gone: autograd freed the graph at the end of backward)
+    update         weights + optimizer_state + max(grad, x_half) + trivial_bma_extra
+                   (adam_half_step folds .grad into m, v tensor by tensor and frees it, then
+                   allocates x_half; it never holds a full master-dtype gradient)
+    mixing         weights + optimizer_state + x_half + send_copy + recv + recv_upcast + x_plus
+                   + trivial_bma_extra
+                   (DistributedMixer.mix: the send buffer, one receive buffer per neighbor, the
+                   master-dtype casts of all received buffers - built together in the list passed
+                   to weighted_sum - and the sum x_plus; bma_correct then works in place)
+
+Not modelled: the CUDA context, cuBLAS workspaces and NCCL buffers (covered by the `reserve` of
+`fits`), allocator fragmentation, per-tensor temporaries (a single parameter tensor's worth,
+e.g. p.grad * clip_scale), the model's non-parameter buffers (rotary tables), the batch itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .blocks import Partition, find_decoder_layers, partition_model
+
+GiB = 2**30
+MiB = 2**20
+MB = 10**6
+
+# Total memory of each card as nvidia-smi reports it (MiB × 2^20 bytes). NVIDIA markets the
+# cards as 32 GB / 96 GB / 80 GB; the physical memory is that many GiB (binary-sized GDDR7 / HBM3
+# chips), of which the driver reports slightly less. Choice: these reported totals, in bytes, and
+# every size in the reports in GiB. RTX 5090: 32607 MiB (31.8 GiB) and H100 80GB HBM3: 81559 MiB
+# (79.6 GiB) are the totals nvidia-smi prints on those cards in public logs; RTX PRO 6000 Blackwell
+# (96 GiB physical): 97887 MiB (95.6 GiB), the commonly reported total, not verified here.
+GPUS: dict[str, int] = {
+    "RTX 5090": 32607 * MiB,
+    "RTX PRO 6000": 97887 * MiB,
+    "H100 80GB": 81559 * MiB,
+}
+# Memory a process needs on the card besides what this model counts: CUDA context (~0.3-0.6 GiB
+# with torch), cuBLAS workspace, NCCL communicator buffers, allocator slack. `fits` requires
+# peak + reserve <= capacity.
+DEFAULT_RESERVE = 1 * GiB
+
+# DeepSpeed's stage-0 gradient all-reduce bucket (engine.allreduce_gradients -> allreduce_no_retain,
+# MEMORY_OPT_ALLREDUCE_SIZE): tensors are appended until the bucket holds more than this many elements.
+DEEPSPEED_ALLREDUCE_BUCKET = 500_000_000
+
+PAPER_STEPS_PER_BLOCK = 48  # R, the paper's default; used for the per-round communication
+
+OFFLOAD_MODES = ("none", "frozen")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+TRANSFER_DTYPES = ("master", "working")
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def _dtype(value: str | torch.dtype, what: str, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
+    dtype = value if isinstance(value, torch.dtype) else _DTYPES.get(str(value).lower())
+    if dtype not in allowed:
+        names = sorted(k for k, v in _DTYPES.items() if v in allowed)
+        raise ValueError(f"{what} must be one of {names}, got {value!r}")
+    return dtype
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- the architecture, on the meta device ---------------------------------------------------------
+
+def load_config(source):
+    """An HF config from a config.json path, a directory holding one, or a config object."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return source
+    path = Path(source).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model config {source!r}: no such file (give a config.json or a directory with one)")
+    return AutoConfig.from_pretrained(str(path))
+
+
+def meta_model(config) -> nn.Module:
+    """The causal LM of `config` with every parameter and buffer on the meta device (no memory).
+
+    accelerate's init_empty_weights() with include_buffers=False leaves tie_word_embeddings
+    untied in transformers 5 (the LM head gets its own meta matrix, over-counting by V·h); with
+    include_buffers=True the model is built as on a real device and ties as configured. The tie
+    is checked below either way.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=True):
+        model = AutoModelForCausalLM.from_config(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "tie_word_embeddings", False):
+        model.tie_weights()
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is not None and head.weight is not embed.weight:
+            raise RuntimeError(f"{type(model).__name__}: tie_word_embeddings is set but the LM head is not tied")
+    return model
+
+
+@dataclass
+class ModelSpec:
+    """One architecture: its meta model, exact parameter counts and the shapes activations need."""
+
+    name: str
+    config: Any
+    model: nn.Module = field(repr=False)
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    total_params: int  # d: every parameter once (a tied embedding/LM head counted once)
+    layer_params: tuple[int, ...]  # per decoder layer
+
+    @classmethod
+    def from_config(cls, source, name: str | None = None) -> "ModelSpec":
+        if isinstance(source, ModelSpec):
+            return source
+        config = load_config(source)
+        if name is None:
+            name = Path(str(source)).stem if not hasattr(source, "to_dict") else getattr(
+                config, "name_or_path", "") or config.model_type
+        model = meta_model(config)
+        _, layers = find_decoder_layers(model)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        return cls(
+            name=name, config=config, model=model, num_layers=len(layers),
+            hidden=text.hidden_size, intermediate=text.intermediate_size, heads=heads,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
+            total_params=sum(p.numel() for p in model.parameters()),
+            layer_params=tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        )
+
+    @property
+    def decoder_params(self) -> int:
+        return sum(self.layer_params)
+
+    @property
+    def non_layer_params(self) -> int:
+        """Embeddings, final norm and LM head (once if tied)."""
+        return self.total_params - self.decoder_params
+
+    @cached_property
+    def _partitions(self) -> dict[int, Partition]:
+        return {}
+
+    def partition(self, layers_per_block: int) -> Partition:
+        """The trainer's default partition (decoder layers only, embeddings/norm/head frozen)."""
+        if layers_per_block not in self._partitions:
+            self._partitions[layers_per_block] = partition_model(self.model, layers_per_block)
+        return self._partitions[layers_per_block]
+
+    def tensor_numels(self, partition: Partition, block: int) -> list[int]:
+        return [self.model.get_parameter(n).numel() for n in partition.blocks[block].param_names]
+
+
+# ---- activations (approximate) --------------------------------------------------------------------
+
+def layer_activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, working_bytes: int, *,
+                           trainable: bool, attn_implementation: str = "sdpa") -> int:
+    """APPROXIMATE bytes autograd saves for one Llama-style decoder layer (Llama, Qwen2, Mistral).
+
+    Counted from transformers' LlamaDecoderLayer, per token, w = working-dtype bytes, h hidden,
+    i intermediate, a heads, q = a·head_dim. PyTorch saves an operand only if the gradient that
+    needs it is required, so a layer whose parameters are frozen but through which the gradient
+    flows (a layer above the active block) saves less than a trainable one.
+
+      RMSNorm ×2      fp32 copy of the input (pow, mul): 4h; trainable also the normalised
+                      working-dtype value (for ∂weight) and the output, the next linears' input: 2·w·h
+      attention       q, k, v after RoPE and repeat_kv (k, v at a heads: deca-ds batches carry a
+                      padding mask, which makes transformers expand GQA keys/values) and the output:
+                      4·w·q, + fp32 logsumexp 4a (SDPA/flash: no s² term);
+                      eager instead: q, k (2·w·q), fp32 softmax output and its working-dtype cast
+                      a·s·(4 + w) per token, v (w·q); trainable also the o_proj input w·q
+      MLP             SiLU input (gate output), SiLU output and up output: 3·w·i;
+                      trainable also the down_proj input: w·i
+    Ignored: RoPE cos/sin, the attention mask, dropout (p = 0), small per-token scalars.
+    """
+    h, i, a, q, w = spec.hidden, spec.intermediate, spec.heads, spec.heads * spec.head_dim, working_bytes
+    norms = 2 * (4 * h + (2 * w * h if trainable else 0))
+    if attn_implementation == "sdpa":
+        attn = 4 * w * q + 4 * a
+    elif attn_implementation == "eager":
+        attn = 3 * w * q + a * seq_len * (4 + (w if w != 4 else 0))
+    else:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+    if trainable:
+        attn += w * q
+    mlp = (4 if trainable else 3) * w * i
+    return micro_batch * seq_len * (norms + attn + mlp)
+
+
+def layer_backward_transient_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, working_bytes: int) -> int:
+    """APPROXIMATE gradient temporaries alive inside one layer's backward: the gradients of the
+    layer output and of the residual stream (2·w·h), of the MLP intermediates at once (3·w·i),
+    and the fp32 RMSNorm backward temporaries (2·4h), per token."""
+    h, i, w = spec.hidden, spec.intermediate, working_bytes
+    return micro_batch * seq_len * (2 * w * h + 3 * w * i + 8 * h)
+
+
+def logits_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, working_bytes: int) -> int:
+    """APPROXIMATE peak of the loss: b·s·V·max(w + 8, 12). Forward: the working-dtype logits, their
+    fp32 upcast (ForCausalLMLoss) and the fp32 log-softmax output saved by cross_entropy; start of
+    backward: that output, the fp32 gradient from nll_loss and log-softmax's fp32 input gradient."""
+    return micro_batch * seq_len * spec.vocab * max(working_bytes + 8, 12)
+
+
+# ---- the estimate ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one DECA client holds on its GPU during an inner step on block `block` (see the
+    module docstring for the phase model). Every term is in bytes."""
+
+    # ---- what was estimated
+    model: str
+    total_params: int  # d, every parameter once
+    decoder_params: int  # the trainable space: all decoder layers
+    non_layer_params: int  # embeddings, final norm, LM head (frozen)
+    num_layers: int
+    layers_per_block: int
+    num_blocks: int  # B
+    block: int  # index of the active block this estimate is for
+    block_params: int  # its numel
+    working_dtype: str
+    master_dtype: str
+    transfer_dtype: str  # "master" (exact) or "working"
+    n_neighbors: int  # neighbors a client exchanges with, itself excluded
+    micro_batch: int
+    seq_len: int
+    checkpointing: bool
+    offload: str  # "none" or "frozen"
+    variant: str
+    attn_implementation: str
+    inputs_require_grad: bool  # embedding output requires grad: layers below the active block keep a graph
+    steps_per_block: int  # R, for the per-round communication
+
+    # ---- exact terms (bytes)
+    weights: int  # working-dtype parameters on the device: all of them (offload "none"), or
+    #               embeddings + final norm + LM head + the active block (offload "frozen")
+    master: int  # active block × master bytes (DecaOptimizer ActiveBlock.master)
+    m: int  # active block × master bytes (first moment)
+    v: int  # active block × master bytes (second moment)
+    grad: int  # active block × working bytes: the .grad tensors, from backward until adam_half_step
+    grad_allreduce: int  # DeepSpeed stage-0 all-reduce: largest bucket × (working + 4 if the
+    #                      working dtype is not fp32: flat copy, then its fp32 communication copy)
+    x_half: int  # active block × master bytes: x½, allocated by adam_half_step, the send buffer
+    send_copy: int  # active block × transfer bytes when the transfer dtype differs from the master's
+    recv: int  # n_neighbors × active block × transfer bytes (one receive buffer per neighbor)
+    recv_upcast: int  # n_neighbors × active block × master bytes when transfer != master dtype
+    x_plus: int  # active block × master bytes: x⁺ = Σ w_ij x½_j
+    trivial_bma_extra: int  # variant trivial_bma: m_prev, v_prev, 2 × block × master bytes
+    offload_buffers: int  # offload "frozen": two streaming buffers of the largest layer, working dtype
+    host_weights: int  # offload "frozen": decoder layers kept in (pinned) host memory, not on the GPU
+
+    # ---- approximate terms (bytes)
+    act_saved: int  # APPROXIMATE: checkpointed layer inputs (b·s·h·w per layer from the active block
+    #                 up - every layer when the embedding output requires grad - + the fp32
+    #                 final-norm input) or, without checkpointing, every saved tensor of those layers
+    act_recompute: int  # APPROXIMATE: one trainable layer's saved tensors during its recomputation
+    #                     (checkpointing only) + its backward gradient temporaries
+    act_logits: int  # APPROXIMATE: the loss's logits peak, b·s·V·max(w + 8, 12)
+
+    # ---- communication, exact (bytes)
+    comm_per_step: int  # sent by this client per inner step: n_neighbors × block × transfer bytes
+    comm_per_round: int  # Σ over all B blocks of R × n_neighbors × block × transfer bytes
+
+    # ---- comparisons (bytes)
+    paper_deca: int  # paper Appendix B.2: M + 10M/B, M = 2d
+    paper_dadam_9m: int  # paper: decentralized full-parameter Adam, 9M
+    paper_dadam_11m: int  # paper: decentralized Adam with the extra fp32 h vector, 11M
+    dadam_runtime: int  # full-parameter Adam as this runtime would hold it: all weights (working)
+    #                     + master, m, v (master dtype) + .grad (working) of every decoder-layer param
+
+    # ---- derived -----------------------------------------------------------------------------
+    @property
+    def optimizer_state(self) -> int:
+        """master + m + v: exactly DecaOptimizer.state_bytes() while this block is active."""
+        return self.master + self.m + self.v
+
+    @property
+    def activations(self) -> int:
+        """APPROXIMATE activation peak: the saved tensors held throughout backward, plus the larger
+        of the loss's logits peak and one layer's recomputation (they happen at different times)."""
+        return self.act_saved + max(self.act_logits, self.act_recompute)
+
+    @property
+    def phases(self) -> dict[str, int]:
+        base = self.weights + self.offload_buffers + self.optimizer_state
+        return {
+            "backward": base + self.grad + self.activations,
+            "grad_allreduce": base + self.grad + self.grad_allreduce,
+            "update": base + max(self.grad, self.x_half) + self.trivial_bma_extra,
+            "mixing": base + self.x_half + self.send_copy + self.recv + self.recv_upcast + self.x_plus
+                      + self.trivial_bma_extra,
+        }
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phases
+        return max(phases, key=phases.get)
+
+    def headroom(self, gpu: str | int, reserve: int = DEFAULT_RESERVE) -> int:
+        """Bytes left on `gpu` (a GPUS name or a capacity in bytes) after the peak and `reserve`."""
+        capacity = GPUS[gpu] if isinstance(gpu, str) else int(gpu)
+        return capacity - reserve - self.peak
+
+    def fits(self, gpu: str | int, reserve: int = DEFAULT_RESERVE) -> bool:
+        return self.headroom(gpu, reserve) >= 0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(optimizer_state=self.optimizer_state, activations=self.activations,
+                   peak=self.peak, peak_phase=self.peak_phase,
+                   **{f"phase_{k}": v for k, v in self.phases.items()})
+        return out
+
+    def describe(self) -> str:
+        rows = [(f.name, getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), int)
+                and not isinstance(getattr(self, f.name), bool) and f.name not in _COUNTS]
+        rows += [("optimizer_state", self.optimizer_state), ("activations (approx.)", self.activations)]
+        rows += [(f"phase {k}", v) for k, v in self.phases.items()]
+        rows.append((f"peak ({self.peak_phase})", self.peak))
+        head = (f"{self.model}: block {self.block} of {self.num_blocks} ({self.block_params:,} params), "
+                f"{self.working_dtype} working, {self.master_dtype} master, offload {self.offload}")
+        return "\n".join([head] + [f"  {k:<24} {v / GiB:10.3f} GiB" for k, v in rows])
+
+
+_COUNTS = {"total_params", "decoder_params", "non_layer_params", "num_layers", "layers_per_block", "num_blocks",
+           "block", "block_params", "n_neighbors", "micro_batch", "seq_len", "steps_per_block"}
+
+
+def _largest_bucket(numels: list[int], limit: int = DEEPSPEED_ALLREDUCE_BUCKET) -> int:
+    """Largest bucket DeepSpeed's allreduce_no_retain forms: append until numel > limit, flush."""
+    largest = current = 0
+    for n in numels:
+        current += n
+        if current > limit:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
+
+
+def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_dtype="bf16", master_dtype="fp32",
+                   transfer_dtype: str = "master", n_neighbors: int = 2, micro_batch: int = 1, seq_len: int = 512,
+                   checkpointing: bool = True, offload: str = "none", variant: str = "deca",
+                   attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
+                   deepspeed_allreduce: bool = True, inputs_require_grad: bool | None = None) -> MemoryEstimate:
+    """The estimate while block `block` of the default partition is active (see MemoryEstimate).
+
+    deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets (the runtime's path).
+    inputs_require_grad: whether the embedding output requires grad. transformers >= 5's
+    gradient_checkpointing_enable() calls enable_input_require_grads() on every input_ids model, so
+    by default (None) it is taken equal to `checkpointing`: then the layers BELOW the active block
+    also keep their checkpointed inputs and backward recomputes them, down to the embeddings.
+    Pass False for a runtime that calls model.disable_input_require_grads() after enabling it.
+    """
+    spec = ModelSpec.from_config(spec)
+    working = _dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
+    master = _dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
+    if transfer_dtype not in TRANSFER_DTYPES:
+        raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got {transfer_dtype!r}")
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+    if variant not in ("deca", "trivial_bma", "no_bma"):
+        raise ValueError(f"variant must be deca, trivial_bma or no_bma, got {variant!r}")
+    for name, value in (("n_neighbors", n_neighbors), ("micro_batch", micro_batch), ("seq_len", seq_len),
+                        ("steps_per_block", steps_per_block)):
+        if value < (0 if name == "n_neighbors" else 1):
+            raise ValueError(f"{name} must be >= {0 if name == 'n_neighbors' else 1}, got {value}")
+
+    partition = spec.partition(layers_per_block)
+    B = partition.num_blocks
+    if not 0 <= block < B:
+        raise ValueError(f"block must be in [0, {B}), got {block}")
+    n = partition.blocks[block].numel
+    w, mb = _size(working), _size(master)
+    transfer = master if transfer_dtype == "master" else working
+    tb, cast = _size(transfer), transfer != master
+
+    first = block * layers_per_block  # the default partition: block k = layers [k·lpb, (k+1)·lpb)
+    in_block = min(layers_per_block, spec.num_layers - first)
+    above = spec.num_layers - first - in_block
+    if inputs_require_grad is None:
+        inputs_require_grad = checkpointing
+    below = first if inputs_require_grad else 0  # layers below the active block that build a graph
+    b, s, h = micro_batch, seq_len, spec.hidden
+    full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn_implementation)
+    flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn_implementation)
+    transient = layer_backward_transient_bytes(spec, b, s, w)
+    final_norm = b * s * h * 4
+    if checkpointing:
+        act_saved = (below + in_block + above) * b * s * h * w + final_norm
+        act_recompute = full + transient
+    else:
+        act_saved = in_block * full + (above + below) * flow + final_norm
+        act_recompute = transient
+
+    if offload == "frozen":
+        weights = (spec.non_layer_params + n) * w
+        offload_buffers = 2 * max(spec.layer_params) * w
+        host_weights = spec.decoder_params * w
+    else:
+        weights, offload_buffers, host_weights = spec.total_params * w, 0, 0
+
+    grad_allreduce = 0
+    if deepspeed_allreduce:
+        grad_allreduce = _largest_bucket(spec.tensor_numels(partition, block)) * (w + (4 if w != 4 else 0))
+
+    d, M = spec.total_params, 2 * spec.total_params
+    return MemoryEstimate(
+        model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,
+        num_layers=spec.num_layers, layers_per_block=layers_per_block, num_blocks=B, block=block, block_params=n,
+        working_dtype=_short(working), master_dtype=_short(master), transfer_dtype=transfer_dtype,
+        n_neighbors=n_neighbors, micro_batch=b, seq_len=s, checkpointing=checkpointing, offload=offload,
+        variant=variant, attn_implementation=attn_implementation, inputs_require_grad=inputs_require_grad,
+        steps_per_block=steps_per_block,
+        weights=weights, master=n * mb, m=n * mb, v=n * mb, grad=n * w, grad_allreduce=grad_allreduce,
+        x_half=n * mb, send_copy=n * tb if cast else 0, recv=n_neighbors * n * tb,
+        recv_upcast=n_neighbors * n * mb if cast else 0, x_plus=n * mb,
+        trivial_bma_extra=2 * n * mb if variant == "trivial_bma" else 0,
+        offload_buffers=offload_buffers, host_weights=host_weights,
+        act_saved=act_saved, act_recompute=act_recompute, act_logits=logits_bytes(spec, b, s, w),
+        comm_per_step=n_neighbors * n * tb,
+        comm_per_round=sum(steps_per_block * n_neighbors * blk.numel * tb for blk in partition.blocks),
+        paper_deca=M + 10 * M // B if (10 * M) % B == 0 else round(M + 10 * M / B),
+        paper_dadam_9m=9 * M, paper_dadam_11m=11 * M,
+        dadam_runtime=d * w + spec.decoder_params * (3 * mb + w),
+    )
+
+
+def estimate_blocks(spec, layers_per_block: int = 1, **options) -> list[MemoryEstimate]:
+    """One estimate per block of the partition."""
+    spec = ModelSpec.from_config(spec)
+    return [estimate_block(spec, layers_per_block, k, **options)
+            for k in range(spec.partition(layers_per_block).num_blocks)]
+
+
+def estimate_memory(spec, layers_per_block: int = 1, **options) -> MemoryEstimate:
+    """The estimate for the block with the largest peak (ties: the lowest index), i.e. the peak of
+    a whole round. Options as estimate_block."""
+    return max(estimate_blocks(spec, layers_per_block, **options), key=lambda e: (e.peak, -e.block))
+
+
+def communication(spec, layers_per_block: int = 1, *, n_neighbors: int = 2, transfer_dtype="master",
+                  master_dtype="fp32", working_dtype="bf16", steps_per_block: int = PAPER_STEPS_PER_BLOCK) -> dict:
+    """Bytes one client sends: per inner step for each block, its maximum, and per round."""
+    spec = ModelSpec.from_config(spec)
+    master = _dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
+    working = _dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
+    tb = _size(master if transfer_dtype == "master" else working)
+    per_block = [n_neighbors * blk.numel * tb for blk in spec.partition(layers_per_block).blocks]
+    return {"per_step": per_block, "max_per_step": max(per_block),
+            "per_round": steps_per_block * sum(per_block)}
+
+
+def to_json(estimates: list[MemoryEstimate]) -> str:
+    return json.dumps([e.to_dict() for e in estimates], indent=2)
+
+
+__all__ = [
+    "DEFAULT_RESERVE", "GPUS", "GiB", "MB", "MemoryEstimate", "ModelSpec", "communication", "estimate_block",
+    "estimate_blocks", "estimate_memory", "layer_activation_bytes", "load_config", "logits_bytes", "meta_model",
+]
