@@ -41,7 +41,6 @@ e.g. p.grad * clip_scale), the model's non-parameter buffers (rotary tables), th
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path

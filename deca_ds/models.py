@@ -105,3 +105,18 @@ def _has_safetensors(name_or_path: str) -> bool | None:
     # back to .bin weights when it has no safetensors.
     path = Path(name_or_path).expanduser()
     return True if path.is_dir() and any(path.glob("*.safetensors")) else None
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant checkpointing of every decoder layer. Layers below the active block build no
+    graph (nothing in them requires grad), so in effect only the layers from the active block up
+    are recomputed in backward."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers also makes the embeddings' output require grad (for reentrant checkpointing
+    # and PEFT); that would build a graph through every layer below the active block and run
+    # backward through all of them. Non-reentrant checkpointing does not need it.
+    model.disable_input_require_grads()

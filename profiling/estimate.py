@@ -218,7 +218,8 @@ def main(argv=None) -> int:
                                                  if (sys.argv[1:] if argv is None else argv) else "")
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     vers = versions()
-    header = (f"**Estimated, not measured (no GPU was available).** Command: `{command}`; date: {date}; versions: "
+    header = (f"**DECA per-client memory: estimated, not measured (no GPU was available).** Command: `{command}`; "
+              f"date: {date}; versions: "
               + ", ".join(f"{k} {v}" for k, v in vers.items()) + ".")
     text = markdown(rows, header, args)
     print(text)

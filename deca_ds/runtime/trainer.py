@@ -24,7 +24,7 @@ from .. import __version__
 from ..blocks import Partition
 from ..data import ClientStream, SyntheticTask, build_word_tokenizer, dirichlet_partition, encode_examples, label_histogram
 from ..evaluation import evaluate_classification
-from ..models import load_model, load_tokenizer
+from ..models import enable_activation_checkpointing, load_model, load_tokenizer
 from ..optimizer import DecaOptimizer, model_partition
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
@@ -171,7 +171,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                              transfer_dtype=_DTYPES[opts.working_dtype] if opts.mix_dtype == "working" else None)
     optimizer = DecaOptimizer(model, config, partition=partition, mixer=mixer)
     if "activation_checkpointing" in ds_config:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single))
     stream = ClientStream(task.features, task.client_indices[layout.client], opts.micro_batch,
                           pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=layout.client)

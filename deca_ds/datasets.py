@@ -1,0 +1,829 @@
+"""The paper's tasks by name or from local files, their prompts, client partitions and generation evaluation.
+
+Tasks (`TASKS`): `nwgi`, `agnews`, `tfns`, `mnli` (classification) and `alpaca` (generation). `load_task`
+reads one from the Hugging Face hub (or the local `datasets` cache; `HF_DATASETS_OFFLINE=1` /
+`HF_HUB_OFFLINE=1` are honoured even when set after `datasets` was imported) or from local
+JSONL / JSON / CSV / Parquet files, and turns every row into a `Record`: an instruction-style
+prompt, the answer the model is trained to give, and the label index (classification).
+
+Column mapping: a registered task's columns are those of its hub dataset; `text_column`,
+`text_pair_column`, `label_column`, `response_column` and `label_names` override them (for local
+copies whose columns are named differently). For a generation task `text_column` is the
+instruction, `text_pair_column` the optional input and `response_column` the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import inspect
+import json
+import logging
+import math
+import os
+import re
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from .data import collate, dirichlet_partition, encode, iid_partition, label_histogram
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Task specs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Where a task's data lives and how a row becomes a prompt and an answer.
+
+    `text_columns`: one text column, or (premise, hypothesis) for a pair task; for a generation
+    task (instruction, input) with the input optional. `label_names` verbalize the labels: label
+    k is answered " " + label_names[k]. `test_split=None`: the task has no held-out split and
+    `load_task` holds out part of the training split.
+    """
+
+    name: str
+    hub_id: str | None
+    config_name: str | None
+    train_split: str
+    test_split: str | None
+    text_columns: tuple[str, ...]
+    label_column: str | None
+    label_names: tuple[str, ...] | None
+    kind: Literal["classification", "generation"]
+    instruction: str
+    response_column: str | None = None  # generation: the column holding the answer
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("classification", "generation"):
+            raise ValueError(f"task {self.name!r}: kind must be 'classification' or 'generation', got {self.kind!r}")
+        if not self.text_columns or len(self.text_columns) > 2:
+            raise ValueError(f"task {self.name!r}: text_columns must name 1 or 2 columns, got {self.text_columns}")
+        if self.kind == "classification" and not self.label_column:
+            raise ValueError(f"task {self.name!r}: a classification task needs a label column")
+        if self.kind == "generation" and not self.response_column:
+            raise ValueError(f"task {self.name!r}: a generation task needs a response column")
+
+    @property
+    def is_pair(self) -> bool:
+        return self.kind == "classification" and len(self.text_columns) == 2
+
+
+def _choose(task: str, names: Sequence[str]) -> str:
+    return f"{task} Answer with one of: {', '.join(names)}."
+
+
+_NWGI_LABELS = ("strong negative", "moderately negative", "mildly negative", "neutral",
+                "mildly positive", "moderately positive", "strong positive")
+_AGNEWS_LABELS = ("World", "Sports", "Business", "Sci/Tech")
+_TFNS_LABELS = ("Bearish", "Bullish", "Neutral")
+_MNLI_LABELS = ("entailment", "neutral", "contradiction")
+
+TASKS: dict[str, TaskSpec] = {
+    # News With GPT Instructions (FinGPT): column "news", string labels as below (7 levels),
+    # splits train / test.
+    "nwgi": TaskSpec(
+        "nwgi", "oliverwang15/news_with_gpt_instructions", None, "train", "test", ("news",), "label",
+        _NWGI_LABELS, "classification", _choose("What is the sentiment of this financial news?", _NWGI_LABELS)),
+    "agnews": TaskSpec(
+        "agnews", "fancyzhx/ag_news", None, "train", "test", ("text",), "label", _AGNEWS_LABELS,
+        "classification", _choose("What is the topic of this news article?", _AGNEWS_LABELS)),
+    # Twitter Financial News Sentiment: labels 0 Bearish, 1 Bullish, 2 Neutral; splits train / validation.
+    "tfns": TaskSpec(
+        "tfns", "zeroshot/twitter-financial-news-sentiment", None, "train", "validation", ("text",), "label",
+        _TFNS_LABELS, "classification", _choose("What is the sentiment of this financial tweet?", _TFNS_LABELS)),
+    # GLUE MNLI: its test split is unlabeled, so the matched validation split is the test set.
+    "mnli": TaskSpec(
+        "mnli", "nyu-mll/glue", "mnli", "train", "validation_matched", ("premise", "hypothesis"), "label",
+        _MNLI_LABELS, "classification",
+        _choose("Does the premise entail the hypothesis, contradict it, or neither?", _MNLI_LABELS)),
+    # Alpaca has a train split only: load_task holds out `holdout` rows of it as the test set.
+    "alpaca": TaskSpec(
+        "alpaca", "tatsu-lab/alpaca", None, "train", None, ("instruction", "input"), None, None,
+        "generation", "", response_column="output"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Records and prompt templates
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """One example: the prompt, the answer the model learns to give after it, the label index
+    (classification; None for generation) and the row's own instruction (generation; what
+    `partition_records(key="category")` groups by)."""
+
+    prompt: str
+    answer: str
+    label: int | None = None
+    instruction: str | None = None
+
+
+@dataclass
+class LoadedTask:
+    spec: TaskSpec
+    train: list[Record]
+    test: list[Record]
+    sources: dict[str, str] = field(default_factory=dict)  # split -> where it was read from
+
+
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+def classification_prompt(instruction: str, text: str, text_pair: str | None = None) -> str:
+    """f"{instruction}\\n\\nText: {text}\\n\\nAnswer:", or with "Premise: …\\nHypothesis: …" for a pair."""
+    body = f"Text: {text}" if text_pair is None else f"Premise: {text}\nHypothesis: {text_pair}"
+    return f"{instruction}\n\n{body}\n\nAnswer:"
+
+
+def alpaca_prompt(instruction: str, input: str = "") -> str:
+    """The standard Alpaca prompt, with the input section only where the input is not empty."""
+    if input.strip():
+        return ALPACA_PROMPT_INPUT.format(instruction=instruction, input=input)
+    return ALPACA_PROMPT.format(instruction=instruction)
+
+
+def verbalize(label_name: str) -> str:
+    """The answer to a classification prompt: one space, then the label's name."""
+    return " " + label_name
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+_LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+_SPLITS = ("train", "test")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def resolve_spec(
+    name: str | None = None,
+    *,
+    text_column: str | None = None,
+    text_pair_column: str | None = None,
+    label_column: str | None = None,
+    label_names: Sequence[str] | None = None,
+    response_column: str | None = None,
+) -> TaskSpec:
+    """The registered spec `name` with the column options applied, or (name None) a spec for
+    local files: generation when `response_column` is given (instruction/input columns default
+    to "instruction"/"input"), classification otherwise (columns default to "text"/"label")."""
+    names = tuple(label_names) if label_names is not None else None
+    if names is not None and (not names or len(set(names)) != len(names)):
+        raise ValueError(f"label_names must be non-empty and distinct, got {list(names)}")
+    if name is not None:
+        if name not in TASKS:
+            raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))} "
+                             "(or pass data_files for local files)")
+        spec = TASKS[name]
+        columns = list(spec.text_columns)
+        if text_column:
+            columns[0] = text_column
+        if text_pair_column:
+            columns[1:] = [text_pair_column]
+        changes: dict = {"text_columns": tuple(columns)}
+        if spec.kind == "classification":
+            if response_column:
+                raise ValueError(f"task {name!r} is a classification task; response_column does not apply")
+            changes["label_column"] = label_column or spec.label_column
+            if names is not None:
+                changes["label_names"] = names
+                changes["instruction"] = _instruction_for(columns, names)
+        else:
+            if label_column or names:
+                raise ValueError(f"task {name!r} is a generation task; label_column/label_names do not apply")
+            changes["response_column"] = response_column or spec.response_column
+        return replace(spec, **changes)
+    if response_column:
+        if label_column or names:
+            raise ValueError("response_column makes a generation task; label_column/label_names do not apply")
+        return TaskSpec("files", None, None, "train", "test",
+                        (text_column or "instruction", text_pair_column or "input"), None, None, "generation", "",
+                        response_column=response_column)
+    columns = (text_column or "text",) + ((text_pair_column,) if text_pair_column else ())
+    return TaskSpec("files", None, None, "train", "test", columns, label_column or "label", names,
+                    "classification", _instruction_for(columns, names) if names else "")
+
+
+def _instruction_for(columns: Sequence[str], names: Sequence[str]) -> str:
+    task = ("Does the premise entail the hypothesis, contradict it, or neither?" if len(columns) == 2
+            else "Classify the text.")
+    return _choose(task, names)
+
+
+@contextlib.contextmanager
+def _offline_from_env() -> Iterator[None]:
+    """`datasets` reads HF_DATASETS_OFFLINE / HF_HUB_OFFLINE once, at import; honour them as
+    they are now, so a process that sets them later never waits on the network."""
+    import datasets
+
+    offline = any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    before = datasets.config.HF_HUB_OFFLINE
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = before
+
+
+def _load_dataset(path: str, *, what: str, trust_remote_code: bool, **kwargs):
+    import datasets
+
+    if trust_remote_code and "trust_remote_code" in inspect.signature(datasets.load_dataset).parameters:
+        kwargs["trust_remote_code"] = True  # datasets >= 4 runs no dataset scripts and has no such option
+    try:
+        with _offline_from_env():
+            return datasets.load_dataset(path, **kwargs)
+    except Exception as e:  # ConnectionError, FileNotFoundError, DatasetNotFoundError, pyarrow errors, ...
+        offline = "offline mode is on and " if datasets.config.HF_HUB_OFFLINE or any(
+            os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")) else ""
+        hint = (f" ({offline}it is not in the local cache: download it once with network access, or pass "
+                "data_files with local JSONL/CSV/Parquet files)") if path not in _LOADERS.values() else ""
+        raise ValueError(f"could not load {what}{hint}: {type(e).__name__}: {e}") from e
+
+
+def _check_file(split: str, path: str) -> str:
+    p = Path(path).expanduser()
+    suffix = p.suffix.lower()
+    if suffix not in _LOADERS:
+        raise ValueError(f"data file for split {split!r} has an unknown suffix {suffix or '(none)'!r}: {path}; "
+                         f"supported: {', '.join(_LOADERS)}")
+    if not p.is_file():
+        raise ValueError(f"data file for split {split!r} not found: {path}")
+    return str(p)
+
+
+def load_task(
+    name: str | None = None,
+    *,
+    data_files: Mapping[str, str] | None = None,
+    text_column: str | None = None,
+    text_pair_column: str | None = None,
+    label_column: str | None = None,
+    label_names: Sequence[str] | None = None,
+    response_column: str | None = None,
+    trust_remote_code: bool = False,
+    cache_dir: str | None = None,
+    holdout: int = 500,
+    seed: int = 0,
+) -> LoadedTask:
+    """A task's train and test records, by registered name (from the hub or its cache) and/or
+    from local files `data_files={"train": path, "test": path}` (loader from the suffix:
+    .jsonl/.json, .csv, .parquet). With both, the files are read with the named task's columns,
+    labels and instruction (a local copy of that dataset).
+
+    Labels may be ints (indices into label_names) or strings (exactly one of label_names). Without
+    label_names a ClassLabel column gives its names, and string labels their sorted distinct
+    values in the training split. Where there is no test split (Alpaca, or files without "test"),
+    `holdout` rows (at most a tenth) of the training split, picked with `seed`, become the test set.
+    """
+    if name is None and not data_files:
+        raise ValueError(f"load_task needs a task name ({', '.join(sorted(TASKS))}) or data_files "
+                         "({'train': path, 'test': path})")
+    spec = resolve_spec(name, text_column=text_column, text_pair_column=text_pair_column,
+                        label_column=label_column, label_names=label_names, response_column=response_column)
+    explicit_pair = text_pair_column is not None
+    raw: dict[str, tuple[object, str]] = {}
+    if data_files:
+        unknown = set(data_files) - set(_SPLITS)
+        if unknown or "train" not in data_files:
+            raise ValueError(f"data_files must map 'train' (and optionally 'test') to a file, got keys {sorted(data_files)}")
+        for split, path in data_files.items():
+            path = _check_file(split, path)
+            loader = _LOADERS[Path(path).suffix.lower()]
+            ds = _load_dataset(loader, what=f"{path} (split {split!r})", trust_remote_code=False,
+                               data_files={split: path}, split=split, cache_dir=cache_dir)
+            raw[split] = (ds, f"{path} (split {split!r})")
+    else:
+        for split, hub_split in (("train", spec.train_split), ("test", spec.test_split)):
+            if hub_split is None:
+                continue
+            where = f"{spec.hub_id}{f' ({spec.config_name})' if spec.config_name else ''} split {hub_split!r}"
+            ds = _load_dataset(spec.hub_id, what=where, trust_remote_code=trust_remote_code,
+                               name=spec.config_name, split=hub_split, cache_dir=cache_dir)
+            raw[split] = (ds, where)
+
+    if spec.kind == "classification" and spec.label_names is None:
+        spec = replace(spec, label_names=_infer_label_names(spec, *raw["train"]))
+        if not spec.instruction:
+            spec = replace(spec, instruction=_instruction_for(spec.text_columns, spec.label_names))
+    records = {split: _records(spec, ds, where, explicit_pair) for split, (ds, where) in raw.items()}
+    train = records["train"]
+    test = records.get("test")
+    if test is None:
+        n_test = min(holdout, len(train) // 10)
+        order = np.random.default_rng(seed).permutation(len(train))
+        held = set(order[:n_test].tolist())
+        test = [train[i] for i in sorted(held)]
+        train = [r for i, r in enumerate(train) if i not in held]
+    if not train:
+        raise ValueError(f"task {spec.name!r}: the training split is empty ({raw['train'][1]})")
+    return LoadedTask(spec, train, test, {split: where for split, (_, where) in raw.items()})
+
+
+def _column(ds, column: str, where: str, optional: bool = False) -> list | None:
+    if column not in ds.column_names:
+        if optional:
+            return None
+        raise ValueError(f"column {column!r} not found in {where}; available columns: {', '.join(ds.column_names)}")
+    return list(ds[column])
+
+
+def _text(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(value)
+
+
+def _infer_label_names(spec: TaskSpec, ds, where: str) -> tuple[str, ...]:
+    feature = getattr(ds, "features", {}).get(spec.label_column)
+    if feature is not None and getattr(feature, "names", None):
+        return tuple(feature.names)  # a ClassLabel
+    values = _column(ds, spec.label_column, where)
+    if values and all(isinstance(v, str) for v in values):
+        return tuple(sorted({v.strip() for v in values}))
+    raise ValueError(f"label column {spec.label_column!r} of {where} holds integers; pass label_names to name them")
+
+
+def _label_index(value, names: Sequence[str], row: int, where: str, column: str) -> int:
+    if isinstance(value, str):
+        if value.strip() in names:
+            return names.index(value.strip())
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if 0 <= int(value) < len(names):
+            return int(value)
+    elif isinstance(value, (float, np.floating)) and float(value).is_integer() and 0 <= value < len(names):
+        return int(value)  # an int column that pandas widened to float
+    raise ValueError(f"label {value!r} in row {row} of {where} (column {column!r}) is not in the label set: "
+                     f"ints 0..{len(names) - 1} or one of {list(names)}")
+
+
+def _records(spec: TaskSpec, ds, where: str, explicit_pair: bool) -> list[Record]:
+    if spec.kind == "generation":
+        instructions = _column(ds, spec.text_columns[0], where)
+        inputs = _column(ds, spec.text_columns[1], where, optional=not explicit_pair) if len(spec.text_columns) > 1 else None
+        outputs = _column(ds, spec.response_column, where)
+        inputs = inputs if inputs is not None else [""] * len(instructions)
+        return [Record(alpaca_prompt(_text(i), _text(x)), _text(o), None, _text(i))
+                for i, x, o in zip(instructions, inputs, outputs)]
+    texts = [_column(ds, c, where) for c in spec.text_columns]
+    labels = _column(ds, spec.label_column, where)
+    names = spec.label_names
+    out = []
+    for row, label in enumerate(labels):
+        k = _label_index(label, names, row, where, spec.label_column)
+        parts = [_text(t[row]) for t in texts]
+        out.append(Record(classification_prompt(spec.instruction, *parts), verbalize(names[k]), k))
+    return out
+
+
+def vocabulary(records: Sequence[Record], label_names: Sequence[str] | None = None) -> list[str]:
+    """Every whitespace word of the records' prompts and answers (and of the label names), in
+    first-seen order: the word list for `deca_ds.data.build_word_tokenizer` with the tiny model."""
+    words: dict[str, None] = {}
+    for r in records:
+        words.update(dict.fromkeys(r.prompt.split()))
+        words.update(dict.fromkeys(r.answer.split()))
+    for name in label_names or ():
+        words.update(dict.fromkeys(verbalize(name).split()))
+    return list(words)
+
+
+# ---------------------------------------------------------------------------------------------
+# Features
+# ---------------------------------------------------------------------------------------------
+
+
+def render(tokenizer, record: Record, *, use_chat_template: bool = False) -> tuple[str, str]:
+    """(prompt, answer) as the model reads them: as is, or the prompt as the user's message in
+    the tokenizer's chat template (with the generation prompt) and the answer without its leading space."""
+    if not use_chat_template:
+        return record.prompt, record.answer
+    return render_chat(tokenizer, [{"role": "user", "content": record.prompt}]), record.answer.removeprefix(" ")
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"use_chat_template: the tokenizer {type(tokenizer).__name__} "
+                         f"({getattr(tokenizer, 'name_or_path', '') or 'unnamed'}) has no chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    bos = tokenizer.bos_token
+    if bos and tokenizer.bos_token_id is not None and text.startswith(bos):
+        text = text[len(bos):]  # encode() adds bos itself
+    return text
+
+
+def to_features(tokenizer, records: Sequence[Record], *, max_length: int,
+                use_chat_template: bool = False) -> list[dict[str, list[int]]]:
+    """`deca_ds.data.encode` of each record: loss on the answer (and eos) only; a long prompt
+    loses tokens from the left, the answer is never cut, and a record whose answer cannot fit
+    raises a ValueError naming it."""
+    features = []
+    for i, record in enumerate(records):
+        prompt, answer = render(tokenizer, record, use_chat_template=use_chat_template)
+        try:
+            features.append(encode(tokenizer, prompt, answer, max_length))
+        except ValueError as e:
+            raise ValueError(f"record {i}: {e}; raise max_length or drop such records "
+                             "(fits_max_length)") from e
+    return features
+
+
+def fits_max_length(tokenizer, records: Sequence[Record], *, max_length: int,
+                    use_chat_template: bool = False) -> list[bool]:
+    """Whether each record's answer (plus eos, bos and one prompt token) fits in max_length."""
+    extra = int(tokenizer.bos_token_id is not None) + int(tokenizer.eos_token_id is not None) + 1
+    return [len(tokenizer(render(tokenizer, r, use_chat_template=use_chat_template)[1],
+                          add_special_tokens=False)["input_ids"]) + extra <= max_length for r in records]
+
+
+# ---------------------------------------------------------------------------------------------
+# Client partitions
+# ---------------------------------------------------------------------------------------------
+
+
+def instruction_category(instruction: str | None) -> str:
+    """The first word of the instruction, lower-cased, without surrounding punctuation ("" if none)."""
+    words = (instruction or "").split()
+    return re.sub(r"^\W+|\W+$", "", words[0]).lower() if words else ""
+
+
+def partition_keys(records: Sequence[Record], key: str = "label", *, top_k: int = 8,
+                   label_names: Sequence[str] | None = None) -> tuple[list[int], tuple[str, ...]]:
+    """What a partition is skewed over: (per-record key index, key names).
+
+    key="label": the records' labels (names from `label_names`, else "0", "1", …).
+    key="category": the first word of each record's instruction, lower-cased; the `top_k` most
+    frequent words (ties broken alphabetically) are categories 0..K-1 and every other word
+    (and an empty instruction) is "other" (index K, present only when used).
+    """
+    if key == "label":
+        if any(r.label is None for r in records):
+            raise ValueError("key='label': some records have no label (a generation task); use key='category' or iid")
+        labels = [int(r.label) for r in records]
+        n = max(labels, default=-1) + 1
+        names = tuple(label_names) if label_names is not None else tuple(str(k) for k in range(n))
+        return labels, names
+    if key == "category":
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        words = [instruction_category(r.instruction) for r in records]
+        counts = Counter(w for w in words if w)
+        top = [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top_k]]
+        index = {w: k for k, w in enumerate(top)}
+        keys = [index.get(w, len(top)) for w in words]
+        return keys, tuple(top) + (("other",) if len(top) in keys else ())
+    raise ValueError(f"key must be 'label' or 'category', got {key!r}")
+
+
+def partition_records(
+    records: Sequence[Record],
+    n_clients: int,
+    *,
+    alpha: float = 0.25,
+    seed: int = 0,
+    min_size: int = 2,
+    iid: bool = False,
+    key: str = "label",
+    top_k: int = 8,
+) -> list[list[int]]:
+    """Each client's record indices (disjoint, together all records).
+
+    iid=True: a random split of near-equal sizes. key="label": Dirichlet(alpha) over the labels
+    (`deca_ds.data.dirichlet_partition`); records without labels (generation) are split IID.
+    key="category": Dirichlet(alpha) over `partition_keys(records, "category", top_k=top_k)`.
+    """
+    if iid or (key == "label" and any(r.label is None for r in records)):
+        return iid_partition(len(records), n_clients, seed=seed)
+    keys, _ = partition_keys(records, key, top_k=top_k)
+    return dirichlet_partition(keys, n_clients, alpha, seed=seed, min_size=min_size)
+
+
+def label_skew(labels: Sequence[int], partition: Sequence[Sequence[int]], num_labels: int | None = None) -> float:
+    """Mean over clients of the total variation distance between the client's label
+    distribution and the global one (0 = IID; 1 = disjoint supports)."""
+    num_labels = num_labels or max(labels) + 1
+    hist = label_histogram(labels, partition, num_labels).astype(float)
+    glob = np.bincount(np.asarray(labels), minlength=num_labels) / len(labels)
+    local = hist / np.maximum(hist.sum(1, keepdims=True), 1)
+    return float(0.5 * np.abs(local - glob).sum(1).mean())
+
+
+def write_partition_report(out_dir: str | os.PathLike, labels: Sequence[int], partition: Sequence[Sequence[int]],
+                           label_names: Sequence[str]) -> dict[str, Path]:
+    """partition.json (each client's indices, sizes, label histogram, mean TV distance),
+    label_histogram.csv and .md (clients × labels counts) and label_histogram.png (a heatmap).
+    The same inputs give byte-identical files."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [str(n) for n in label_names]
+    hist = label_histogram(labels, partition, len(names))
+    paths = {k: out / f for k, f in (("json", "partition.json"), ("csv", "label_histogram.csv"),
+                                      ("md", "label_histogram.md"), ("png", "label_histogram.png"))}
+    paths["json"].write_text(json.dumps({
+        "n_clients": len(partition), "label_names": names, "sizes": [len(p) for p in partition],
+        "label_histogram": hist.tolist(), "mean_tv_distance": round(label_skew(labels, partition, len(names)), 6),
+        "partition": [[int(i) for i in p] for p in partition],
+    }, indent=1) + "\n")
+
+    def cell(s: str) -> str:
+        return s.replace(",", " ").replace("|", "/")
+
+    rows = [["client", *map(cell, names), "total"]]
+    rows += [[str(c), *map(str, h.tolist()), str(int(h.sum()))] for c, h in enumerate(hist)]
+    paths["csv"].write_text("".join(",".join(r) + "\n" for r in rows))
+    md = ["| " + " | ".join(rows[0]) + " |", "|" + " ---: |" * len(rows[0])]
+    md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    paths["md"].write_text("\n".join(md) + "\n")
+
+    fig = Figure(figsize=(1.2 + 0.6 * len(names), 1.0 + 0.35 * len(partition)), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(hist, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
+    ax.set_yticks(range(len(partition)), [str(c) for c in range(len(partition))], fontsize=7)
+    ax.set_xlabel("label")
+    ax.set_ylabel("client")
+    if hist.size <= 400:
+        top = hist.max() or 1
+        for (c, k), v in np.ndenumerate(hist):
+            ax.text(k, c, str(v), ha="center", va="center", fontsize=6, color="black" if v > top / 2 else "white")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(paths["png"], format="png", metadata={"Software": None})
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation: classification records, ROUGE-L, answer generation, LLM judge
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate_records(model, tokenizer, records: Sequence[Record], label_names: Sequence[str], *, max_length: int,
+                     use_chat_template: bool = False, batch_size: int = 32, limit: int | None = None) -> dict:
+    """Classification by answer likelihood, with prompts and answers laid out exactly as
+    `to_features` trains them: each label's answer is scored by log p(answer + eos | prompt),
+    the argmax is the prediction. Returns accuracy, macro-F1, n, chance."""
+    from .evaluation import classification_metrics
+
+    records = list(records)[:limit]
+    candidates = [Record(r.prompt, verbalize(name)) for r in records for name in label_names]
+    pairs = to_features(tokenizer, candidates, max_length=max_length, use_chat_template=use_chat_template)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        scores = []
+        for start in range(0, len(pairs), batch_size):
+            batch = collate(pairs[start:start + batch_size], tokenizer.pad_token_id)
+            logits = model(input_ids=batch["input_ids"].to(device),
+                           attention_mask=batch["attention_mask"].to(device)).logits
+            targets = batch["labels"][:, 1:].to(device)
+            answer = targets != -100
+            picked = logits[:, :-1][answer].float().log_softmax(-1).gather(-1, targets[answer].unsqueeze(-1))
+            rows = answer.nonzero()[:, 0]
+            scores.append(torch.zeros(len(targets), device=device).index_add_(0, rows, picked.squeeze(-1)).cpu())
+    finally:
+        model.train(was_training)
+    y_pred = torch.cat(scores).view(len(records), len(label_names)).argmax(-1).numpy()
+    metrics = classification_metrics([r.label for r in records], y_pred, len(label_names))
+    return {**metrics, "n": len(records), "chance": 1 / len(label_names)}
+
+
+def rouge_l(prediction: str, reference: str, *, beta: float = 1.0) -> float:
+    """ROUGE-L F-measure on whitespace tokens (case-sensitive, no stemming):
+    P = LCS/len(prediction), R = LCS/len(reference), F = (1+β²)PR / (R + β²P); 0 if either is empty."""
+    pred, ref = prediction.split(), reference.split()
+    if not pred or not ref:
+        return 0.0
+    prev = [0] * (len(ref) + 1)  # LCS table, one row at a time
+    for p in pred:
+        row = [0]
+        for j, r in enumerate(ref):
+            row.append(prev[j] + 1 if p == r else max(prev[j + 1], row[j]))
+        prev = row
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(pred), lcs / len(ref)
+    return (1 + beta**2) * precision * recall / (recall + beta**2 * precision)
+
+
+def read_questions(path: str | os.PathLike) -> list[dict]:
+    """Vicuna-80 / MT-Bench style questions: one JSON object a line with "question_id" and
+    "turns": [str, ...] (MT-Bench) or "text": str (Vicuna); "category" is kept where present."""
+    questions = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON: {e}") from e
+            turns = q.get("turns", [q["text"]] if "text" in q else None)
+            if "question_id" not in q or not turns or not all(isinstance(t, str) for t in turns):
+                raise ValueError(f"{path}:{n}: a question needs 'question_id' and 'turns' (list of str) or 'text'")
+            questions.append({"question_id": q["question_id"], "turns": list(turns),
+                              **({"category": q["category"]} if "category" in q else {})})
+    return questions
+
+
+def conversation_prompt(tokenizer, turns: Sequence[str], answers: Sequence[str], *, use_chat_template: bool) -> str:
+    """The prompt for the next answer: with a chat template, the conversation as messages; without,
+    the Alpaca prompt of the first turn followed by "### Instruction:/### Response:" exchanges."""
+    if use_chat_template:
+        messages = []
+        for k, turn in enumerate(turns):
+            messages.append({"role": "user", "content": turn})
+            if k < len(answers):
+                messages.append({"role": "assistant", "content": answers[k]})
+        return render_chat(tokenizer, messages)
+    text = alpaca_prompt(turns[0])
+    for k in range(1, len(turns)):
+        text += f"{answers[k - 1]}\n\n### Instruction:\n{turns[k]}\n\n### Response:\n"
+    return text
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, questions_jsonl_path: str | os.PathLike, out_jsonl_path: str | os.PathLike, *,
+                     max_new_tokens: int = 512, batch_size: int = 8, use_chat_template: bool | None = None) -> list[dict]:
+    """Greedy answers to every turn of every question; turn k sees the earlier turns and the
+    model's own earlier answers. Writes {"question_id", "turns", "answers"} (and "category") per
+    line to `out_jsonl_path` and returns the rows. `use_chat_template=None`: use the tokenizer's
+    chat template where it has one."""
+    questions = read_questions(questions_jsonl_path)
+    if use_chat_template is None:
+        use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("generate_answers: the tokenizer has neither a pad nor an eos token")
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    device = next(model.parameters()).device
+    answers: list[list[str]] = [[] for _ in questions]
+    was_training = model.training
+    model.eval()
+    try:
+        for turn in range(max(len(q["turns"]) for q in questions)):
+            todo = [i for i, q in enumerate(questions) if len(q["turns"]) > turn]
+            for start in range(0, len(todo), batch_size):
+                chunk = todo[start:start + batch_size]
+                ids = []
+                for i in chunk:
+                    prompt = conversation_prompt(tokenizer, questions[i]["turns"][:turn + 1], answers[i],
+                                                 use_chat_template=use_chat_template)
+                    body = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                    if limit is not None:  # keep the end of a long conversation
+                        body = body[max(len(body) - (limit - max_new_tokens - len(bos)), 0):]
+                    ids.append(bos + body)
+                length = max(map(len, ids))  # left padding: every prompt ends where generation starts
+                input_ids = torch.tensor([[pad] * (length - len(x)) + x for x in ids], device=device)
+                mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in ids], device=device)
+                out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                     do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+                for i, row in zip(chunk, out[:, length:].tolist()):
+                    answers[i].append(tokenizer.decode(row, skip_special_tokens=True).strip())
+    finally:
+        model.train(was_training)
+    rows = [{"question_id": q["question_id"], "turns": q["turns"], "answers": a,
+             **({"category": q["category"]} if "category" in q else {})} for q, a in zip(questions, answers)]
+    out_path = Path(out_jsonl_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return rows
+
+
+JUDGE_SYSTEM = "You are a helpful assistant."
+JUDGE_PROMPT = (
+    "[Instruction]\nPlease act as an impartial judge and evaluate the quality of the response an AI assistant "
+    "gave to the user question below. Consider helpfulness, relevance, accuracy, depth, creativity and level "
+    "of detail. {focus}Begin with a short explanation and be as objective as possible. Then rate the response "
+    "on a scale of 1 to 10, strictly in this format: \"Rating: [[5]]\".\n\n{conversation}"
+)
+_RATING = re.compile(r"\[\[\s*(\d+(?:\.\d+)?)\s*\]\]")
+_RATING_LOOSE = re.compile(r"Rating:\s*\[?\s*(\d+(?:\.\d+)?)")
+
+
+def parse_rating(judgment: str) -> float | None:
+    """The score of an MT-Bench style judgment: the last "[[x]]", else "Rating: x"; None if absent."""
+    for pattern in (_RATING, _RATING_LOOSE):
+        found = pattern.findall(judgment)
+        if found:
+            return float(found[-1])
+    return None
+
+
+def judge_prompt(turns: Sequence[str], answers: Sequence[str], turn: int) -> str:
+    """The judge's prompt for answer `turn` (0-based); later turns show the conversation before it."""
+    if turn == 0:
+        conversation = (f"[Question]\n{turns[0]}\n\n[The Start of Assistant's Answer]\n{answers[0]}\n"
+                        "[The End of Assistant's Answer]")
+        return JUDGE_PROMPT.format(focus="", conversation=conversation)
+    lines = ["<|The Start of Assistant's Conversation with User|>"]
+    for k in range(turn + 1):
+        lines += [f"\n### User:\n{turns[k]}", f"\n### Assistant:\n{answers[k]}"]
+    lines.append("\n<|The End of Assistant's Conversation with User|>")
+    focus = f"Focus on the assistant's answer to turn {turn + 1} of the conversation. "
+    return JUDGE_PROMPT.format(focus=focus, conversation="\n".join(lines))
+
+
+def judge_answers(
+    answers_path: str | os.PathLike,
+    *,
+    endpoint_url: str,
+    model: str,
+    api_key_env: str | None = "OPENAI_API_KEY",
+    out_path: str | os.PathLike | None = None,
+    timeout: float = 120.0,
+    max_tokens: int = 1024,
+    temperature: float = 0.0,
+) -> dict:
+    """Score every answer of `generate_answers`' output with an LLM judge behind an
+    OpenAI-compatible chat-completions endpoint (`endpoint_url` is the server's base URL, e.g.
+    "https://api.openai.com", or the full …/chat/completions URL). Nothing calls this unless asked.
+
+    The API key is read from the environment variable `api_key_env` (None: send no key, for a
+    local server) and sent only in the Authorization header; it is never logged, returned or
+    written. Writes {"question_id", "turn", "score", "judgment"} per answer to `out_path`
+    (default: <answers>.judgments.jsonl) and returns {"mean", "n", "n_unparsed", "per_turn", "out_path"}.
+    """
+    key = None
+    if api_key_env is not None:
+        key = os.environ.get(api_key_env)
+        if not key:
+            raise ValueError(f"judge_answers: the environment variable {api_key_env} holding the API key is not set "
+                             "(pass api_key_env=None for an endpoint without authentication)")
+    url = endpoint_url.rstrip("/")
+    if not url.endswith("/chat/completions"):
+        url += "/chat/completions" if url.endswith("/v1") else "/v1/chat/completions"
+    answers_path = Path(answers_path)
+    out_path = Path(out_path) if out_path is not None else answers_path.with_suffix(".judgments.jsonl")
+    rows = [json.loads(line) for line in answers_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    def scrub(text: str) -> str:
+        return text.replace(key, "***") if key else text
+
+    results = []
+    for row in rows:
+        for turn in range(len(row["answers"])):
+            body = {"model": model, "temperature": temperature, "max_tokens": max_tokens,
+                    "messages": [{"role": "system", "content": JUDGE_SYSTEM},
+                                 {"role": "user", "content": judge_prompt(row["turns"], row["answers"], turn)}]}
+            headers = {"Content-Type": "application/json"}
+            if key:
+                headers["Authorization"] = f"Bearer {key}"
+            request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    reply = json.loads(response.read().decode("utf-8"))
+                judgment = reply["choices"][0]["message"]["content"] or ""
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode("utf-8", "replace")[:500]
+                raise ValueError(scrub(f"judge endpoint {url} answered HTTP {e.code} for question "
+                                       f"{row['question_id']} turn {turn + 1}: {detail}")) from None
+            except (urllib.error.URLError, http.client.HTTPException, OSError, KeyError, IndexError,
+                    json.JSONDecodeError) as e:
+                raise ValueError(scrub(f"judge endpoint {url} failed for question {row['question_id']} "
+                                       f"turn {turn + 1}: {type(e).__name__}: {e}")) from None
+            score = parse_rating(judgment)
+            if score is None:
+                log.warning("judge: no rating in the judgment of question %s turn %d", row["question_id"], turn + 1)
+            results.append({"question_id": row["question_id"], "turn": turn + 1, "score": score,
+                            "judgment": scrub(judgment)})
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
+    scored = [r for r in results if r["score"] is not None]
+    per_turn = {}
+    for t in sorted({r["turn"] for r in scored}):
+        s = [r["score"] for r in scored if r["turn"] == t]
+        per_turn[t] = sum(s) / len(s)
+    return {"mean": sum(r["score"] for r in scored) / len(scored) if scored else None, "n": len(scored),
+            "n_unparsed": len(results) - len(scored), "per_turn": per_turn, "out_path": str(out_path)}

@@ -1,0 +1,308 @@
+"""deca_ds.memory and profiling/estimate.py: exact counts, optimizer state as DecaOptimizer holds it,
+communication, the phase model's orderings, the (approximate) activation formula against the tensors
+autograd really saves on CPU, and the command."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from deca_ds import DecaConfig, DecaOptimizer
+from deca_ds.memory import (
+    GPUS,
+    ModelSpec,
+    communication,
+    estimate_block,
+    estimate_blocks,
+    estimate_memory,
+    load_config,
+)
+from helpers import tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "profiling" / "configs"
+NAMES = ["qwen2-1.5b", "qwen2.5-3b-instruct", "llama-2-7b-hf", "llama-3.1-8b-instruct"]
+
+
+@pytest.fixture(scope="module")
+def specs():
+    return {name: ModelSpec.from_config(CONFIGS / f"{name}.json") for name in NAMES}
+
+
+def expected_counts(cfg: dict) -> tuple[int, int]:
+    """(total, per layer) from the config numbers alone."""
+    h, i, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    a = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", a)
+    hd = cfg.get("head_dim", h // a)
+    qwen = cfg["model_type"] == "qwen2"
+    attn = h * a * hd + 2 * h * kv * hd + a * hd * h  # q, k, v (GQA: kv heads), o
+    if qwen or cfg.get("attention_bias"):
+        attn += a * hd + 2 * kv * hd  # Qwen2: biases on q, k, v
+    layer = attn + 3 * h * i + 2 * h  # SwiGLU MLP, two RMSNorms
+    total = V * h + cfg["num_hidden_layers"] * layer + h  # embeddings, layers, final norm
+    if not cfg.get("tie_word_embeddings", False):
+        total += V * h  # untied LM head
+    return total, layer
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parameter_counts_from_config_arithmetic(specs, name):
+    cfg = json.loads((CONFIGS / f"{name}.json").read_text())
+    total, layer = expected_counts(cfg)
+    spec, L = specs[name], cfg["num_hidden_layers"]
+    assert spec.total_params == total
+    assert spec.layer_params == (layer,) * L
+    assert spec.non_layer_params == total - L * layer
+    for lpb in (1, 2, 3, 4):
+        blocks = spec.partition(lpb).blocks
+        assert len(blocks) == math.ceil(L / lpb)
+        assert [b.numel for b in blocks] == [min(lpb, L - k * lpb) * layer for k in range(len(blocks))]
+        est = estimate_memory(spec, lpb)
+        assert (est.total_params, est.num_blocks, est.block_params) == (total, len(blocks), lpb * layer)
+        assert est.decoder_params == L * layer
+
+
+def test_known_sizes(specs):
+    # Sanity against the published sizes: Qwen2-1.5B 1.54 B (tied), Llama-3.1-8B 8.03 B, Llama-2-7B 6.74 B.
+    assert specs["qwen2-1.5b"].total_params == 1_543_714_304
+    assert specs["llama-3.1-8b-instruct"].total_params == 8_030_261_248
+    assert specs["llama-2-7b-hf"].total_params == 6_738_415_616
+    assert specs["qwen2-1.5b"].tied and not specs["llama-3.1-8b-instruct"].tied
+
+
+def test_config_sources(tmp_path, specs):
+    (tmp_path / "config.json").write_text((CONFIGS / "qwen2-1.5b.json").read_text())
+    from_dir = ModelSpec.from_config(tmp_path)
+    from_obj = ModelSpec.from_config(load_config(CONFIGS / "qwen2-1.5b.json"))
+    assert from_dir.total_params == from_obj.total_params == specs["qwen2-1.5b"].total_params
+    assert next(from_dir.model.parameters()).device.type == "meta"
+    with pytest.raises(ValueError, match="no such file"):
+        load_config(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("layers_per_block", [1, 2])
+@pytest.mark.parametrize("master_dtype", [torch.float32, torch.float64])
+def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype):
+    model = tiny_llama(layers=3, dtype=torch.float32)
+    cfg = DecaConfig(layers_per_block=layers_per_block, steps_per_block=1, rounds=1, master_dtype=master_dtype)
+    opt = DecaOptimizer(model, cfg)
+    spec = ModelSpec.from_config(model.config)
+    master = "fp64" if master_dtype == torch.float64 else "fp32"
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    seen = []
+    while not opt.done:
+        k = opt.active.index
+        est = estimate_block(spec, layers_per_block, k, working_dtype="fp32", master_dtype=master)
+        assert est.optimizer_state == opt.state_bytes()
+        assert est.master == est.m == est.v == opt.active.master.numel() * opt.active.master.element_size()
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert est.grad == sum(p.grad.numel() * p.grad.element_size() for p in opt.active.params)
+        x_half = opt.adam_half_step()
+        assert est.x_half == est.x_plus == x_half.numel() * x_half.element_size()
+        opt.bma_correct(x_half.clone())
+        seen.append(k)
+    assert seen == list(range(math.ceil(3 / layers_per_block)))
+    assert opt.state_bytes() == 0
+
+
+@pytest.mark.parametrize("transfer,master,working,size", [
+    ("master", "fp32", "bf16", 4), ("master", "fp64", "fp32", 8),
+    ("working", "fp32", "bf16", 2), ("working", "fp32", "fp32", 4),
+])
+def test_communication_bytes(specs, transfer, master, working, size):
+    spec = specs["qwen2.5-3b-instruct"]
+    for lpb, neighbors in ((1, 2), (4, 3)):
+        blocks = spec.partition(lpb).blocks
+        for k in (0, len(blocks) - 1):
+            est = estimate_block(spec, lpb, k, transfer_dtype=transfer, master_dtype=master, working_dtype=working,
+                                 n_neighbors=neighbors, steps_per_block=48)
+            assert est.comm_per_step == neighbors * blocks[k].numel * size
+            assert est.recv == est.comm_per_step
+            assert est.comm_per_round == 48 * neighbors * size * sum(b.numel for b in blocks)
+            cast = transfer == "working" and working != master
+            assert est.send_copy == (blocks[k].numel * size if cast else 0)
+            assert est.recv_upcast == (neighbors * est.x_plus if cast else 0)
+        comm = communication(spec, lpb, n_neighbors=neighbors, transfer_dtype=transfer, master_dtype=master,
+                             working_dtype=working)
+        assert comm["per_step"] == [neighbors * b.numel * size for b in blocks]
+
+
+def test_phase_model_and_orderings(specs):
+    spec = specs["llama-3.1-8b-instruct"]
+    peaks = {}
+    for offload in ("none", "frozen"):
+        for lpb in (1, 2, 4):
+            est = estimate_memory(spec, lpb, offload=offload)
+            assert est.peak == max(est.phases.values()) and est.peak_phase in est.phases
+            assert est.optimizer_state == est.master + est.m + est.v == 3 * est.block_params * 4
+            assert est.trivial_bma_extra == 0
+            peaks[offload, lpb] = est.peak
+    # More layers per block = fewer, bigger blocks = more optimizer state and mixing buffers.
+    for offload in ("none", "frozen"):
+        assert peaks[offload, 1] < peaks[offload, 2] < peaks[offload, 4]
+    for lpb in (1, 2, 4):
+        assert peaks["frozen", lpb] < peaks["none", lpb]
+    trivial = estimate_memory(spec, 1, variant="trivial_bma")
+    assert trivial.trivial_bma_extra == 2 * trivial.master and trivial.peak > peaks["none", 1]
+    # The peak over a round is block 0 (largest block, deepest backward).
+    blocks = estimate_blocks(spec, 1)
+    assert estimate_memory(spec, 1).block == 0 and max(e.peak for e in blocks) == blocks[0].peak
+    # Checkpointing keeps less than saving every layer's tensors.
+    assert estimate_memory(spec, 1, checkpointing=False).activations > estimate_memory(spec, 1).activations
+
+
+def test_paper_formulas_llama_8b(specs):
+    spec = specs["llama-3.1-8b-instruct"]
+    d = spec.total_params
+    est = estimate_memory(spec, 1)
+    assert est.num_blocks == 32
+    assert est.paper_deca == 2 * d + 20 * d // 32 and (20 * d) % 32 == 0
+    assert est.paper_dadam_9m == 18 * d and est.paper_dadam_11m == 22 * d
+    layers = spec.decoder_params
+    assert est.dadam_runtime == 2 * d + layers * (4 + 4 + 4 + 2)
+    assert est.weights == 2 * d
+
+
+def test_offload_frozen_terms(specs):
+    spec = specs["llama-3.1-8b-instruct"]
+    est = estimate_memory(spec, 1, offload="frozen")
+    layer = spec.layer_params[0]
+    assert est.weights == 2 * (spec.non_layer_params + layer)
+    assert est.offload_buffers == 2 * 2 * layer
+    assert est.host_weights == 2 * spec.decoder_params
+
+
+def test_deepspeed_allreduce_bucket(specs):
+    spec = specs["llama-3.1-8b-instruct"]
+    one = estimate_memory(spec, 1)
+    assert one.grad_allreduce == one.block_params * (2 + 4)  # bf16 flat copy + its fp32 communication copy
+    four = estimate_memory(spec, 4)  # 872 M elements: the first bucket closes once it passes 5e8
+    assert 5e8 < four.grad_allreduce / 6 < four.block_params
+    assert estimate_memory(spec, 1, deepspeed_allreduce=False).grad_allreduce == 0
+    assert estimate_memory(spec, 1, working_dtype="fp32").grad_allreduce == one.block_params * 4
+
+
+def test_gpu_fit(specs):
+    est = estimate_memory(specs["qwen2-1.5b"], 1)
+    for gpu, capacity in GPUS.items():
+        assert est.headroom(gpu, reserve=0) == capacity - est.peak and est.fits(gpu)
+    assert not est.fits(est.peak - 1, reserve=0) and est.fits(est.peak, reserve=0)
+
+
+# ---- the activation formula against what autograd saves (CPU) -----------------------------------
+
+def enable_checkpointing(model) -> None:
+    """As the runtime does (non-reentrant), without transformers 5's deprecation warning."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+def _saved_bytes(model, batch) -> int:
+    """Bytes of the distinct non-parameter storages autograd still holds after the forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    refs = []
+
+    def pack(t):
+        refs.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**batch)
+    alive = {}
+    for r in refs:
+        t = r()
+        if t is not None and t.untyped_storage().data_ptr() not in params:
+            alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    del out
+    return sum(alive.values())
+
+
+@pytest.mark.parametrize("config_cls", [LlamaConfig, Qwen2Config])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_estimate_matches_saved_tensors(config_cls, attn, dtype, checkpointing):
+    torch.manual_seed(0)
+    cfg = config_cls(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(dtype).train()
+    if checkpointing:
+        enable_checkpointing(model)
+    opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1))
+    b, s = 2, 64
+    ids = torch.randint(0, 300, (b, s), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[0, :5] = 0  # padding, as deca-ds batches have: transformers then expands GQA keys/values
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    spec = ModelSpec.from_config(cfg)
+    working = "bf16" if dtype == torch.bfloat16 else "fp32"
+    for block in (0, 2):
+        while opt.active.index != block:
+            opt.step()
+        measured = _saved_bytes(model, batch)
+        est = estimate_block(spec, 1, block, working_dtype=working, micro_batch=b, seq_len=s,
+                             checkpointing=checkpointing, attn_implementation=attn)
+        predicted = est.act_saved + b * s * cfg.vocab_size * 4  # + the fp32 log-softmax output the loss saves
+        assert abs(measured / predicted - 1) < 0.05, (block, measured, predicted)
+
+
+def test_checkpointing_keeps_lower_layer_inputs_unless_input_grads_are_disabled():
+    """transformers 5's gradient_checkpointing_enable() makes the embedding output require grad, so
+    the layers below the active block keep their inputs (and are recomputed in backward)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=False)
+    spec = ModelSpec.from_config(cfg)
+    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(1))
+    got = {}
+    for disable in (False, True):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).train()
+        enable_checkpointing(model)
+        if disable:
+            model.disable_input_require_grads()
+        opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1))
+        opt.step(), opt.step()  # block 2 active
+        got[disable] = _saved_bytes(model, {"input_ids": ids, "labels": ids})
+        est = estimate_block(spec, 1, 2, micro_batch=2, seq_len=64, inputs_require_grad=not disable)
+        assert abs(got[disable] / (est.act_saved + 2 * 64 * 300 * 4) - 1) < 0.01, (disable, got[disable])
+    assert got[False] - got[True] == 2 * 2 * 64 * 128 * 2  # exactly two lower layers' bf16 inputs
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+def test_command_writes_all_outputs(tmp_path):
+    help_text = subprocess.run([sys.executable, str(ROOT / "profiling" / "estimate.py"), "--help"],
+                               capture_output=True, text=True, check=True).stdout
+    assert "--layers-per-block" in help_text and "--offload" in help_text
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "profiling" / "estimate.py"), "--config", str(CONFIGS / "qwen2-1.5b.json"),
+         "--layers-per-block", "1", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    md = (tmp_path / "estimate.md").read_text()
+    assert "estimated, not measured (no GPU was available)" in md and "qwen2-1.5b" in md
+    assert md.strip() in run.stdout
+    with (tmp_path / "estimate.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and {r["offload"] for r in rows} == {"none", "frozen"}
+    for key in ("weights", "optimizer_state", "grad", "activations", "peak", "paper_deca", "comm_per_step",
+                "x_half", "recv", "x_plus", "fits RTX 5090"):
+        assert key in rows[0]
+    data = json.loads((tmp_path / "estimate.json").read_text())
+    assert len(data["rows"]) == 4 and "not measured" in data["meta"]["note"]
+    expected = estimate_memory(CONFIGS / "qwen2-1.5b.json", 2, offload="frozen")
+    row = next(r for r in data["rows"] if r["layers_per_block"] == 2 and r["offload"] == "frozen")
+    assert row["peak"] == expected.peak and row["optimizer_state"] == expected.optimizer_state
+    png = (tmp_path / "estimate.png").read_bytes()
+    assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
