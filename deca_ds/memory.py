@@ -20,18 +20,20 @@ Phase model of one inner step (what is alive at once; the peak is the largest ph
                    activation peak, although the gradient of the lowest block only appears at
                    the very end of backward, when most activations are already freed)
     grad_allreduce weights + optimizer_state + grad + grad_allreduce
-                   (DeepSpeed stage 0 flattens the .grad tensors into buckets of up to 5e8
-                   elements and casts the bucket to its communication dtype, fp32 unless DeepSpeed's
-                   own bf16/fp16 mode is on - which deca-ds refuses - even with one rank per client;
-                   activations are gone: autograd freed the graph at the end of backward)
+                   (with G > 1 ranks per client, DeepSpeed stage 0 flattens the .grad tensors into
+                   buckets of up to 5e8 elements and casts the bucket to its communication dtype,
+                   fp32 unless DeepSpeed's own bf16/fp16 mode is on - which deca-ds refuses; with
+                   one rank per client the runtime switches that all-reduce off; activations are
+                   gone: autograd freed the graph at the end of backward)
     update         weights + optimizer_state + max(grad, x_half) + trivial_bma_extra
                    (adam_half_step folds .grad into m, v tensor by tensor and frees it, then
                    allocates x_half; it never holds a full master-dtype gradient)
-    mixing         weights + optimizer_state + x_half + send_copy + recv + recv_upcast + x_plus
+    mixing         weights + optimizer_state + x_half + send_copy + recv + x_plus
                    + trivial_bma_extra
-                   (DistributedMixer.mix: the send buffer, one receive buffer per neighbor, the
-                   master-dtype casts of all received buffers - built together in the list passed
-                   to weighted_sum - and the sum x_plus; bma_correct then works in place)
+                   (DistributedMixer.mix: the send buffer and one receive buffer per neighbor; x⁺
+                   is summed into the first term's buffer (x½ or a receive buffer) once the sends
+                   are done, so x_plus is 0 - unless the transfer dtype is not the master's: then
+                   x⁺ is a new master-dtype buffer; bma_correct then works in place)
 
 Not modelled: the CUDA context, cuBLAS workspaces and NCCL buffers (covered by the `reserve` of
 `fits`), allocator fragmentation, per-tensor temporaries (a single parameter tensor's worth,
@@ -297,8 +299,7 @@ class MemoryEstimate:
     x_half: int  # active block × master bytes: x½, allocated by adam_half_step, the send buffer
     send_copy: int  # active block × transfer bytes when the transfer dtype differs from the master's
     recv: int  # n_neighbors × active block × transfer bytes (one receive buffer per neighbor)
-    recv_upcast: int  # n_neighbors × active block × master bytes when transfer != master dtype
-    x_plus: int  # active block × master bytes: x⁺ = Σ w_ij x½_j
+    x_plus: int  # x⁺ = Σ w_ij x½_j: 0 when summed into an existing master-dtype buffer, else block × master bytes
     trivial_bma_extra: int  # variant trivial_bma: m_prev, v_prev, 2 × block × master bytes
     offload_buffers: int  # offload "frozen": two streaming buffers of the largest layer, working dtype
     host_weights: int  # offload "frozen": decoder layers kept in (pinned) host memory, not on the GPU
@@ -341,7 +342,7 @@ class MemoryEstimate:
             "backward": base + self.grad + self.activations,
             "grad_allreduce": base + self.grad + self.grad_allreduce,
             "update": base + max(self.grad, self.x_half) + self.trivial_bma_extra,
-            "mixing": base + self.x_half + self.send_copy + self.recv + self.recv_upcast + self.x_plus
+            "mixing": base + self.x_half + self.send_copy + self.recv + self.x_plus
                       + self.trivial_bma_extra,
         }
 
@@ -398,15 +399,15 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
                    transfer_dtype: str = "master", n_neighbors: int = 2, micro_batch: int = 1, seq_len: int = 512,
                    checkpointing: bool = True, offload: str = "none", variant: str = "deca",
                    attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
-                   deepspeed_allreduce: bool = True, inputs_require_grad: bool | None = None) -> MemoryEstimate:
+                   deepspeed_allreduce: bool = False, inputs_require_grad: bool = False) -> MemoryEstimate:
     """The estimate while block `block` of the default partition is active (see MemoryEstimate).
 
-    deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets (the runtime's path).
+    deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets; the runtime runs
+    that all-reduce only with more than one rank per client.
     inputs_require_grad: whether the embedding output requires grad. transformers >= 5's
-    gradient_checkpointing_enable() calls enable_input_require_grads() on every input_ids model, so
-    by default (None) it is taken equal to `checkpointing`: then the layers BELOW the active block
-    also keep their checkpointed inputs and backward recomputes them, down to the embeddings.
-    Pass False for a runtime that calls model.disable_input_require_grads() after enabling it.
+    checkpointing switch turns it on for every input_ids model; then the layers BELOW the active
+    block also keep their checkpointed inputs and backward recomputes them, down to the embeddings.
+    The runtime undoes it (models.enable_activation_checkpointing), hence the default False.
     """
     spec = ModelSpec.from_config(spec)
     working = _dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
@@ -436,8 +437,6 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     first = block * layers_per_block  # the default partition: block k = layers [k·lpb, (k+1)·lpb)
     in_block = min(layers_per_block, spec.num_layers - first)
     above = spec.num_layers - first - in_block
-    if inputs_require_grad is None:
-        inputs_require_grad = checkpointing
     below = first if inputs_require_grad else 0  # layers below the active block that build a graph
     b, s, h = micro_batch, seq_len, spec.hidden
     full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn_implementation)
@@ -472,7 +471,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         steps_per_block=steps_per_block,
         weights=weights, master=n * mb, m=n * mb, v=n * mb, grad=n * w, grad_allreduce=grad_allreduce,
         x_half=n * mb, send_copy=n * tb if cast else 0, recv=n_neighbors * n * tb,
-        recv_upcast=n_neighbors * n * mb if cast else 0, x_plus=n * mb,
+        x_plus=n * mb if cast else 0,
         trivial_bma_extra=2 * n * mb if variant == "trivial_bma" else 0,
         offload_buffers=offload_buffers, host_weights=host_weights,
         act_saved=act_saved, act_recompute=act_recompute, act_logits=logits_bytes(spec, b, s, w),

@@ -1,8 +1,8 @@
 """Neighbor mixing, x⁺_i = Σ_j w_ij · x½_j (Algorithm 1, step 5), for clients in one process.
 
 The DeepSpeed runtime has its own mixer that exchanges over torch.distributed; both form the
-sum with `weighted_sum` in the same (ascending j) order, so a distributed run and the in-process
-simulator produce the same bits.
+sum with `weighted_sum` in the same order (`mixing_order`), so a distributed run and the
+in-process simulator produce the same bits.
 """
 
 from __future__ import annotations
@@ -21,17 +21,25 @@ class Mixer(Protocol):
     def mix(self, x_half: torch.Tensor) -> torch.Tensor: ...
 
 
-def weighted_sum(terms: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
-    """Σ w·x over (w, x) pairs, accumulated left to right in the tensors' dtype."""
+def weighted_sum(terms: Sequence[tuple[float, torch.Tensor]], *, dtype: torch.dtype | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ w·x over (w, x) pairs, accumulated left to right in `dtype` (default: the first x's).
+
+    `out` may be the first x itself (the sum then overwrites it: no extra block-sized buffer).
+    Lower-precision terms are widened element by element inside the add, never copied whole."""
     (w0, x0), *rest = terms
-    out = x0 * w0
+    if out is None:
+        out = torch.empty_like(x0, dtype=dtype or x0.dtype)
+    out.copy_(x0).mul_(w0)
     for w, x in rest:
         out.add_(x, alpha=w)
     return out
 
 
-def support(W: np.ndarray, i: int) -> list[int]:
-    """Clients whose x½ enters client i's mix (w_ij > 0), i itself included when w_ii > 0."""
+def mixing_order(W: np.ndarray, i: int) -> list[int]:
+    """Clients whose x½ enters client i's mix (w_ij > 0, i itself included when w_ii > 0), in
+    ascending order for every client: with W = 11ᵀ/N all clients then add the same numbers in the
+    same order and hold the same bits. Both mixers use this order."""
     return [j for j in range(W.shape[0]) if W[i, j] > 0]
 
 
@@ -55,5 +63,5 @@ class InProcessMixer:
     def mix_all(self, x_halves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len(x_halves) != self.n:
             raise ValueError(f"expected {self.n} client vectors, got {len(x_halves)}")
-        return [weighted_sum([(float(self.W[i, j]), x_halves[j]) for j in support(self.W, i)])
+        return [weighted_sum([(float(self.W[i, j]), x_halves[j]) for j in mixing_order(self.W, i)])
                 for i in range(self.n)]

@@ -49,8 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variant", choices=["deca", "trivial_bma", "no_bma"], default="deca")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation")
     p.add_argument("--steps-per-block", type=int, default=48, help="R, for the communication per round")
-    p.add_argument("--no-deepspeed-allreduce", dest="deepspeed_allreduce", action="store_false",
-                   help="leave out DeepSpeed's stage-0 gradient all-reduce buckets")
+    p.add_argument("--deepspeed-allreduce", action="store_true",
+                   help="count DeepSpeed's stage-0 gradient all-reduce buckets (runs with G > 1 ranks per client)")
     p.add_argument("--reserve-gib", type=float, default=1.0,
                    help="memory a process needs besides the estimate (CUDA context, NCCL, allocator slack); "
                         "fits = peak + reserve <= capacity")
@@ -126,7 +126,7 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
               "(`deca_ds/memory.py`); nothing was run on a GPU. Memory in GiB (2^30 B), communication in MB (10^6 B).",
               "- Peak = the largest of four phases of an inner step: backward (weights + optimizer state + grad "
               "+ activations), DeepSpeed's stage-0 gradient all-reduce (grad + flat copy + fp32 copy), the update "
-              "(x½), and mixing (x½ + one receive buffer per neighbour + x⁺; in the master dtype). The block "
+              "(x½), and mixing (x½ + one receive buffer per neighbour, x⁺ summed into one of them; in the master dtype). The block "
               "with the largest peak is shown (block 0: it is the largest and the deepest backward).",
               "- weights (+buffers): all parameters in the working dtype (offload `none`), or embeddings + final norm "
               "+ LM head + the active block + two streaming buffers of the largest layer (offload `frozen`; the decoder "

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from deca_ds import DecaConfig, DecaOptimizer
+from deca_ds.models import enable_activation_checkpointing
 from deca_ds.memory import (
     GPUS,
     ModelSpec,
@@ -108,7 +109,8 @@ def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype):
         model(input_ids=ids, labels=ids).loss.backward()
         assert est.grad == sum(p.grad.numel() * p.grad.element_size() for p in opt.active.params)
         x_half = opt.adam_half_step()
-        assert est.x_half == est.x_plus == x_half.numel() * x_half.element_size()
+        assert est.x_half == x_half.numel() * x_half.element_size()
+        assert est.x_plus == 0  # master-dtype transfer: x⁺ is summed into an existing buffer
         opt.bma_correct(x_half.clone())
         seen.append(k)
     assert seen == list(range(math.ceil(3 / layers_per_block)))
@@ -131,7 +133,6 @@ def test_communication_bytes(specs, transfer, master, working, size):
             assert est.comm_per_round == 48 * neighbors * size * sum(b.numel for b in blocks)
             cast = transfer == "working" and working != master
             assert est.send_copy == (blocks[k].numel * size if cast else 0)
-            assert est.recv_upcast == (neighbors * est.x_plus if cast else 0)
         comm = communication(spec, lpb, n_neighbors=neighbors, transfer_dtype=transfer, master_dtype=master,
                              working_dtype=working)
         assert comm["per_step"] == [neighbors * b.numel * size for b in blocks]
@@ -184,12 +185,12 @@ def test_offload_frozen_terms(specs):
 
 def test_deepspeed_allreduce_bucket(specs):
     spec = specs["llama-3.1-8b-instruct"]
-    one = estimate_memory(spec, 1)
+    one = estimate_memory(spec, 1, deepspeed_allreduce=True)
     assert one.grad_allreduce == one.block_params * (2 + 4)  # bf16 flat copy + its fp32 communication copy
-    four = estimate_memory(spec, 4)  # 872 M elements: the first bucket closes once it passes 5e8
+    four = estimate_memory(spec, 4, deepspeed_allreduce=True)  # 872 M elements: the first bucket closes once it passes 5e8
     assert 5e8 < four.grad_allreduce / 6 < four.block_params
-    assert estimate_memory(spec, 1, deepspeed_allreduce=False).grad_allreduce == 0
-    assert estimate_memory(spec, 1, working_dtype="fp32").grad_allreduce == one.block_params * 4
+    assert estimate_memory(spec, 1).grad_allreduce == 0  # one rank per client: no all-reduce
+    assert estimate_memory(spec, 1, working_dtype="fp32", deepspeed_allreduce=True).grad_allreduce == one.block_params * 4
 
 
 def test_gpu_fit(specs):
@@ -200,13 +201,6 @@ def test_gpu_fit(specs):
 
 
 # ---- the activation formula against what autograd saves (CPU) -----------------------------------
-
-def enable_checkpointing(model) -> None:
-    """As the runtime does (non-reentrant), without transformers 5's deprecation warning."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 def _saved_bytes(model, batch) -> int:
     """Bytes of the distinct non-parameter storages autograd still holds after the forward."""
@@ -238,7 +232,7 @@ def test_activation_estimate_matches_saved_tensors(config_cls, attn, dtype, chec
                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(dtype).train()
     if checkpointing:
-        enable_checkpointing(model)
+        enable_activation_checkpointing(model)
     opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1))
     b, s = 2, 64
     ids = torch.randint(0, 300, (b, s), generator=torch.Generator().manual_seed(1))
@@ -268,9 +262,9 @@ def test_checkpointing_keeps_lower_layer_inputs_unless_input_grads_are_disabled(
     got = {}
     for disable in (False, True):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).train()
-        enable_checkpointing(model)
-        if disable:
-            model.disable_input_require_grads()
+        enable_activation_checkpointing(model)
+        if not disable:  # what transformers' switch alone leaves behind
+            model.enable_input_require_grads()
         opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1))
         opt.step(), opt.step()  # block 2 active
         got[disable] = _saved_bytes(model, {"input_ids": ids, "labels": ids})

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..mixing import support, weighted_sum
+from ..mixing import mixing_order, weighted_sum
 
 
 class PeerError(RuntimeError):
@@ -168,8 +168,8 @@ class DistributedMixer:
     def __init__(self, W: np.ndarray, layout: ClientLayout, groups: ClientGroups, *, timeout_s: float,
                  transfer_dtype: torch.dtype | None = None) -> None:
         self.W, self.layout, self.groups = W, layout, groups
-        self.support = support(W, layout.client)
-        self.neighbors = [j for j in self.support if j != layout.client]
+        self.order = mixing_order(W, layout.client)
+        self.neighbors = [j for j in self.order if j != layout.client]
         self.timeout = timedelta(seconds=timeout_s)
         self.transfer_dtype = transfer_dtype
         self.last_bytes_sent = 0
@@ -202,8 +202,11 @@ class DistributedMixer:
         self.last_bytes_sent = len(self.neighbors) * send.numel() * send.element_size()
         self.total_bytes_sent += self.last_bytes_sent
         i = self.layout.client
-        return weighted_sum([(float(self.W[i, j]),
-                              x_half if j == i else received[j].to(x_half.dtype)) for j in self.support])
+        terms = [(float(self.W[i, j]), x_half if j == i else received[j]) for j in self.order]
+        # Every send has completed, so x½ and the receive buffers are free: x⁺ is summed into
+        # the first term's buffer when it has the master dtype, saving a block-sized buffer.
+        first = terms[0][1]
+        return weighted_sum(terms, dtype=x_half.dtype, out=first if first.dtype == x_half.dtype else None)
 
 
 def all_mean_(tensor: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,9 @@ def initialize(model, optimizer, ds_config: dict, mpu: ClientMPU):
 
     engine, engine_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, mpu=mpu)
+    # With one rank per client the all-reduce is an identity that still copies the active
+    # block's gradient into flat bf16 and fp32 buffers; skip it.
+    engine.enable_backward_allreduce = mpu.get_data_parallel_world_size() > 1
     if engine_optimizer is not optimizer:
         raise RuntimeError("DeepSpeed wrapped the DECA optimizer; check the config for precision/ZeRO keys")
     return engine
