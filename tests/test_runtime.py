@@ -337,3 +337,29 @@ def test_bf16_working_weights_with_working_dtype_mixing(tmp_path):
     assert all(c["loss_end"] < c["loss_start"] - 0.5 for c in summary["clients"]), summary["clients"]
     for c in range(2):
         assert list((out / "tensorboard" / f"client_{c:03d}").glob("events.out.tfevents.*"))
+
+
+def test_local_files_train_and_evaluate_end_to_end(tmp_path):
+    """--dataset files: JSON Lines written here, string labels, column options; 2 clients."""
+    from deca_ds.data import SyntheticTask
+
+    task = SyntheticTask(train_size=400, test_size=64, seed=3)
+    names = ["red", "green", "blue", "gold"]
+    for split, rows in zip(("train", "test"), task.generate()):
+        (tmp_path / f"{split}.jsonl").write_text("".join(
+            json.dumps({"sentence": ex.text, "colour": names[ex.label]}) + "\n" for ex in rows))
+    out = tmp_path / "run"
+    args = [*RUN, "--output-dir", str(out), "--dataset", "files", "--data-files", f"train={tmp_path / 'train.jsonl'}",
+            f"test={tmp_path / 'test.jsonl'}", "--text-column", "sentence", "--label-column", "colour",
+            "--label-names", *names, "--checkpoint-interval", "0", "--rounds", "1", "--max-seq-len", "48"]
+    procs = start_ranks(args, 2, tmp_path / "logs")
+    assert wait_all(procs, timeout=300) == [0, 0], (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["consensus_eval"]["n"] == 64 and summary["consensus_eval"]["chance"] == 0.25
+    run = json.loads((out / "run_config.json").read_text())
+    assert run["split_keys"] == names and sum(run["client_sizes"]) == 400
+    assert np.array(run["split_histogram"]).sum() == 400
+    partition = json.loads((out / "partition" / "partition.json").read_text())
+    assert sorted(i for ix in partition["partition"] for i in ix) == list(range(400))
+    assert partition["label_names"] == names
+    assert (out / "partition" / "label_histogram.png").stat().st_size > 1000

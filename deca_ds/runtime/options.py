@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from ..config import VARIANTS, DecaConfig, parse_dtype
+from ..datasets import TASKS
 from ..topology import TOPOLOGIES, WEIGHT_SCHEMES
 from .ds_engine import HONORED, load_ds_config
 
@@ -32,8 +33,19 @@ class RunOptions:
     model: str = _opt("tiny", "hub id or local path of a causal LM, or 'tiny' (built-in random Llama)")
     trust_remote_code: bool = _opt(False, "allow the model repo's own code (off unless you ask)")
     from_config: bool = _opt(False, "random-initialize the model from its config (no weights)")
-    dataset: str = _opt("synthetic", "training data: 'synthetic' (built-in non-IID task)",
-                        choices=("synthetic",))
+    dataset: str = _opt("synthetic", "training data: 'synthetic' (built-in non-IID task), a paper task by name "
+                        "(from the hub or its cache), or 'files' (--data-files)", choices=("synthetic", *TASKS, "files"))
+    data_files: list[str] | None = _opt(None, "local data as split=path (train=…, test=…; .jsonl, .json, .csv, "
+                                        ".parquet); with a task name, a local copy of that task")
+    text_column: str | None = _opt(None, "column of the input text")
+    text_pair_column: str | None = _opt(None, "second text column of pair tasks (e.g. MNLI's hypothesis)")
+    label_column: str | None = _opt(None, "column of the label (int index or label name)")
+    label_names: list[str] | None = _opt(None, "verbalized labels, in label-index order")
+    response_column: str | None = _opt(None, "column of the answer of generation tasks")
+    chat_template: bool = _opt(False, "render prompts with the tokenizer's chat template")
+    partition_key: str = _opt("label", "what the Dirichlet split skews: the label, or the instruction's "
+                              "first word ('category', for instruction data)", choices=("label", "category"))
+    iid: bool = _opt(False, "split the data IID instead of Dirichlet")
     dirichlet_alpha: float = _opt(0.25, "Dirichlet concentration μ of the label split across clients")
     max_seq_len: int = _opt(64, "tokens per example (prompt truncated from the left, never the answer)")
     eval_limit: int = _opt(512, "held-out examples scored per evaluation (0 = all)")
@@ -90,6 +102,11 @@ class RunOptions:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
         if not self.dirichlet_alpha > 0:
             raise ValueError(f"dirichlet_alpha must be > 0, got {self.dirichlet_alpha}")
+        if self.dataset == "files" and not self.data_files:
+            raise ValueError("--dataset files needs --data-files train=PATH [test=PATH]")
+        for item in self.data_files or ():
+            if "=" not in item or item.split("=", 1)[0] not in ("train", "test"):
+                raise ValueError(f"--data-files takes train=PATH or test=PATH, got {item!r}")
         if (self.topology == "file") != (self.matrix_file is not None):
             raise ValueError("--topology file and --matrix-file go together")
         for f in dataclasses.fields(self):
@@ -111,7 +128,7 @@ class RunOptions:
 def _field_type(f: dataclasses.Field):
     hint = typing.get_type_hints(RunOptions)[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return hint if not args else (hint if typing.get_origin(hint) is tuple else args[0])
+    return hint if not args or typing.get_origin(hint) is tuple else args[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         kw = dict(default=argparse.SUPPRESS, help=f.metadata["help"], dest=f.name)
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif typing.get_origin(kind) is list:
+            p.add_argument(flag, type=str, nargs="+", **kw)
         elif typing.get_origin(kind) is tuple:
             p.add_argument(flag, type=float, nargs=2, metavar=("B1", "B2"), **kw)
         else:

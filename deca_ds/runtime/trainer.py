@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..blocks import Partition
-from ..data import ClientStream, SyntheticTask, build_word_tokenizer, dirichlet_partition, encode_examples, label_histogram
-from ..evaluation import evaluate_classification
-from ..models import enable_activation_checkpointing, load_model, load_tokenizer
+from ..data import ClientStream
+from ..datasets import write_partition_report
+from ..models import enable_activation_checkpointing, load_model
 from ..optimizer import DecaOptimizer, model_partition
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
@@ -33,37 +33,9 @@ from .dist import (ClientGroups, ClientLayout, DistributedMixer, Heartbeat, Peer
 from .ds_engine import ClientMPU, initialize
 from .metrics import MetricsWriter, plot_losses, read_metrics, summarize, summary_table
 from .options import RunOptions, parse_args
+from .task import Task, build_task
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-
-
-@dataclass
-class Task:
-    """What the loop needs from the data: a tokenizer, per-client training features, held-out examples."""
-
-    tokenizer: object
-    features: list
-    client_indices: list[list[int]]
-    test: list
-    label_words: tuple[str, ...]
-    label_hist: list[list[int]]
-
-
-def build_task(opts: RunOptions, n_clients: int) -> Task:
-    task = SyntheticTask(seed=opts.seed)
-    train, test = task.generate()
-    # A pretrained model reads the task with its own tokenizer; the tiny model and models built
-    # from a bare config (resource profiling) use the task's word-level one, whose ids any vocabulary holds.
-    if opts.model == "tiny" or opts.from_config:
-        tokenizer = build_word_tokenizer(task.vocabulary())
-    else:
-        tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
-    features = encode_examples(tokenizer, train, task.label_words, max_length=opts.max_seq_len)
-    labels = [ex.label for ex in train]
-    parts = dirichlet_partition(labels, n_clients, opts.dirichlet_alpha, seed=opts.seed,
-                                min_size=opts.micro_batch)
-    return Task(tokenizer, features, parts, test, task.label_words,
-                label_histogram(labels, parts, task.num_labels).tolist())
 
 
 def build_model(opts: RunOptions, vocab_size: int):
@@ -140,10 +112,12 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
         "options": asdict(opts), "ds_config": ds_config, "topology": topology.to_dict(),
         "blocks": [asdict(b) for b in partition.blocks], "frozen": list(partition.frozen),
         "world_size": layout.world_size, "n_clients": layout.n_clients,
-        "client_sizes": [len(ix) for ix in task.client_indices], "label_histogram": task.label_hist,
+        "client_sizes": [len(ix) for ix in task.client_indices],
+        "split_keys": list(task.key_names), "split_histogram": task.key_histogram,
         "versions": {"deca_ds": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
     }
     ckpt.atomic_write(out / "run_config.json", lambda tmp: Path(tmp).write_text(json.dumps(resolved, indent=2)))
+    write_partition_report(out / "partition", task.keys, task.client_indices, task.key_names)
     print(json.dumps({"options": asdict(opts), "ds_config": ds_config}, indent=2))
     print(topology.describe())
     print(partition.describe())
@@ -173,8 +147,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     if "activation_checkpointing" in ds_config:
         enable_activation_checkpointing(model)
     engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single))
-    stream = ClientStream(task.features, task.client_indices[layout.client], opts.micro_batch,
-                          pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=layout.client)
+    stream = task.stream(opts, layout.client)
     lead = layout.local_rank == 0
 
     start = 0
@@ -194,9 +167,9 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     dist.barrier()
     metrics = MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard) if lead else None
     if rank == 0 and not opts.resume:
-        before = evaluate_classification(engine.module, task.tokenizer, task.test, task.label_words,
-                                         max_length=opts.max_seq_len, limit=opts.eval_limit or None)
-        print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
+        before = task.evaluate(engine.module, opts.eval_limit or None)
+        if before:
+            print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
 
     timer = Timer(device)
     bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
@@ -230,9 +203,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             record.update(loss=loss_t.item(), t_forward=t_fwd, t_backward=t_bwd, t_mix_update=t_step,
                           bytes_sent=mixer.last_bytes_sent)
             if opts.eval_interval and (step + 1) % opts.eval_interval == 0 and lead:
-                record.update({f"eval_{k}": v for k, v in evaluate_classification(
-                    engine.module, task.tokenizer, task.test, task.label_words, max_length=opts.max_seq_len,
-                    limit=opts.eval_limit or None).items()})
+                record.update({f"eval_{k}": v for k, v in task.evaluate(engine.module, opts.eval_limit or None).items()})
             if metrics:
                 metrics.write(record)
             bar.set_postfix(round=where[0], block=where[1], r=where[2], loss=f"{record['loss']:.4f}")
@@ -277,8 +248,7 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, layout: ClientL
                  distances: list[float]) -> dict:
     records = read_metrics(out, layout.n_clients)
     summary = summarize(records)
-    evaluation = evaluate_classification(model, task.tokenizer, task.test, task.label_words,
-                                         max_length=opts.max_seq_len, limit=opts.eval_limit or None)
+    evaluation = task.evaluate(model, opts.eval_limit or None)
     summary.update(consensus_eval=evaluation, final_consensus_distance=distances,
                    bytes_sent_total=sum(c["bytes_sent"] for c in summary["clients"]))
     plot_losses(records, out / "loss_curve.png")
@@ -289,8 +259,9 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, layout: ClientL
     print("\n" + table)
     print(f"loss (mean over clients): start {sum(x['loss_start'] for x in c) / len(c):.4f} -> "
           f"end {sum(x['loss_end'] for x in c) / len(c):.4f}")
-    print(f"consensus model: accuracy {evaluation['accuracy']:.3f} (chance {evaluation['chance']:.3f}), "
-          f"macro-F1 {evaluation['macro_f1']:.3f} on {evaluation['n']} held-out examples")
+    if evaluation:
+        print(f"consensus model: accuracy {evaluation['accuracy']:.3f} (chance {evaluation['chance']:.3f}), "
+              f"macro-F1 {evaluation['macro_f1']:.3f} on {evaluation['n']} held-out examples")
     print("final consensus distance ||x_i - x̄|| per client: " + ", ".join(f"{d:.4g}" for d in distances))
     print(f"bytes sent (all clients): {summary['bytes_sent_total'] / 1e6:.2f} MB")
     print(f"step time split (mean over clients): forward {sum(x['forward_ms'] for x in c) / len(c):.1f} ms, "
