@@ -651,8 +651,14 @@ def read_questions(path: str | os.PathLike) -> list[dict]:
             turns = q.get("turns", [q["text"]] if "text" in q else None)
             if "question_id" not in q or not turns or not all(isinstance(t, str) for t in turns):
                 raise ValueError(f"{path}:{n}: a question needs 'question_id' and 'turns' (list of str) or 'text'")
+            reference = q.get("reference")
+            if isinstance(reference, str):
+                reference = [reference]
+            if reference is not None and (len(reference) > len(turns) or not all(isinstance(r, str) for r in reference)):
+                raise ValueError(f"{path}:{n}: 'reference' must be a string or one string per turn")
             questions.append({"question_id": q["question_id"], "turns": list(turns),
-                              **({"category": q["category"]} if "category" in q else {})})
+                              **({"category": q["category"]} if "category" in q else {}),
+                              **({"reference": list(reference)} if reference is not None else {})})
     return questions
 
 
@@ -714,11 +720,19 @@ def generate_answers(model, tokenizer, questions_jsonl_path: str | os.PathLike, 
     finally:
         model.train(was_training)
     rows = [{"question_id": q["question_id"], "turns": q["turns"], "answers": a,
-             **({"category": q["category"]} if "category" in q else {})} for q, a in zip(questions, answers)]
+             **{k: q[k] for k in ("category", "reference") if k in q}} for q, a in zip(questions, answers)]
     out_path = Path(out_jsonl_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return rows
+
+
+def rouge_l_of_answers(rows: Sequence[dict]) -> dict | None:
+    """Mean ROUGE-L F over every answered turn that has a reference answer (offline, no judge);
+    None when no question carries a "reference"."""
+    scores = [rouge_l(answer, reference) for row in rows
+              for answer, reference in zip(row["answers"], row.get("reference", []))]
+    return {"rouge_l": sum(scores) / len(scores), "n": len(scores)} if scores else None
 
 
 JUDGE_SYSTEM = "You are a helpful assistant."

@@ -415,3 +415,21 @@ def test_parse_rating():
     assert parse_rating("[[3]] then finally Rating: [[9.5]]") == 9.5
     assert parse_rating("Rating: 6") == 6.0
     assert parse_rating("no score") is None
+
+
+def test_rouge_of_answers_uses_references_only(tmp_path):
+    from deca_ds.datasets import read_questions, rouge_l_of_answers
+
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question_id": 1, "turns": ["x", "y"], "reference": ["a c", "b"]}\n'
+                    '{"question_id": 2, "text": "z", "reference": "d"}\n{"question_id": 3, "text": "w"}\n')
+    questions = read_questions(path)
+    assert [q.get("reference") for q in questions] == [["a c", "b"], ["d"], None]
+    rows = [{"answers": ["a b c", "b"], "reference": ["a c", "b"]}, {"answers": ["e"], "reference": ["d"]},
+            {"answers": ["w"]}]
+    # LCS("a b c", "a c") = 2: P = 2/3, R = 1, F = 0.8; then 1.0 and 0.0
+    assert rouge_l_of_answers(rows) == {"rouge_l": pytest.approx((0.8 + 1.0 + 0.0) / 3), "n": 3}
+    assert rouge_l_of_answers([{"answers": ["w"]}]) is None
+    path.write_text('{"question_id": 1, "turns": ["x"], "reference": ["a", "b"]}\n')
+    with pytest.raises(ValueError, match="one string per turn"):
+        read_questions(path)

@@ -34,7 +34,8 @@ N = 4
 # 2 rounds × 2 blocks × 5 steps; checkpoints every 3 steps land mid-block (3, 6, 9, …).
 RUN = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "5",
        "--rounds", "2", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "64",
-       "--consensus-interval", "2", "--checkpoint-interval", "3", "--save-clients", "--timeout", "60"]
+       "--consensus-interval", "2", "--checkpoint-interval", "3", "--save-clients", "--timeout", "60",
+       "--eval-interval", "7", "--eval-clients"]  # x̄ is swapped in and out mid-run: results must not change
 
 
 def free_port() -> int:
@@ -130,6 +131,9 @@ def test_export_is_the_mean_of_clients_and_loads_with_transformers(reference_run
         assert [r["step"] for r in rows] == list(range(20))
         assert {"loss", "t_forward", "t_backward", "t_mix_update", "bytes_sent"} <= set(rows[0])
         assert sum("consensus_distance" in r for r in rows) == 10
+        evaluated = [r for r in rows if "eval_consensus_accuracy" in r]
+        assert [r["step"] for r in evaluated] == [6, 13]
+        assert all(r["eval_consensus_n"] == 64 and "eval_client_accuracy" in r for r in evaluated)
     assert "consensus model: accuracy" in stdout and "bytes sent" in stdout
 
 
@@ -363,3 +367,25 @@ def test_local_files_train_and_evaluate_end_to_end(tmp_path):
     assert sorted(i for ix in partition["partition"] for i in ix) == list(range(400))
     assert partition["label_names"] == names
     assert (out / "partition" / "label_histogram.png").stat().st_size > 1000
+
+
+def test_standalone_evaluation_of_the_export(reference_run, tmp_path):
+    """launch/evaluate.py on the exported consensus scores what the run itself reported, and
+    answers a questions file with ROUGE-L against its references."""
+    out, _ = reference_run
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "turns": ["w1 w2 =>", "w3 =>"],
+                                     "reference": ["label0", "label1"]}) + "\n"
+                         + json.dumps({"question_id": 2, "text": "k0.1 =>"}) + "\n")
+    result_path = tmp_path / "eval.json"
+    done = subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), "--model", str(out / "consensus"),
+                           "--dataset", "synthetic", "--max-seq-len", "32", "--eval-limit", "64",
+                           "--questions", str(questions), "--max-new-tokens", "3", "--out", str(result_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(result_path.read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert result["classification"] == summary["consensus_eval"]
+    rows = [json.loads(line) for line in Path(result["answers"]).read_text().splitlines()]
+    assert [len(r["answers"]) for r in rows] == [2, 1]
+    assert result["rouge"]["n"] == 2 and 0.0 <= result["rouge"]["rouge_l"] <= 1.0

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -89,21 +90,41 @@ def _consensus_distance(x: torch.Tensor) -> float:
     return torch.linalg.vector_norm(x - mean).item()
 
 
-def export_consensus(model, out: Path, tokenizer, layout: ClientLayout, save_clients: bool) -> float:
-    """Replace every client's weights by x̄ = mean over clients (one all-reduce per tensor, in at
-    least fp32), write it with save_pretrained on rank 0, and return ‖x_i − x̄‖ of this client."""
-    if save_clients and layout.local_rank == 0:
-        ckpt.save_hf_model(model, out / "clients" / f"client_{layout.client:03d}")
+def to_consensus_(model) -> float:
+    """Replace this client's weights by x̄ = mean over clients (one all-reduce per tensor, in at
+    least fp32, so no full-model buffer is ever allocated); return ‖x_i − x̄‖ of this client."""
     sq = 0.0
     with torch.no_grad():
         for p in model.parameters():
             mean = all_mean_(p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True))
             sq += torch.sum((p - mean) ** 2).item()
             p.copy_(mean)
+    return math.sqrt(sq)
+
+
+@contextmanager
+def consensus_weights(model):
+    """Evaluate x̄ in the middle of training: the client's own weights wait in host memory and
+    come back bit for bit (the optimizer's master copy is not touched)."""
+    own = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    to_consensus_(model)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), own):
+                p.copy_(saved)
+
+
+def export_consensus(model, out: Path, tokenizer, layout: ClientLayout, save_clients: bool) -> float:
+    """Write the clients (optionally) and x̄ (rank 0, save_pretrained); return ‖x_i − x̄‖."""
+    if save_clients and layout.local_rank == 0:
+        ckpt.save_hf_model(model, out / "clients" / f"client_{layout.client:03d}")
+    distance = to_consensus_(model)
     if layout.rank == 0:
         model.save_pretrained(out / "consensus", safe_serialization=True)
         tokenizer.save_pretrained(out / "consensus")
-    return math.sqrt(sq)
+    return distance
 
 
 def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Topology, partition: Partition,
@@ -202,8 +223,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                 loss_t /= layout.ranks_per_client
             record.update(loss=loss_t.item(), t_forward=t_fwd, t_backward=t_bwd, t_mix_update=t_step,
                           bytes_sent=mixer.last_bytes_sent)
-            if opts.eval_interval and (step + 1) % opts.eval_interval == 0 and lead:
-                record.update({f"eval_{k}": v for k, v in task.evaluate(engine.module, opts.eval_limit or None).items()})
+            if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
+                record.update(evaluate_during_training(engine.module, task, opts, layout))
             if metrics:
                 metrics.write(record)
             bar.set_postfix(round=where[0], block=where[1], r=where[2], loss=f"{record['loss']:.4f}")
@@ -230,6 +251,21 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def evaluate_during_training(model, task: Task, opts: RunOptions, layout: ClientLayout) -> dict:
+    """Metrics of x̄ (scored on rank 0, logged by every client) and, with --eval-clients, of each
+    client's own model. Every rank takes part: forming x̄ is collective."""
+    limit = opts.eval_limit or None
+    result = [None]
+    with consensus_weights(model):
+        if layout.rank == 0:
+            result[0] = task.evaluate(model, limit)
+        dist.broadcast_object_list(result, src=0)
+    record = {f"eval_consensus_{k}": v for k, v in result[0].items()}
+    if opts.eval_clients and layout.local_rank == 0:
+        record.update({f"eval_client_{k}": v for k, v in task.evaluate(model, limit).items()})
+    return record
 
 
 def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer: DecaOptimizer,
