@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .data import collate, dirichlet_partition, encode, iid_partition, label_histogram
+from .data import dirichlet_partition, encode, iid_partition, label_histogram
 
 log = logging.getLogger(__name__)
 
@@ -591,28 +591,13 @@ def evaluate_records(model, tokenizer, records: Sequence[Record], label_names: S
     """Classification by answer likelihood, with prompts and answers laid out exactly as
     `to_features` trains them: each label's answer is scored by log p(answer + eos | prompt),
     the argmax is the prediction. Returns accuracy, macro-F1, n, chance."""
-    from .evaluation import classification_metrics
+    from .evaluation import classification_metrics, score_answers
 
     records = list(records)[:limit]
     candidates = [Record(r.prompt, verbalize(name)) for r in records for name in label_names]
     pairs = to_features(tokenizer, candidates, max_length=max_length, use_chat_template=use_chat_template)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        scores = []
-        for start in range(0, len(pairs), batch_size):
-            batch = collate(pairs[start:start + batch_size], tokenizer.pad_token_id)
-            logits = model(input_ids=batch["input_ids"].to(device),
-                           attention_mask=batch["attention_mask"].to(device)).logits
-            targets = batch["labels"][:, 1:].to(device)
-            answer = targets != -100
-            picked = logits[:, :-1][answer].float().log_softmax(-1).gather(-1, targets[answer].unsqueeze(-1))
-            rows = answer.nonzero()[:, 0]
-            scores.append(torch.zeros(len(targets), device=device).index_add_(0, rows, picked.squeeze(-1)).cpu())
-    finally:
-        model.train(was_training)
-    y_pred = torch.cat(scores).view(len(records), len(label_names)).argmax(-1).numpy()
+    scores = score_answers(model, pairs, tokenizer.pad_token_id, batch_size=batch_size)
+    y_pred = scores.view(len(records), len(label_names)).argmax(-1).numpy()
     metrics = classification_metrics([r.label for r in records], y_pred, len(label_names))
     return {**metrics, "n": len(records), "chance": 1 / len(label_names)}
 

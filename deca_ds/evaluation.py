@@ -30,13 +30,21 @@ def score_labels(
     as whole sequences. `batch_size` counts (prompt, label) sequences per forward pass.
     """
     pairs = [encode(tokenizer, p, ANSWER.format(word=w), max_length) for p in prompts for w in label_words]
+    return score_answers(model, pairs, tokenizer.pad_token_id, batch_size=batch_size).view(
+        len(prompts), len(label_words))
+
+
+@torch.no_grad()
+def score_answers(model: nn.Module, pairs: Sequence[dict[str, list[int]]], pad_id: int, *,
+                  batch_size: int = 32) -> torch.Tensor:
+    """log p(answer | prompt) of encoded sequences (labels -100 outside the answer), in float32."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         scores = []
         for start in range(0, len(pairs), batch_size):
-            batch = collate(pairs[start:start + batch_size], tokenizer.pad_token_id)
+            batch = collate(pairs[start:start + batch_size], pad_id)
             logits = model(input_ids=batch["input_ids"].to(device),
                            attention_mask=batch["attention_mask"].to(device)).logits
             targets = batch["labels"][:, 1:].to(device)  # position t predicts token t+1
@@ -49,7 +57,7 @@ def score_labels(
             scores.append(torch.zeros(len(targets), device=device).index_add_(0, rows, picked).cpu())
     finally:
         model.train(was_training)
-    return torch.cat(scores).view(len(prompts), len(label_words))
+    return torch.cat(scores)
 
 
 def classification_metrics(y_true: Sequence[int], y_pred: Sequence[int], num_labels: int) -> dict:
