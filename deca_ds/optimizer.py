@@ -106,14 +106,16 @@ class DecaOptimizer(torch.optim.Optimizer):
         params = self.param_groups[index]["params"]
         dtype = self.config.master_dtype
         if restored is None:
-            master = torch.cat([p.detach().reshape(-1).to(dtype) for p in params])
+            master = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
             m, v = torch.zeros_like(master), torch.zeros_like(master)
         else:
             master, m, v = (restored[k].to(device=params[0].device, dtype=dtype).clone()
                             for k in ("master", "m", "v"))
-        for p in params:
-            p.requires_grad_(True)
         self.active = ActiveBlock(index, params, master, m, v)
+        for p, x in self.active.segments(master):
+            if restored is None:
+                x.copy_(p.detach())  # widened tensor by tensor: no second block-sized copy
+            p.requires_grad_(True)
 
     def _deactivate(self) -> None:
         for p in self.active.params:

@@ -164,6 +164,9 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     torch.manual_seed(opts.seed * 1_000_003 + rank)
     mixer = DistributedMixer(topology.W, layout, groups, timeout_s=opts.timeout,
                              transfer_dtype=_DTYPES[opts.working_dtype] if opts.mix_dtype == "working" else None)
+    # On the device before the optimizer exists: the active block's master and moments are
+    # created beside its parameters (DeepSpeed would move the module only afterwards).
+    model.to(device)
     optimizer = DecaOptimizer(model, config, partition=partition, mixer=mixer)
     if "activation_checkpointing" in ds_config:
         enable_activation_checkpointing(model)
