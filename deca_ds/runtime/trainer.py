@@ -220,7 +220,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                 t3 = timer.now()
                 t_fwd, t_bwd, t_step = t_fwd + t1 - t0, t_bwd + t2 - t1, t_step + t3 - t2
                 losses.append(loss.item())
-            loss_t = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
+            # on the device: NCCL reduces GPU tensors only
+            loss_t = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
             if layout.ranks_per_client > 1:
                 dist.all_reduce(loss_t, group=groups.client)
                 loss_t /= layout.ranks_per_client
