@@ -66,3 +66,19 @@ def test_activation_checkpointing_gives_identical_gradients(block, monkeypatch):
     assert len(grads[0]) > 0
     for plain, ckpt in zip(*grads):
         torch.testing.assert_close(ckpt, plain, rtol=0, atol=0)
+
+
+def test_backward_cost_benchmark_runs(tmp_path):
+    """The committed benchmark's script works and writes what it promises (numbers not asserted:
+    timings are benchmarks, not tests)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "profiling" / "backward_cost.py"), "--layers", "2", "--hidden", "64",
+                    "--seq-len", "16", "--reps", "1", "--out", str(tmp_path)], check=True, capture_output=True, cwd=root)
+    summary = json.loads((tmp_path / "backward_cost.json").read_text())
+    assert [r["block"] for r in summary["rows"]] == [0, 1] and summary["paper_ratio_block_count"] == 0.75
+    assert (tmp_path / "backward_cost.png").stat().st_size > 1000 and (tmp_path / "backward_cost.md").exists()
