@@ -389,3 +389,17 @@ def test_standalone_evaluation_of_the_export(reference_run, tmp_path):
     rows = [json.loads(line) for line in Path(result["answers"]).read_text().splitlines()]
     assert [len(r["answers"]) for r in rows] == [2, 1]
     assert result["rouge"]["n"] == 2 and 0.0 <= result["rouge"]["rouge_l"] <= 1.0
+
+
+def test_profile_memory_tool(tmp_path):
+    """profiling/profile_memory.py runs training per granularity and reports memory per client."""
+    done = subprocess.run([sys.executable, str(ROOT / "profiling" / "profile_memory.py"), "--ranks", "2",
+                           "--layers-per-block", "2", "4", "--steps-per-block", "2", "--work-dir", str(tmp_path / "runs"),
+                           "--out", str(tmp_path / "out"), "--train-args", "--topology", "ring", "--micro-batch", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "profile_memory.json").read_text())
+    rows = summary["results"]
+    assert [(r["layers_per_block"], r["blocks"], r["steps"]) for r in rows] == [(2, 2, 4), (4, 1, 2)]
+    assert all(r["kind"] == "process RSS (CPU)" and 0.1 < r["mean_gib"] <= r["peak_gib"] < 8 for r in rows)
+    assert (tmp_path / "out" / "profile_memory.png").stat().st_size > 1000

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -61,6 +62,14 @@ def check_output_dir(opts: RunOptions) -> Path:
     if opts.resume and not (out / "run_config.json").exists():
         raise ValueError(f"--resume: {out} holds no run to continue")
     return out
+
+
+def memory_now(device: torch.device) -> dict:
+    """Device memory in use now and its peak so far (CUDA), or the process's resident set (CPU)."""
+    if device.type == "cuda":
+        return {"mem_allocated": torch.cuda.memory_allocated(device),
+                "mem_peak": torch.cuda.max_memory_allocated(device)}
+    return {"mem_rss": psutil.Process().memory_info().rss}
 
 
 class Timer:
@@ -228,7 +237,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                 dist.all_reduce(loss_t, group=groups.client)
                 loss_t /= layout.ranks_per_client
             record.update(loss=loss_t.item(), t_forward=t_fwd, t_backward=t_bwd, t_mix_update=t_step,
-                          bytes_sent=mixer.last_bytes_sent)
+                          bytes_sent=mixer.last_bytes_sent, **memory_now(device))
             if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
                 record.update(evaluate_during_training(engine.module, task, opts, layout))
             if metrics:
