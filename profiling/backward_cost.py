@@ -13,7 +13,6 @@ per block) and with every decoder layer trainable, side by side in one run, and 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import platform
 import statistics
@@ -26,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds import DecaConfig, DecaOptimizer
+from report import pyplot, write_results
 
 
 def parse_args(argv=None):
@@ -95,13 +95,7 @@ def main(argv=None) -> dict:
 
 
 def write(summary: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     rows = summary["rows"]
-    with open(out / "backward_cost.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    (out / "backward_cost.json").write_text(json.dumps(summary, indent=2))
     md = [f"**Backward cost per active block** — measured on {summary['device']}; command: "
           f"`{summary['command']}`; {summary['date']}; torch {summary['torch']}.", "",
           "| active block | layers traversed | forward (ms) | backward (ms) |", "| ---: | ---: | ---: | ---: |"]
@@ -113,13 +107,9 @@ def write(summary: dict, out: Path) -> None:
            f"**{summary['measured_ratio']:.3f}**; the paper's block count ½RB(B+1)/RB² = (B+1)/(2B) = "
            f"{summary['paper_ratio_block_count']:.3f} (its further saving from frozen layers computing input "
            "gradients only is included in the measurement, not in that count)."]
-    (out / "backward_cost.md").write_text("\n".join(md) + "\n")
+    write_results(out, "backward_cost", markdown="\n".join(md) + "\n", rows=rows, payload=summary)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar([r["block"] for r in rows], [r["backward_ms"] for r in rows], label="DECA, block k active")
     ax.axhline(summary["full_backward_ms"], color="C3", ls="--", label="all decoder layers trainable")

@@ -11,13 +11,13 @@ M + 10M/B). Everything is computed from config.json files on the meta device: no
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
-import json
 import platform
 import shlex
 import sys
 from pathlib import Path
+
+from report import pyplot, write_results
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIGS = sorted(str(p) for p in (HERE / "configs").glob("*.json"))
@@ -156,18 +156,8 @@ def _relative(path: str) -> str:
         return path
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from deca_ds.memory import GPUS
 
@@ -223,12 +213,10 @@ def main(argv=None) -> int:
               + ", ".join(f"{k} {v}" for k, v in vers.items()) + ".")
     text = markdown(rows, header, args)
     print(text)
-    (out / f"{args.name}.md").write_text(text)
-    write_csv(rows, out / f"{args.name}.csv")
     meta = {"command": command, "date": date, "versions": vers, "note": "estimated, not measured (no GPU was available)",
             "units": "bytes", "options": {k: v for k, v in vars(args).items() if k != "out"}}
     meta["options"]["config"] = [_relative(c) for c in args.config]
-    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    write_results(out, args.name, markdown=text, rows=rows, payload={"meta": meta, "rows": rows})
     plot(rows, out / f"{args.name}.png",
          f"DECA per-client peak memory (estimated): {args.working_dtype} weights, {args.master_dtype} master, "
          f"micro-batch {args.micro_batch} × {args.seq_len}, checkpointing {'on' if args.checkpointing else 'off'}, "

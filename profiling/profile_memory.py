@@ -13,7 +13,6 @@ process's resident set (psutil RSS, on CPU ranks). Writes <out>/profile_memory.{
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import socket
@@ -22,6 +21,8 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+
+from report import pyplot, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,13 +97,7 @@ def main(argv=None) -> dict:
 
 
 def write(summary: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     rows = summary["results"]
-    with open(out / "profile_memory.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    (out / "profile_memory.json").write_text(json.dumps(summary, indent=2))
     md = [f"**Memory per granularity, measured** ({rows[0]['kind']}, per client, {summary['ranks']} ranks); "
           f"command: `{summary['command']}`; {summary['date']}.", "",
           "| layers per block | blocks | steps | peak (GiB) | mean over steps (GiB) |", "| ---: | ---: | ---: | ---: | ---: |"]
@@ -112,13 +107,9 @@ def write(summary: dict, out: Path) -> None:
            "and the mean is memory_allocated at the end of each step; on CPU ranks both come from the "
            "process's RSS sampled at the end of each step, which includes the Python, torch and DeepSpeed "
            "runtime (about 0.4 GiB) and is not a measure of a tiny model's optimizer state."]
-    (out / "profile_memory.md").write_text("\n".join(md) + "\n")
+    write_results(out, "profile_memory", markdown="\n".join(md) + "\n", rows=rows, payload=summary)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["peak_gib"] for r in rows], width=0.4, label="peak")

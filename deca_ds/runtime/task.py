@@ -72,8 +72,10 @@ def _loaded(opts: RunOptions, n_clients: int) -> Task:
                            use_chat_template=opts.chat_template)
     parts = partition_records(loaded.train, n_clients, alpha=opts.dirichlet_alpha, seed=opts.seed,
                               min_size=opts.micro_batch, iid=opts.iid, key=opts.partition_key)
-    keys, key_names = partition_keys(loaded.train, opts.partition_key, label_names=label_names) \
-        if opts.partition_key == "category" or loaded.spec.kind == "classification" else ([0] * len(features), ("all",))
+    if loaded.spec.kind == "classification" or opts.partition_key == "category":
+        keys, key_names = partition_keys(loaded.train, opts.partition_key, label_names=label_names)
+    else:  # generation split IID: a single key
+        keys, key_names = [0] * len(features), ("all",)
 
     def evaluate(model, limit: int | None) -> dict:
         if loaded.spec.kind != "classification":
