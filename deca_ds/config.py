@@ -26,7 +26,14 @@ def parse_dtype(value: str | torch.dtype, what: str = "dtype") -> torch.dtype:
         raise ValueError(f"{what} must be one of {sorted(_DTYPES)}, got {value!r}") from None
 
 
-def _check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
+def check_master_dtype(value) -> torch.dtype:
+    dtype = parse_dtype(value, "master_dtype")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"master_dtype must be float32 or float64, got {dtype}")
+    return dtype
+
+
+def check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
     betas = tuple(float(b) for b in betas)
     if len(betas) != 2 or not all(0.0 <= b <= 1.0 for b in betas):
         raise ValueError(f"{name} must be two numbers in [0, 1], got {betas}")
@@ -63,8 +70,8 @@ class DecaConfig:
 
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        self.adam_betas = _check_betas("adam_betas", self.adam_betas)
-        self.bma_betas = _check_betas("bma_betas", self.bma_betas)
+        self.adam_betas = check_betas("adam_betas", self.adam_betas)
+        self.bma_betas = check_betas("bma_betas", self.bma_betas)
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         for name in ("steps_per_block", "rounds", "layers_per_block"):
@@ -75,9 +82,7 @@ class DecaConfig:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.block_order not in BLOCK_ORDERS:
             raise ValueError(f"block_order must be one of {BLOCK_ORDERS}, got {self.block_order!r}")
-        self.master_dtype = parse_dtype(self.master_dtype, "master_dtype")
-        if self.master_dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"master_dtype must be float32 or float64, got {self.master_dtype}")
+        self.master_dtype = check_master_dtype(self.master_dtype)
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
         if not self.weight_decay >= 0:

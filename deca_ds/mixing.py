@@ -1,5 +1,8 @@
 """Neighbor mixing, x⁺_i = Σ_j w_ij · x½_j (Algorithm 1, step 5), for clients in one process.
 
+A mixer offers the sum (`mix`) and, for methods that combine their neighbors' vectors some
+other way (DeCAF), the weighted terms themselves (`exchange`).
+
 The DeepSpeed runtime has its own mixer that exchanges over torch.distributed; both form the
 sum with `weighted_sum` in the same order (`mixing_order`), so a distributed run and the
 in-process simulator produce the same bits.
@@ -15,10 +18,17 @@ import torch
 from .topology import validate_mixing_matrix
 
 
-class Mixer(Protocol):
-    """What DecaOptimizer.step() needs: this client's x⁺ from its own x½."""
+Terms = list[tuple[float, torch.Tensor]]
 
-    def mix(self, x_half: torch.Tensor) -> torch.Tensor: ...
+
+class Mixer(Protocol):
+    """What an optimizer's combine() needs from the network."""
+
+    def mix(self, x_half: torch.Tensor) -> torch.Tensor:
+        """This client's x⁺ = Σ_j w_ij x½_j."""
+
+    def exchange(self, x_half: torch.Tensor) -> Terms:
+        """(w_ij, x½_j) for every j in `mixing_order`, this client's own x½ included."""
 
 
 def weighted_sum(terms: Sequence[tuple[float, torch.Tensor]], *, dtype: torch.dtype | None = None,
@@ -49,6 +59,24 @@ class IdentityMixer:
     def mix(self, x_half: torch.Tensor) -> torch.Tensor:
         return x_half
 
+    def exchange(self, x_half: torch.Tensor) -> Terms:
+        return [(1.0, x_half)]
+
+
+class ClientView:
+    """Client i's mixer in the simulator: every client's payload is already known."""
+
+    def __init__(self, terms: Terms, own: torch.Tensor) -> None:
+        self.terms, self.own = terms, own
+
+    def exchange(self, x_half: torch.Tensor) -> Terms:
+        if x_half is not self.own:
+            raise ValueError("a client view mixes only the payload it was made for")
+        return self.terms
+
+    def mix(self, x_half: torch.Tensor) -> torch.Tensor:
+        return weighted_sum(self.exchange(x_half))
+
 
 class InProcessMixer:
     """Mixes the x½ of all N clients held in one process (the simulator)."""
@@ -60,8 +88,12 @@ class InProcessMixer:
     def n(self) -> int:
         return self.W.shape[0]
 
-    def mix_all(self, x_halves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def views(self, x_halves: Sequence[torch.Tensor]) -> list[ClientView]:
+        """One mixer per client over all clients' payloads (which combine() must not modify)."""
         if len(x_halves) != self.n:
             raise ValueError(f"expected {self.n} client vectors, got {len(x_halves)}")
-        return [weighted_sum([(float(self.W[i, j]), x_halves[j]) for j in mixing_order(self.W, i)])
+        return [ClientView([(float(self.W[i, j]), x_halves[j]) for j in mixing_order(self.W, i)], x_halves[i])
                 for i in range(self.n)]
+
+    def mix_all(self, x_halves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [view.mix(x) for view, x in zip(self.views(x_halves), x_halves)]

@@ -25,6 +25,7 @@ from torch import nn
 
 from .blocks import Partition, block_order, partition_model
 from .config import DecaConfig
+from .decentralized import DecentralizedOptimizer, adam_update, clip_scale, fold_gradient, segments, write_params
 from .mixing import IdentityMixer, Mixer
 
 
@@ -38,10 +39,7 @@ class ActiveBlock:
 
     def segments(self, flat: torch.Tensor):
         """(param, view of `flat` shaped like param) for each of the block's tensors."""
-        offset = 0
-        for p in self.params:
-            yield p, flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        return segments(self.params, flat)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.master, self.m, self.v))
@@ -55,12 +53,13 @@ def model_partition(model: nn.Module, config: DecaConfig) -> Partition:
     )
 
 
-class DecaOptimizer(torch.optim.Optimizer):
+class DecaOptimizer(DecentralizedOptimizer):
     """A torch optimizer over all blocks of `model`; one param group per block.
 
     It owns the block schedule (T rounds × B blocks × R steps): after R steps on a block it
     activates the next one in the configured order. `step()` runs the three phases with
-    `mixer` (default: a single client); the simulator calls the phases itself.
+    `mixer` (default: a single client); the simulator calls the phases itself. local_step() is
+    adam_half_step(), combine() is mixing then bma_correct().
     """
 
     def __init__(self, model: nn.Module, config: DecaConfig, *,
@@ -97,6 +96,12 @@ class DecaOptimizer(torch.optim.Optimizer):
     @property
     def done(self) -> bool:
         return self.round >= self.config.rounds
+
+    def where(self) -> dict:
+        return {"round": self.round, "block": self.active.index, "r": self.step_in_block}
+
+    def consensus_vector(self) -> torch.Tensor:
+        return self.active.master
 
     def block_schedule(self, round_index: int) -> list[int]:
         return block_order(self.num_blocks, self.config.block_order, round_index, self.config.seed)
@@ -140,42 +145,20 @@ class DecaOptimizer(torch.optim.Optimizer):
         return self.active.nbytes() if self.active else 0
 
     # ---- Algorithm 1 ----------------------------------------------------------------------
-    def _grad_scale(self) -> float:
-        """Factor that clips the active block's gradient to global norm grad_clip (1.0 = off)."""
-        if self.config.grad_clip is None:
-            return 1.0
-        norms = [p.grad.detach().to(self.config.master_dtype).norm() for p in self.active.params
-                 if p.grad is not None]
-        total = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
-        return min(1.0, self.config.grad_clip / (total + 1e-6))
-
     @torch.no_grad()
     def adam_half_step(self) -> torch.Tensor:
         """Steps 1–4: fold the gradient into m½, v½ (in place of m, v) and return x½."""
         if self.done:
             raise RuntimeError(f"all {self.config.rounds} rounds are done; no block is active")
-        blk, (a1, a2) = self.active, self.config.adam_betas
+        blk, cfg = self.active, self.config
         group = self.param_groups[blk.index]
-        if self.config.variant == "trivial_bma":
+        if cfg.variant == "trivial_bma":
             self._m_prev, self._v_prev = blk.m.clone(), blk.v.clone()
-        scale = self._grad_scale()
-        # The gradient is folded in tensor by tensor, converted on the fly: no full-size
-        # master-dtype gradient copy is ever held.
-        for (p, m), (_, v) in zip(blk.segments(blk.m), blk.segments(blk.v)):
-            m.mul_(a1)
-            v.mul_(a2)
-            if p.grad is not None:
-                g = p.grad if scale == 1.0 else p.grad * scale
-                m.add_(g, alpha=1 - a1)
-                v.addcmul_(g, g, value=1 - a2)
-            p.grad = None
-        m_half, v_half, r = blk.m, blk.v, self.step_in_block
-        bc1, bc2 = 1 - a1 ** (r + 1), 1 - a2 ** (r + 1)
-        x_half = torch.div(v_half, bc2).sqrt_().add_(self.config.eps)  # √v̂ + ε, reused as x½
-        torch.addcdiv(blk.master, m_half, x_half, value=-group["lr"] / bc1, out=x_half)
-        if group["weight_decay"]:
-            x_half.add_(blk.master, alpha=-group["lr"] * group["weight_decay"])
-        return x_half
+        fold_gradient(blk.params, blk.m, blk.v, cfg.adam_betas,
+                      clip_scale(blk.params, cfg.grad_clip, cfg.master_dtype))
+        # m, v now hold m½, v½; the bias corrections restart with every block (r + 1 steps).
+        return adam_update(blk.master, blk.m, blk.v, lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps,
+                           t=self.step_in_block + 1, weight_decay=group["weight_decay"])
 
     @torch.no_grad()
     def bma_correct(self, x_plus: torch.Tensor) -> None:
@@ -193,17 +176,14 @@ class DecaOptimizer(torch.optim.Optimizer):
             blk.v = self._v_prev.mul_(a2).addcmul_(h, h, value=1 - a2)
             del self._m_prev, self._v_prev
         blk.master.copy_(x_plus)
-        for p, x in blk.segments(blk.master):
-            p.copy_(x)
+        write_params(blk.params, blk.master)
         self._advance()
 
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.bma_correct(self.mixer.mix(self.adam_half_step()))
-        return loss
+    def local_step(self) -> torch.Tensor:
+        return self.adam_half_step()
+
+    def combine(self, mixer: Mixer, payload: torch.Tensor) -> None:
+        self.bma_correct(mixer.mix(payload))
 
     # ---- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict:

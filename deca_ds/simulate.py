@@ -1,4 +1,4 @@
-"""simulate(): N DECA clients in one process, one model copy each, mixed through W."""
+"""simulate(): N clients of any method in one process, one model copy each, mixed through W."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .config import DecaConfig
+from .methods import Deca, Method
 from .mixing import InProcessMixer
-from .optimizer import DecaOptimizer, model_partition
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class StepInfo:
 
     step: int  # global inner step, 0-based
     round: int
-    block: int
+    block: int | None  # None: the method trains every trainable tensor at once
     step_in_block: int
     losses: list[float]  # one per client
 
@@ -29,11 +29,12 @@ def simulate(
     model: nn.Module,
     client_batches: Sequence[Iterable[Mapping[str, torch.Tensor]]],
     mixing_matrix,
-    config: DecaConfig,
+    config: DecaConfig | Method,
     *,
     on_step: Callable[[StepInfo], None] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run Algorithm 1 for N clients and return each client's final parameters by name.
+    """Run Algorithm 1 (a DecaConfig) or another method for N clients and return each client's
+    final parameters by name.
 
     `model.forward(**batch)` must return an object with `.loss` (the transformers convention).
     The model is deep-copied per client, so every client starts from the same weights and the
@@ -44,15 +45,15 @@ def simulate(
     if len(client_batches) != mixer.n:
         raise ValueError(f"mixing matrix is {mixer.n}x{mixer.n} but {len(client_batches)} "
                          "clients' batches were given")
-    partition = model_partition(model, config)
-    clients = [copy.deepcopy(model).train() for _ in range(mixer.n)]
-    optimizers = [DecaOptimizer(c, config, partition=partition) for c in clients]
+    method = Deca(config) if isinstance(config, DecaConfig) else config
+    clients = [method.prepare(copy.deepcopy(model)).train() for _ in range(mixer.n)]
+    optimizers = [method.optimizer(c) for c in clients]
     streams = [iter(b) for b in client_batches]
     lead = optimizers[0]
     while not lead.done:
-        info = dict(step=lead.global_step, round=lead.round, block=lead.active.index,
-                    step_in_block=lead.step_in_block)
-        losses, x_halves = [], []
+        where = lead.where()
+        info = dict(step=lead.global_step, round=where["round"], block=where["block"], step_in_block=where["r"])
+        losses, payloads = [], []
         for i, (client, opt, stream) in enumerate(zip(clients, optimizers, streams)):
             try:
                 batch = next(stream)
@@ -62,9 +63,9 @@ def simulate(
             loss = client(**batch).loss
             loss.backward()
             losses.append(loss.item())
-            x_halves.append(opt.adam_half_step())
-        for opt, x_plus in zip(optimizers, mixer.mix_all(x_halves)):
-            opt.bma_correct(x_plus)
+            payloads.append(opt.local_step())
+        for opt, view, payload in zip(optimizers, mixer.views(payloads), payloads):
+            opt.combine(view, payload)
         if on_step is not None:
             on_step(StepInfo(losses=losses, **info))
     return [{name: p.detach().clone() for name, p in c.named_parameters()} for c in clients]

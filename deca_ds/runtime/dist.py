@@ -178,7 +178,8 @@ class DistributedMixer:
     def _peer(self, j: int) -> str:
         return f"client {j} (rank {self.layout.rank_of(j)})"
 
-    def mix(self, x_half: torch.Tensor) -> torch.Tensor:
+    def exchange(self, x_half: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
+        """Send x½ to every neighbor and receive theirs: (w_ij, x½_j) in mixing order."""
         send = x_half if self.transfer_dtype in (None, x_half.dtype) else x_half.to(self.transfer_dtype)
         received = {j: torch.empty_like(send) for j in self.neighbors}
         pending = []
@@ -202,7 +203,10 @@ class DistributedMixer:
         self.last_bytes_sent = len(self.neighbors) * send.numel() * send.element_size()
         self.total_bytes_sent += self.last_bytes_sent
         i = self.layout.client
-        terms = [(float(self.W[i, j]), x_half if j == i else received[j]) for j in self.order]
+        return [(float(self.W[i, j]), x_half if j == i else received[j]) for j in self.order]
+
+    def mix(self, x_half: torch.Tensor) -> torch.Tensor:
+        terms = self.exchange(x_half)
         # Every send has completed, so x½ and the receive buffers are free: x⁺ is summed into
         # the first term's buffer when it has the master dtype, saving a block-sized buffer.
         first = terms[0][1]

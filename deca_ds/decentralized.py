@@ -1,0 +1,126 @@
+"""What every method's optimizer offers the runtime and the simulator, and the Adam pieces they share.
+
+A decentralized step is two halves around the exchange with the neighbors:
+
+    payload = opt.local_step()       after backward: this client's local update x½ (one flat vector)
+    opt.combine(mixer, payload)      mixer.mix (Σ_j w_ij x½_j) or mixer.exchange (every x½_j) → new x
+
+`step()` runs both with the optimizer's own mixer (the DeepSpeed runtime); the simulator runs the
+first half on every client, then the second with each client's view of the others' payloads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .mixing import IdentityMixer, Mixer
+
+
+def segments(params: Sequence[nn.Parameter], flat: torch.Tensor):
+    """(param, view of `flat` shaped like param) for each tensor, in order."""
+    offset = 0
+    for p in params:
+        yield p, flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
+def clip_scale(params: Iterable[nn.Parameter], max_norm: float | None, dtype: torch.dtype) -> float:
+    """Factor that clips the gradients of `params` to global norm `max_norm` (1.0 when None)."""
+    if max_norm is None:
+        return 1.0
+    norms = [p.grad.detach().to(dtype).norm() for p in params if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+    return min(1.0, max_norm / (total + 1e-6))
+
+
+@torch.no_grad()
+def fold_gradient(params: Sequence[nn.Parameter], m: torch.Tensor, v: torch.Tensor,
+                  betas: tuple[float, float], scale: float = 1.0) -> None:
+    """m = α1·m + (1−α1)·g, v = α2·v + (1−α2)·g⊙g in place, then drop the gradients.
+
+    The gradient is folded in tensor by tensor and widened inside the add: no full-size
+    master-dtype copy of it is ever held."""
+    a1, a2 = betas
+    for (p, m_p), (_, v_p) in zip(segments(params, m), segments(params, v)):
+        m_p.mul_(a1)
+        v_p.mul_(a2)
+        if p.grad is not None:
+            g = p.grad if scale == 1.0 else p.grad * scale
+            m_p.add_(g, alpha=1 - a1)
+            v_p.addcmul_(g, g, value=1 - a2)
+        p.grad = None
+
+
+@torch.no_grad()
+def adam_update(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, betas: tuple[float, float],
+                eps: float, t: int, weight_decay: float = 0.0) -> torch.Tensor:
+    """x½ = x − γ·m̂/(√v̂+ε) − γ·λ·x with bias corrections for t steps, in a new buffer."""
+    bc1, bc2 = 1 - betas[0] ** t, 1 - betas[1] ** t
+    x_half = torch.div(v, bc2).sqrt_().add_(eps)  # √v̂ + ε, reused as x½
+    torch.addcdiv(x, m, x_half, value=-lr / bc1, out=x_half)
+    if weight_decay:
+        x_half.add_(x, alpha=-lr * weight_decay)
+    return x_half
+
+
+@torch.no_grad()
+def write_params(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy the flat master vector into the (possibly lower-precision) working parameters."""
+    for p, x in segments(params, flat):
+        p.copy_(x)
+
+
+class DecentralizedOptimizer(torch.optim.Optimizer):
+    """Base of every method's optimizer: the step split around mixing, and the schedule queries
+    the runtime logs and checkpoints by."""
+
+    mixer: Mixer = IdentityMixer()
+    # The runtime swaps in a clock that synchronizes the GPU, so the phase times count kernels.
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
+    last_times: dict[str, float] = {}
+
+    @property
+    def total_steps(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def global_step(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def done(self) -> bool:
+        return self.global_step >= self.total_steps
+
+    def where(self) -> dict:
+        """Where the schedule stands, for logs: round, block (None: every trainable tensor), r."""
+        raise NotImplementedError
+
+    def consensus_vector(self) -> torch.Tensor:
+        """The flat vector this client mixes with its neighbors (for the consensus distance)."""
+        raise NotImplementedError
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held now."""
+        raise NotImplementedError
+
+    def local_step(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, mixer: Mixer, payload: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = self.clock()
+        payload = self.local_step()
+        t1 = self.clock()
+        self.combine(self.mixer, payload)
+        self.last_times = {"local_update": t1 - t0, "combine": self.clock() - t1}
+        return loss

@@ -1,0 +1,150 @@
+"""Adapt-then-combine Adam on a fixed set of tensors, and D-Adam (decentralized full-parameter Adam).
+
+Every local step, on the flat vector x of all trainable tensors (master copy in `master_dtype`):
+
+    m = α1·m + (1−α1)·g     v = α2·v + (1−α2)·g⊙g     x½ = x − γ·m̂/(√v̂+ε)   (t-step bias correction)
+    x = Σ_j w_ij x½_j   every `mix_every` steps (else x = x½); moments stay local.
+
+This is the optimizer of D-Adam, Dec-LoRA and Dec-Adapter; DeCAF overrides how x½ is combined.
+D-Adam holds master, m and v for every trainable weight at once (the paper's 9M–11M case), which
+is what DECA's one-block-at-a-time state avoids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from ..blocks import partition_model
+from ..config import check_betas, check_master_dtype
+from ..decentralized import DecentralizedOptimizer, adam_update, clip_scale, fold_gradient, segments, write_params
+from ..mixing import IdentityMixer, Mixer
+from .base import Method
+
+
+@dataclass
+class AdamConfig:
+    """Hyperparameters of the baselines' local Adam and their mixing schedule."""
+
+    steps: int
+    lr: float = 1e-4
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    mix_every: int = 1  # K: mix after every K-th local step
+    master_dtype: torch.dtype = torch.float32
+    grad_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "mix_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
+        self.adam_betas = check_betas("adam_betas", self.adam_betas)
+        self.master_dtype = check_master_dtype(self.master_dtype)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "master_dtype": str(self.master_dtype).removeprefix("torch.")}
+
+
+class MixedAdam(DecentralizedOptimizer):
+    """Local Adam on `params`, then neighbor mixing of the whole trainable vector."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], config: AdamConfig, *,
+                 mixer: Mixer | None = None) -> None:
+        if not params:
+            raise ValueError("the method has no trainable parameters")
+        super().__init__(params, {"lr": config.lr, "weight_decay": config.weight_decay})
+        self.config, self.params = config, params
+        self.mixer = mixer or IdentityMixer()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        numel = sum(p.numel() for p in params)
+        self.master = torch.empty(numel, dtype=config.master_dtype, device=params[0].device)
+        for p, x in segments(params, self.master):
+            x.copy_(p.detach())
+        self.m, self.v = torch.zeros_like(self.master), torch.zeros_like(self.master)
+        self.t = 0  # local steps taken
+
+    @property
+    def total_steps(self) -> int:
+        return self.config.steps
+
+    @property
+    def global_step(self) -> int:
+        return self.t
+
+    def where(self) -> dict:
+        return {"round": 0, "block": None, "r": self.t}
+
+    def consensus_vector(self) -> torch.Tensor:
+        return self.master
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.master, self.m, self.v))
+
+    def mixes_now(self) -> bool:
+        return (self.t + 1) % self.config.mix_every == 0
+
+    @torch.no_grad()
+    def local_step(self) -> torch.Tensor:
+        if self.done:
+            raise RuntimeError(f"all {self.total_steps} steps are done")
+        cfg, group = self.config, self.param_groups[0]
+        fold_gradient(self.params, self.m, self.v, cfg.adam_betas,
+                      clip_scale(self.params, cfg.grad_clip, cfg.master_dtype))
+        return adam_update(self.master, self.m, self.v, lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps,
+                           t=self.t + 1, weight_decay=group["weight_decay"])
+
+    @torch.no_grad()
+    def combine(self, mixer: Mixer, payload: torch.Tensor) -> None:
+        self.master.copy_(self.aggregate(mixer, payload) if self.mixes_now() else payload)
+        write_params(self.params, self.master)
+        self.t += 1
+
+    def aggregate(self, mixer: Mixer, x_half: torch.Tensor) -> torch.Tensor:
+        """x = Σ_j w_ij x½_j (adapt-then-combine)."""
+        return mixer.mix(x_half)
+
+    def state_dict(self) -> dict:
+        return {"t": self.t, "master": self.master.clone(), "m": self.m.clone(), "v": self.v.clone(),
+                "lr": self.param_groups[0]["lr"], "config": self.config.to_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["config"] != self.config.to_dict():
+            raise ValueError(f"optimizer state was saved with a different config: {state['config']}")
+        self.t = state["t"]
+        self.param_groups[0]["lr"] = state["lr"]
+        for name in ("master", "m", "v"):
+            getattr(self, name).copy_(state[name])
+
+
+class DAdam(Method):
+    """Decentralized full-parameter Adam: every tensor DECA's blocks cover trains at once."""
+
+    name = "dadam"
+
+    def __init__(self, config: AdamConfig, *, train_embeddings: bool = False, train_final_norm: bool = False,
+                 train_lm_head: bool = False) -> None:
+        self.config = config
+        self.extra = dict(train_embeddings=train_embeddings, train_final_norm=train_final_norm,
+                          train_lm_head=train_lm_head)
+
+    def trainable(self, model: nn.Module) -> list[nn.Parameter]:
+        partition = partition_model(model, 1, **self.extra)
+        return [p for k in range(partition.num_blocks) for p in partition.params(model, k)]
+
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> MixedAdam:
+        return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)

@@ -1,0 +1,52 @@
+"""Method: what a decentralized fine-tuning method decides, apart from the shared runtime.
+
+A method says which parameters train (and adds any it needs: LoRA factors, adapters), builds
+the optimizer whose combine() mixes them after each local step, and writes its consensus model.
+Data, topology, mixing transport, metrics and checkpoints are the runtime's, the same for all.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..decentralized import DecentralizedOptimizer
+from ..mixing import Mixer
+
+
+class Method:
+    name: str = ""
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The model to train: `model` itself, or a wrapper with the method's added parameters,
+        initialized identically on every client."""
+        return model
+
+    def trainable(self, model: nn.Module) -> list[nn.Parameter]:
+        """The tensors the method trains and mixes, in mixing order."""
+        raise NotImplementedError
+
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> DecentralizedOptimizer:
+        raise NotImplementedError
+
+    def num_trainable(self, model: nn.Module) -> int:
+        return sum(p.numel() for p in self.trainable(model))
+
+    def save_consensus(self, model: nn.Module, directory: Path, tokenizer) -> nn.Module:
+        """Write the consensus model (its weights already x̄) to `directory`; return the model
+        to evaluate."""
+        model.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+        return model
+
+
+@contextmanager
+def seeded(seed: int):
+    """Forked RNG with `seed`: every client draws the same initial method parameters, and the
+    caller's random stream does not move."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

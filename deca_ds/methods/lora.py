@@ -1,0 +1,117 @@
+"""Dec-LoRA and DeCAF: peft LoRA factors on a frozen base, trained with local Adam, combined with W.
+
+Dec-LoRA (Ghiasvand et al., 2025) mixes A and B separately: A_i = Σ_j w_ij A_j, B_i = Σ_j w_ij B_j.
+
+DeCAF (Saadati et al., 2026) mixes the update each pair stands for: client i receives every
+neighbor's (A_j, B_j), forms M_i = Σ_j w_ij B_j A_j and re-factorizes it to rank r by truncated SVD,
+M_i ≈ U_r S_r V_rᵀ, with the singular values split evenly between the factors:
+
+    B_i = U_r · S_r^½        A_i = S_r^½ · V_rᵀ
+
+so both factors have the same scale (‖B_i‖ = ‖A_i‖) and neither shrinks over rounds. M_i is never
+formed: it is B_cat A_cat with B_cat = [w_1 B_1 … w_k B_k] and A_cat = [A_1; …; A_k], so with thin
+QRs B_cat = Q_b R_b, A_catᵀ = Q_a R_a the SVD of the small (kr × kr) core R_b R_aᵀ = U_c S V_cᵀ gives
+M's exactly: U = Q_b U_c, V = Q_a V_c. Adam moments stay with the factors, as in Dec-LoRA.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..decentralized import segments
+from ..mixing import Mixer
+from .adam import AdamConfig, MixedAdam
+from .base import Method, seeded
+
+# "all-linear": every linear layer of the decoder (attention and MLP), not the LM head.
+DEFAULT_TARGETS = "all-linear"
+
+
+class DecLoRA(Method):
+    name = "dec_lora"
+
+    def __init__(self, config: AdamConfig, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.05,
+                 targets: str | list[str] = DEFAULT_TARGETS, seed: int = 0) -> None:
+        if rank < 1:
+            raise ValueError(f"lora rank must be >= 1, got {rank}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"lora dropout must be in [0, 1), got {dropout}")
+        self.config, self.rank, self.alpha, self.dropout = config, rank, alpha, dropout
+        self.targets, self.seed = targets, seed
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=self.targets, bias="none", task_type="CAUSAL_LM")
+        try:
+            with seeded(self.seed):
+                return get_peft_model(model, lora)
+        except ValueError as err:  # peft names target modules the model does not have
+            raise ValueError(f"LoRA targets {self.targets!r} do not fit the model: {err}") from None
+
+    @staticmethod
+    def lora_pairs(model: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(A, B) of every adapted layer: A is r × d_in, B is d_out × r."""
+        return [(m.lora_A[name].weight, m.lora_B[name].weight)
+                for m in model.modules() if hasattr(m, "lora_A") for name in m.lora_A]
+
+    def trainable(self, model: nn.Module) -> list[nn.Parameter]:
+        return [p for pair in self.lora_pairs(model) for p in pair]
+
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> MixedAdam:
+        return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)
+
+    def save_consensus(self, model: nn.Module, directory: Path, tokenizer) -> nn.Module:
+        """The adapter in peft format (adapter/) and the merged model W + (α/r)·B̄Ā (consensus/).
+        Merged in place (training is over), so the device never holds a second model."""
+        model.save_pretrained(directory.parent / "adapter", safe_serialization=True)
+        merged = model.merge_and_unload()
+        merged.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+        return merged
+
+
+def truncated_factors(B_cat: torch.Tensor, A_cat: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, A) with B·A the best rank-`rank` approximation of B_cat·A_cat, singular values split
+    evenly; zero-padded when the product's rank is below `rank`."""
+    Q_b, R_b = torch.linalg.qr(B_cat)
+    Q_a, R_a = torch.linalg.qr(A_cat.T)
+    U, S, Vh = torch.linalg.svd(R_b @ R_a.T)
+    k = min(rank, S.numel())
+    root = S[:k].sqrt()
+    B = B_cat.new_zeros(B_cat.shape[0], rank)
+    A = A_cat.new_zeros(rank, A_cat.shape[1])
+    B[:, :k] = (Q_b @ U[:, :k]) * root
+    A[:k] = root[:, None] * (Vh[:k] @ Q_a.T)
+    return B, A
+
+
+class DeCAFAdam(MixedAdam):
+    """MixedAdam whose combination is DeCAF's truncated SVD of Σ_j w_ij B_j A_j per LoRA pair."""
+
+    def __init__(self, model: nn.Module, pairs, config: AdamConfig, *, mixer: Mixer | None = None):
+        super().__init__(model, [p for pair in pairs for p in pair], config, mixer=mixer)
+
+    def aggregate(self, mixer: Mixer, x_half: torch.Tensor) -> torch.Tensor:
+        terms = mixer.exchange(x_half)
+        out = torch.empty_like(x_half)
+        views = [list(segments(self.params, x)) for _, x in terms]
+        mine = list(segments(self.params, out))
+        for k in range(0, len(self.params), 2):
+            B_cat = torch.cat([w * v[k + 1][1] for (w, _), v in zip(terms, views)], dim=1)
+            A_cat = torch.cat([v[k][1] for v in views], dim=0)
+            B, A = truncated_factors(B_cat, A_cat, rank=self.params[k].shape[0])
+            mine[k][1].copy_(A)
+            mine[k + 1][1].copy_(B)
+        return out
+
+
+class DeCAF(DecLoRA):
+    name = "decaf"
+
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> DeCAFAdam:
+        return DeCAFAdam(model, self.lora_pairs(model), self.config, mixer=mixer)
