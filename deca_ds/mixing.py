@@ -94,6 +94,3 @@ class InProcessMixer:
             raise ValueError(f"expected {self.n} client vectors, got {len(x_halves)}")
         return [ClientView([(float(self.W[i, j]), x_halves[j]) for j in mixing_order(self.W, i)], x_halves[i])
                 for i in range(self.n)]
-
-    def mix_all(self, x_halves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [view.mix(x) for view, x in zip(self.views(x_halves), x_halves)]
