@@ -1,0 +1,190 @@
+"""DECA and the baselines (D-Adam, Dec-LoRA, Dec-Adapter, DeCAF) through one method interface.
+
+Expected values are computed independently: mixing with numpy in float64 from the clients'
+payloads, DeCAF's re-factorization against numpy's SVD of the explicitly formed Σ_j w_ij B_j A_j,
+parameter counts from the model's shape by hand.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from deca_ds import DecaConfig, make_topology, simulate
+from deca_ds.decentralized import segments
+from deca_ds.methods import METHODS, AdamConfig, DAdam, DeCAF, Deca, DecAdapter, DecLoRA, truncated_factors
+from deca_ds.mixing import InProcessMixer
+from deca_ds.models import tiny_llama
+from helpers import VOCAB, client_batches
+
+LAYERS, HIDDEN, N = 3, 32, 4
+INTER, KV = 2 * HIDDEN, HIDDEN // 2  # tiny_llama: intermediate 2h; 2 of 4 heads carry k, v
+RANK, SIZE = 4, 8
+
+
+def base_model(layers: int = LAYERS):
+    # deca-ds's tiny Llama: its larger init lets the frozen head express the clients' skewed tokens
+    return tiny_llama(VOCAB, num_hidden_layers=layers, hidden_size=HIDDEN, intermediate_size=INTER)
+
+
+def make(name: str, steps: int = 6, lr: float = 1e-2, mix_every: int = 1):
+    adam = AdamConfig(steps=steps, lr=lr, mix_every=mix_every)
+    return {
+        "deca": lambda: Deca(DecaConfig(lr=lr, steps_per_block=2, rounds=1, layers_per_block=2)),
+        "dadam": lambda: DAdam(adam),
+        "dec_lora": lambda: DecLoRA(adam, rank=RANK, alpha=2 * RANK, dropout=0.0),
+        "dec_adapter": lambda: DecAdapter(adam, size=SIZE),
+        "decaf": lambda: DeCAF(adam, rank=RANK, alpha=2 * RANK, dropout=0.0),
+    }[name]()
+
+
+def clients(method, n: int = N):
+    base = base_model()
+    models = [method.prepare(copy.deepcopy(base)).train() for _ in range(n)]
+    return models, [method.optimizer(m) for m in models]
+
+
+def local_steps(models, optimizers, batches, step: int) -> list[torch.Tensor]:
+    payloads = []
+    for i, (model, opt) in enumerate(zip(models, optimizers)):
+        model(**batches[i][step]).loss.backward()
+        payloads.append(opt.local_step())
+    return payloads
+
+
+def trainable_flat(method, model) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in method.trainable(model)]).double().numpy()
+
+
+def test_registry_names_every_method():
+    assert set(METHODS) == {"deca", "dadam", "dec_lora", "dec_adapter", "decaf"}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_each_method_lowers_the_loss_with_four_clients(name):
+    method = make(name, steps=45, lr=3e-2)
+    if name == "deca":
+        method = Deca(DecaConfig(lr=1e-2, steps_per_block=5, rounds=3, layers_per_block=1))  # 3 blocks × 5 × 3
+    W = make_topology("ring", N).W
+    batches = client_batches(N, 45, seed=3)
+    losses = []
+    simulate(base_model(), batches, W, method,
+             on_step=lambda info: losses.append(np.mean(info.losses)))
+    first, last = np.mean(losses[:5]), np.mean(losses[-5:])
+    assert last < first - 0.1, f"{name}: loss {first:.3f} -> {last:.3f}"
+
+
+@pytest.mark.parametrize("name", ["deca", "dadam", "dec_lora", "dec_adapter"])
+def test_mixing_step_equals_W_times_the_payloads(name):
+    method = make(name)
+    models, optimizers = clients(method)
+    W = make_topology("erdos_renyi", N, p=0.6, seed=2).W
+    payloads = local_steps(models, optimizers, client_batches(N, 1, seed=5), 0)
+    expected = W @ np.stack([x.double().numpy() for x in payloads])
+    for i, (view, opt) in enumerate(zip(InProcessMixer(W).views(payloads), optimizers)):
+        opt.combine(view, payloads[i])
+        # DECA mixes only its active block (block 0 here); after the BMA correction x = x⁺.
+        params = opt.param_groups[0]["params"] if name == "deca" else method.trainable(models[i])
+        got = torch.cat([p.detach().reshape(-1) for p in params]).double().numpy()
+        np.testing.assert_allclose(got, expected[i], rtol=0, atol=1e-6)
+
+
+def test_mix_every_k_skips_the_exchange_between_mixing_steps():
+    method = make("dadam", mix_every=2)
+    models, optimizers = clients(method, 2)
+    W = make_topology("complete", 2).W
+    batches = client_batches(2, 2, seed=6)
+    for step in range(2):
+        payloads = local_steps(models, optimizers, batches, step)
+        for i, (view, opt) in enumerate(zip(InProcessMixer(W).views(payloads), optimizers)):
+            opt.combine(view, payloads[i])
+        same = np.allclose(trainable_flat(method, models[0]), trainable_flat(method, models[1]), atol=1e-7)
+        assert same == (step == 1), f"step {step}: clients should {'' if step else 'not '}agree"
+
+
+def test_decaf_combines_by_truncated_svd_of_the_weighted_product():
+    method = make("decaf")
+    models, optimizers = clients(method)
+    W = make_topology("ring", N).W
+    payloads = local_steps(models, optimizers, client_batches(N, 1, seed=7), 0)
+    pairs_of = lambda x: list(segments(optimizers[0].params, x))  # noqa: E731
+    for i, (view, opt) in enumerate(zip(InProcessMixer(W).views(payloads), optimizers)):
+        opt.combine(view, payloads[i])
+        got = DecLoRA.lora_pairs(models[i])
+        for k, (A_new, B_new) in enumerate(got):
+            M = sum(W[i, j] * pairs_of(payloads[j])[2 * k + 1][1].double().numpy()
+                    @ pairs_of(payloads[j])[2 * k][1].double().numpy() for j in range(N) if W[i, j] > 0)
+            U, S, Vt = np.linalg.svd(M)
+            best = (U[:, :RANK] * S[:RANK]) @ Vt[:RANK]
+            B, A = B_new.detach().double().numpy(), A_new.detach().double().numpy()
+            np.testing.assert_allclose(B @ A, best, atol=1e-5 * max(1.0, np.abs(best).max()))
+            # singular values split evenly: column j of B and row j of A both have norm √σ_j
+            np.testing.assert_allclose(np.linalg.norm(B, axis=0), np.sqrt(S[:RANK]), rtol=1e-3, atol=1e-6)
+            np.testing.assert_allclose(np.linalg.norm(A, axis=1), np.sqrt(S[:RANK]), rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank_of_product,r", [(3, 3), (3, 5), (6, 8)])
+def test_truncated_svd_reproduces_the_product_when_r_covers_its_rank(rank_of_product, r):
+    g = torch.Generator().manual_seed(rank_of_product)
+    k = 3  # neighbors' factors stacked, as DeCAF forms them
+    B_cat = torch.randn(20, rank_of_product, generator=g, dtype=torch.float64).repeat(1, k)
+    A_cat = torch.randn(rank_of_product * k, 12, generator=g, dtype=torch.float64)
+    B, A = truncated_factors(B_cat, A_cat, r)
+    assert B.shape == (20, r) and A.shape == (r, 12)
+    np.testing.assert_allclose((B @ A).numpy(), (B_cat @ A_cat).numpy(), atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_complete_uniform_graph_makes_every_client_identical_after_each_mix(name):
+    method = make(name, steps=3)
+    models, optimizers = clients(method)
+    W = np.full((N, N), 1 / N)
+    batches = client_batches(N, 3, seed=8)
+    for step in range(3):
+        payloads = local_steps(models, optimizers, batches, step)
+        for i, (view, opt) in enumerate(zip(InProcessMixer(W).views(payloads), optimizers)):
+            opt.combine(view, payloads[i])
+        flats = [trainable_flat(method, m) for m in models]
+        for i in range(1, N):
+            assert np.array_equal(flats[0], flats[i]), f"{name}: client {i} differs after step {step}"
+        assert not np.array_equal(flats[0], trainable_flat(method, clients(method, 1)[0][0])), "nothing trained"
+
+
+def test_trainable_parameter_counts_equal_exact_arithmetic():
+    h, I, kv, L, r, s = HIDDEN, INTER, KV, LAYERS, RANK, SIZE
+    layer = 2 * h * h + 2 * h * kv + 3 * h * I + 2 * h  # q, o; k, v; gate, up, down; two norms
+    lora_layer = r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + I) + (I + h))  # r·(d_in + d_out) per linear
+    adapter_layer = 2 * (h * s + s + s * h + h)  # after attention and after the MLP
+    expected = {"deca": L * layer, "dadam": L * layer, "dec_lora": L * lora_layer, "decaf": L * lora_layer,
+                "dec_adapter": L * adapter_layer}
+    for name, count in expected.items():
+        method = make(name)
+        model = method.prepare(base_model())
+        assert method.num_trainable(model) == count, name
+        method.optimizer(model)
+        assert sum(p.numel() for p in model.parameters() if p.requires_grad) == (
+            count if name != "deca" else 2 * layer), name  # DECA: only the active block (2 layers)
+
+
+def test_adapters_start_as_the_identity_and_lora_starts_at_the_base_model():
+    base = base_model().eval()
+    batch = client_batches(1, 1, seed=9)[0][0]
+    want = base(**batch).logits
+    for name in ("dec_adapter", "dec_lora"):
+        model = make(name).prepare(copy.deepcopy(base)).eval()
+        torch.testing.assert_close(model(**batch).logits, want, rtol=0, atol=1e-6)
+
+
+def test_bad_method_options_are_named():
+    adam = AdamConfig(steps=1)
+    with pytest.raises(ValueError, match="mix_every"):
+        AdamConfig(steps=1, mix_every=0)
+    with pytest.raises(ValueError, match="steps"):
+        AdamConfig(steps=0)
+    with pytest.raises(ValueError, match="lora rank"):
+        DecLoRA(adam, rank=0)
+    with pytest.raises(ValueError, match="adapter size"):
+        DecAdapter(adam, size=0)
+    with pytest.raises(ValueError, match="LoRA targets"):
+        DecLoRA(adam, targets=["no_such_proj"]).prepare(base_model(2))
