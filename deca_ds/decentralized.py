@@ -82,6 +82,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     # The runtime swaps in a clock that synchronizes the GPU, so the phase times count kernels.
     clock: Callable[[], float] = staticmethod(time.perf_counter)
     last_times: dict[str, float] = {}
+    # Whether combining is linear in the clients' vectors: then the consensus x̄ is their mean.
+    linear = True
 
     @property
     def total_steps(self) -> int:

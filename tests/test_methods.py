@@ -188,3 +188,30 @@ def test_bad_method_options_are_named():
         DecAdapter(adam, size=0)
     with pytest.raises(ValueError, match="LoRA targets"):
         DecLoRA(adam, targets=["no_such_proj"]).prepare(base_model(2))
+
+
+@pytest.mark.parametrize("name", ["dadam", "decaf"])
+def test_state_dict_round_trip_continues_identically(name):
+    method = make(name, steps=4)
+    W = make_topology("complete", 2).W
+    batches = client_batches(2, 4, seed=10)
+
+    def run(models, optimizers, steps):
+        for step in steps:
+            payloads = local_steps(models, optimizers, batches, step)
+            for i, (view, opt) in enumerate(zip(InProcessMixer(W).views(payloads), optimizers)):
+                opt.combine(view, payloads[i])
+
+    models, optimizers = clients(method, 2)
+    run(models, optimizers, range(2))
+    saved = [(copy.deepcopy(m.state_dict()), opt.state_dict()) for m, opt in zip(models, optimizers)]
+    run(models, optimizers, range(2, 4))
+    fresh, fresh_opts = clients(method, 2)
+    for m, opt, (weights, state) in zip(fresh, fresh_opts, saved):
+        m.load_state_dict(weights)
+        opt.load_state_dict(state)
+    run(fresh, fresh_opts, range(2, 4))
+    for a, b in zip(models, fresh):
+        assert np.array_equal(trainable_flat(method, a), trainable_flat(method, b))
+    with pytest.raises(ValueError, match="different config"):
+        make(name, steps=5).optimizer(clients(method, 1)[0][0]).load_state_dict(saved[0][1])

@@ -118,6 +118,13 @@ class MixedAdam(DecentralizedOptimizer):
         """x = Σ_j w_ij x½_j (adapt-then-combine)."""
         return mixer.mix(x_half)
 
+    @torch.no_grad()
+    def combine_now(self, mixer: Mixer) -> None:
+        """Replace x by its combination through `mixer` (no local step): the consensus of a
+        method whose combination is not the mean is its combination with uniform weights."""
+        self.master.copy_(self.aggregate(mixer, self.master))
+        write_params(self.params, self.master)
+
     def state_dict(self) -> dict:
         return {"t": self.t, "master": self.master.clone(), "m": self.m.clone(), "v": self.v.clone(),
                 "lr": self.param_groups[0]["lr"], "config": self.config.to_dict()}

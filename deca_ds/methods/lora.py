@@ -91,7 +91,12 @@ def truncated_factors(B_cat: torch.Tensor, A_cat: torch.Tensor, rank: int) -> tu
 
 
 class DeCAFAdam(MixedAdam):
-    """MixedAdam whose combination is DeCAF's truncated SVD of Σ_j w_ij B_j A_j per LoRA pair."""
+    """MixedAdam whose combination is DeCAF's truncated SVD of Σ_j w_ij B_j A_j per LoRA pair.
+
+    Its consensus is TSVD_r(1/N Σ_i B_i A_i) per pair, not the mean of the factors: factors of
+    different clients need not share a basis, so their mean can stand for no client's update."""
+
+    linear = False
 
     def __init__(self, model: nn.Module, pairs, config: AdamConfig, *, mixer: Mixer | None = None):
         super().__init__(model, [p for pair in pairs for p in pair], config, mixer=mixer)

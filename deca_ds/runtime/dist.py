@@ -172,14 +172,16 @@ class DistributedMixer:
         self.neighbors = [j for j in self.order if j != layout.client]
         self.timeout = timedelta(seconds=timeout_s)
         self.transfer_dtype = transfer_dtype
-        self.last_bytes_sent = 0
         self.total_bytes_sent = 0
+        self.total_exchange_s = 0.0
+        self.clock = time.perf_counter  # the runtime's clock, which waits for the GPU
 
     def _peer(self, j: int) -> str:
         return f"client {j} (rank {self.layout.rank_of(j)})"
 
     def exchange(self, x_half: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
         """Send x½ to every neighbor and receive theirs: (w_ij, x½_j) in mixing order."""
+        start = self.clock()
         send = x_half if self.transfer_dtype in (None, x_half.dtype) else x_half.to(self.transfer_dtype)
         received = {j: torch.empty_like(send) for j in self.neighbors}
         pending = []
@@ -200,8 +202,8 @@ class DistributedMixer:
                 except RuntimeError as err:
                     raise PeerError(f"no block from {self._peer(j)} within {self.timeout.total_seconds():g} s "
                                     f"or the link broke: {err}") from err
-        self.last_bytes_sent = len(self.neighbors) * send.numel() * send.element_size()
-        self.total_bytes_sent += self.last_bytes_sent
+        self.total_bytes_sent += len(self.neighbors) * send.numel() * send.element_size()
+        self.total_exchange_s += self.clock() - start
         i = self.layout.client
         return [(float(self.W[i, j]), x_half if j == i else received[j]) for j in self.order]
 

@@ -83,7 +83,7 @@ def summary_table(summary: dict) -> str:
     return head + rows
 
 
-def plot_losses(records: list[list[dict]], path: Path, window: int = 10) -> None:
+def plot_losses(records: list[list[dict]], path: Path, window: int = 10, title: str = "deca") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,7 +101,7 @@ def plot_losses(records: list[list[dict]], path: Path, window: int = 10) -> None
             line.set_label(f"client {c}")
     ax.set_xlabel("inner step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"DECA training loss ({len(records)} clients; bold: {window}-step mean)")
+    ax.set_title(f"{title} training loss ({len(records)} clients; bold: {window}-step mean)")
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

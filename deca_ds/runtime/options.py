@@ -17,8 +17,11 @@ from pathlib import Path
 
 import yaml
 
+from ..blocks import Partition
 from ..config import VARIANTS, DecaConfig, parse_dtype
 from ..datasets import TASKS
+from ..methods import METHODS, AdamConfig, DAdam, DeCAF, Deca, DecAdapter, DecLoRA, Method
+from ..methods.lora import DEFAULT_TARGETS
 from ..topology import TOPOLOGIES, WEIGHT_SCHEMES
 from .ds_engine import HONORED, load_ds_config
 
@@ -57,6 +60,18 @@ class RunOptions:
     topology_seed: int = _opt(0, "seed of random graphs")
     weights: str = _opt("metropolis_hastings", "mixing weights", choices=WEIGHT_SCHEMES)
     matrix_file: str | None = _opt(None, "mixing matrix file (.json, .csv, .npy) for --topology file")
+    # method
+    method: str = _opt("deca", "what trains and how it is mixed: DECA or a baseline (decentralized full-parameter "
+                       "Adam, Dec-LoRA, Dec-Adapter, DeCAF)", choices=tuple(METHODS))
+    steps: int | None = _opt(None, "baselines: local steps (default: DECA's T·B·R for the same model, an equal "
+                             "step budget)")
+    mix_every: int = _opt(1, "baselines: mix after every K-th local step")
+    lora_rank: int = _opt(8, "Dec-LoRA/DeCAF: LoRA rank r")
+    lora_alpha: float = _opt(16.0, "Dec-LoRA/DeCAF: LoRA alpha (scale alpha/r)")
+    lora_dropout: float = _opt(0.05, "Dec-LoRA/DeCAF: dropout on the LoRA input")
+    lora_targets: list[str] | None = _opt(None, "Dec-LoRA/DeCAF: module names to adapt (default: every linear "
+                                          "layer of attention and MLP)")
+    adapter_size: int = _opt(64, "Dec-Adapter: bottleneck width")
     # Algorithm 1
     layers_per_block: int = _opt(2, "decoder layers per block (granularity)")
     steps_per_block: int = _opt(48, "local steps per block R")
@@ -90,13 +105,13 @@ class RunOptions:
     timeout: float = _opt(300.0, "seconds any wait on another rank may take before the run fails")
 
     def __post_init__(self) -> None:
-        for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints"):
+        for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints", "mix_every", "lora_rank", "adapter_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("micro_batch", "grad_accum", "clients"):
+        for name in ("micro_batch", "grad_accum", "clients", "steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.timeout > 0:
@@ -116,6 +131,22 @@ class RunOptions:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
+
+    def build_method(self, partition: Partition) -> Method:
+        """The method to train with; `partition` is DECA's (its T·B·R is the baselines' default budget)."""
+        config = self.deca_config()
+        if self.method == "deca":
+            return Deca(config, partition)
+        adam = AdamConfig(steps=self.steps or config.rounds * partition.num_blocks * config.steps_per_block,
+                          lr=self.lr, adam_betas=self.adam_betas, eps=self.eps, mix_every=self.mix_every,
+                          master_dtype=config.master_dtype)
+        if self.method == "dadam":
+            return DAdam(adam)
+        if self.method == "dec_adapter":
+            return DecAdapter(adam, size=self.adapter_size, seed=self.seed)
+        lora = DeCAF if self.method == "decaf" else DecLoRA
+        return lora(adam, rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                    targets=self.lora_targets or DEFAULT_TARGETS, seed=self.seed)
 
     def deca_config(self) -> DecaConfig:
         return DecaConfig(

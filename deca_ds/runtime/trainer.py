@@ -1,4 +1,5 @@
-"""The training job behind launch/train.py: one DeepSpeed engine per rank, N clients, Algorithm 1.
+"""The training job behind launch/train.py: one DeepSpeed engine per rank, N clients, one method
+(DECA's Algorithm 1 or a baseline) on the same data, graph, mixing, metrics and checkpoints.
 
 Everything that can be wrong with the input is checked before the process group exists and
 before anything is written, so a bad run fails on every rank with the same message and leaves
@@ -26,8 +27,11 @@ from .. import __version__
 from ..blocks import Partition
 from ..data import ClientStream
 from ..datasets import write_partition_report
+from ..decentralized import DecentralizedOptimizer
+from ..methods import Method
+from ..mixing import ClientView
 from ..models import enable_activation_checkpointing, load_model
-from ..optimizer import DecaOptimizer, model_partition
+from ..optimizer import model_partition
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from .dist import (ClientGroups, ClientLayout, DistributedMixer, Heartbeat, PeerError, all_mean_, check_layout,
@@ -125,21 +129,35 @@ def consensus_weights(model):
                 p.copy_(saved)
 
 
-def export_consensus(model, out: Path, tokenizer, layout: ClientLayout, save_clients: bool) -> float:
-    """Write the clients (optionally) and x̄ (rank 0, save_pretrained); return ‖x_i − x̄‖."""
+def factor_consensus_(optimizer) -> float:
+    """x̄ of a method whose combination is not linear (DeCAF): its own combination of every
+    client's vector with uniform weights (each client's G ranks hold the same vector; the frozen
+    weights are the same everywhere). Returns ‖x_i − x̄‖ over the trainable vector."""
+    x = optimizer.consensus_vector()
+    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, x)
+    before = x.clone()
+    optimizer.combine_now(ClientView([(1 / len(gathered), g) for g in gathered], x))
+    return torch.linalg.vector_norm(before - x).item()
+
+
+def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, layout: ClientLayout,
+                     save_clients: bool) -> tuple[float, object]:
+    """Write the clients (optionally) and x̄ (rank 0, the method's format); return ‖x_i − x̄‖ and
+    the model to evaluate."""
     if save_clients and layout.local_rank == 0:
         ckpt.save_hf_model(model, out / "clients" / f"client_{layout.client:03d}")
-    distance = to_consensus_(model)
+    distance = to_consensus_(model) if optimizer.linear else factor_consensus_(optimizer)
     if layout.rank == 0:
-        model.save_pretrained(out / "consensus", safe_serialization=True)
-        tokenizer.save_pretrained(out / "consensus")
-    return distance
+        model = method.save_consensus(model, out / "consensus", tokenizer)
+    return distance, model
 
 
 def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Topology, partition: Partition,
-                     layout: ClientLayout, task: Task) -> None:
+                     layout: ClientLayout, task: Task, trainable: int) -> None:
     resolved = {
         "options": asdict(opts), "ds_config": ds_config, "topology": topology.to_dict(),
+        "method": opts.method, "trainable_params": trainable,
         "blocks": [asdict(b) for b in partition.blocks], "frozen": list(partition.frozen),
         "world_size": layout.world_size, "n_clients": layout.n_clients,
         "client_sizes": [len(ix) for ix in task.client_indices],
@@ -150,7 +168,7 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
     write_partition_report(out / "partition", task.keys, task.client_indices, task.key_names)
     print(json.dumps({"options": asdict(opts), "ds_config": ds_config}, indent=2))
     print(topology.describe())
-    print(partition.describe())
+    print(partition.describe() if opts.method == "deca" else f"method {opts.method}: {trainable:,} trainable parameters")
     print("examples per client:", [len(ix) for ix in task.client_indices])
 
 
@@ -161,8 +179,10 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                              seed=opts.topology_seed, matrix_file=opts.matrix_file)
     task = build_task(opts, n_clients)
     model = build_model(opts, len(task.tokenizer))
-    config = opts.deca_config()
-    partition = model_partition(model, config)
+    partition = model_partition(model, opts.deca_config())
+    method = opts.build_method(partition)
+    model = method.prepare(model)
+    trainable = method.num_trainable(model)
     out = check_output_dir(opts)
 
     # ---- the job ---------------------------------------------------------------------------
@@ -176,7 +196,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     # On the device before the optimizer exists: the active block's master and moments are
     # created beside its parameters (DeepSpeed would move the module only afterwards).
     model.to(device)
-    optimizer = DecaOptimizer(model, config, partition=partition, mixer=mixer)
+    optimizer = method.optimizer(model, mixer)
     if "activation_checkpointing" in ds_config:
         enable_activation_checkpointing(model)
     engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single))
@@ -198,7 +218,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
         for stale in ("checkpoints", "metrics", "tensorboard", "consensus", "clients"):
             shutil.rmtree(out / stale, ignore_errors=True)  # --overwrite: nothing of the old run survives
         out.mkdir(parents=True, exist_ok=True)
-        write_run_config(out, opts, ds_config, topology, partition, layout, task)
+        write_run_config(out, opts, ds_config, topology, partition, layout, task, trainable)
     dist.barrier()
     metrics = MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard) if lead else None
     if rank == 0 and not opts.resume:
@@ -207,17 +227,19 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
 
     timer = Timer(device)
+    optimizer.clock = mixer.clock = timer.now
     bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
-               dynamic_ncols=True, desc="DECA")
+               dynamic_ncols=True, desc=opts.method)
     last_step_s = 0.0
     while not optimizer.done:
-        step, where = optimizer.global_step, (optimizer.round, optimizer.active.index, optimizer.step_in_block)
-        record = {"step": step, "round": where[0], "block": where[1], "r": where[2]}
+        step, where = optimizer.global_step, optimizer.where()
+        record = {"step": step, **where}
         step_start = time.perf_counter()
+        sent, exchanged = mixer.total_bytes_sent, mixer.total_exchange_s
         try:
             heartbeat.beat(step)
             if opts.consensus_interval and step % opts.consensus_interval == 0:
-                record["consensus_distance"] = _consensus_distance(optimizer.active.master)
+                record["consensus_distance"] = _consensus_distance(optimizer.consensus_vector())
             t_fwd = t_bwd = t_step = 0.0
             losses = []
             for _ in range(opts.grad_accum):
@@ -236,13 +258,16 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             if layout.ranks_per_client > 1:
                 dist.all_reduce(loss_t, group=groups.client)
                 loss_t /= layout.ranks_per_client
+            t_exchange = mixer.total_exchange_s - exchanged
             record.update(loss=loss_t.item(), t_forward=t_fwd, t_backward=t_bwd, t_mix_update=t_step,
-                          bytes_sent=mixer.last_bytes_sent, **memory_now(device))
+                          t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
+                          t_aggregate=optimizer.last_times["combine"] - t_exchange,
+                          bytes_sent=mixer.total_bytes_sent - sent, **memory_now(device))
             if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
                 record.update(evaluate_during_training(engine.module, task, opts, layout))
             if metrics:
                 metrics.write(record)
-            bar.set_postfix(round=where[0], block=where[1], r=where[2], loss=f"{record['loss']:.4f}")
+            bar.set_postfix(**where, loss=f"{record['loss']:.4f}")
             bar.update(1)
             if opts.checkpoint_interval and (step + 1) % opts.checkpoint_interval == 0 and not optimizer.done:
                 save_checkpoint(out, step + 1, layout, engine.module, optimizer, stream, opts.keep_checkpoints)
@@ -250,19 +275,19 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
         except RuntimeError as err:  # PeerError from mixing, or a collective that lost a rank
             # Live ranks post a step (or their own failure) within a few step times.
             grace = min(opts.timeout, max(3.0, 3 * last_step_s))
-            raise PeerError(f"rank {rank} (client {layout.client}) failed at step {step} (round {where[0]}, "
-                            f"block {where[1]}, r {where[2]}): {err}; "
+            raise PeerError(f"rank {rank} (client {layout.client}) failed at step {step} (round {where['round']}, "
+                            f"block {where['block']}, r {where['r']}): {err}; "
                             f"{heartbeat.silent_ranks(step, grace)}") from err
     bar.close()
 
     if metrics:
         metrics.close()
-    distance = export_consensus(engine.module, out, task.tokenizer, layout, opts.save_clients)
+    distance, final_model = export_consensus(engine.module, optimizer, method, out, task.tokenizer, layout, opts.save_clients)
     distances = [None] * world_size
     dist.all_gather_object(distances, distance)
     result = None
     if rank == 0:
-        result = final_report(out, engine.module, task, opts, layout, distances[::layout.ranks_per_client])
+        result = final_report(out, final_model, task, opts, layout, distances[::layout.ranks_per_client])
     dist.barrier()
     dist.destroy_process_group()
     return result
@@ -283,7 +308,7 @@ def evaluate_during_training(model, task: Task, opts: RunOptions, layout: Client
     return record
 
 
-def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer: DecaOptimizer,
+def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer: DecentralizedOptimizer,
                     stream: ClientStream, keep: int) -> None:
     lead = layout.local_rank == 0
     ckpt.save_client(out, step, layout.client, layout.local_rank,
@@ -303,7 +328,7 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, layout: ClientL
     evaluation = task.evaluate(model, opts.eval_limit or None)
     summary.update(consensus_eval=evaluation, final_consensus_distance=distances,
                    bytes_sent_total=sum(c["bytes_sent"] for c in summary["clients"]))
-    plot_losses(records, out / "loss_curve.png")
+    plot_losses(records, out / "loss_curve.png", title=opts.method)
     table = summary_table(summary)
     (out / "summary.md").write_text(table)
     ckpt.atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
