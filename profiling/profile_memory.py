@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import runs
 from report import pyplot, write_results
-
-ROOT = Path(__file__).resolve().parents[1]
+from runs import ROOT
 
 
 def parse_args(argv=None):
@@ -42,35 +39,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args, lpb: int) -> Path:
-    out = Path(args.work_dir) / f"lpb{lpb}"
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--ds_config", args.ds_config,
-           "--layers-per-block", str(lpb), "--steps-per-block", str(args.steps_per_block),
-           "--rounds", str(args.rounds), "--output-dir", str(out), "--overwrite", "--eval-limit", "16",
-           *args.train_args]
-    port = str(free_port())
-    procs = []
-    for rank in range(args.ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(args.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True))
-    errors = [(p.wait(timeout=args.timeout), p.stderr.read()) for p in procs]
-    for code, err in errors:
-        if code:
-            raise SystemExit(f"layers_per_block={lpb}: a rank exited {code}:\n{err[-2000:]}")
-    return out
+    train_args = ["--ds_config", args.ds_config, "--layers-per-block", str(lpb),
+                  "--steps-per-block", str(args.steps_per_block), "--rounds", str(args.rounds),
+                  "--eval-limit", "16", *args.train_args]
+    return runs.train(train_args, args.ranks, Path(args.work_dir) / f"lpb{lpb}", args.timeout,
+                      f"layers_per_block={lpb}")
 
 
 def measure(out: Path) -> dict:
-    rows = [json.loads(line) for f in sorted((out / "metrics").glob("client_*.jsonl"))
-            for line in f.read_text().splitlines() if line]
+    rows = [r for client in runs.metrics(out) for r in client]
     key_now, key_peak = ("mem_allocated", "mem_peak") if "mem_peak" in rows[0] else ("mem_rss", "mem_rss")
     run_config = json.loads((out / "run_config.json").read_text())
     return {

@@ -1,0 +1,136 @@
+"""Per-step computation and communication of DECA and every baseline (the paper's Table 9), measured.
+
+Runs launch/train.py once per method, one after the other on the same ranks, model, data and
+graph, drops each client's first --warmup steps, and reports medians over the remaining
+(client, step) samples: Fwd, Bkwd, Agg & Up (local update + exchange + combination; the
+optimizer step DeepSpeed calls), the combination alone (Agg: DeCAF's SVD shows here), Comm (MB
+sent per step per client), and the ratios the issue's targets are stated in. Writes
+<out>/profile_resources.{md,csv,json,png}.
+
+    python profiling/profile_resources.py --ds-config ds_configs/cpu_demo.json --ranks 4
+    python profiling/profile_resources.py --ds-config ds_configs/rtxpro6000_llama-3.1-8b.json --ranks 8 \\
+        --train-args --from-config --model profiling/configs/llama-3.1-8b-instruct.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import runs
+from report import pyplot, write_results
+from runs import ROOT
+
+METHODS = ("deca", "dadam", "dec_lora", "dec_adapter", "decaf")
+LABELS = {"deca": "DECA", "dadam": "D-Adam", "dec_lora": "Dec-LoRA", "dec_adapter": "Dec-Adapter", "decaf": "DeCAF"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "cpu_demo.json"))
+    p.add_argument("--ranks", type=int, default=4, help="ranks on this machine (one client each)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--steps-per-block", type=int, default=8, help="DECA's R; the baselines take as many steps")
+    p.add_argument("--warmup", type=int, default=3, help="first steps of each client left out of the medians")
+    p.add_argument("--work-dir", default="/tmp/deca_profile_resources", help="where the runs' outputs go")
+    p.add_argument("--out", default=str(ROOT / "profiling" / "results"))
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
+                   help="everything after this goes to launch/train.py unchanged (every method)")
+    return p.parse_args(argv)
+
+
+def median_ms(rows: list[dict], *keys: str) -> float:
+    return 1e3 * statistics.median(sum(r[k] for k in keys) for r in rows)
+
+
+def measure(out: Path, warmup: int) -> dict:
+    rows = [r for client in runs.metrics(out) for r in client[warmup:]]
+    if not rows:
+        raise SystemExit(f"{out}: no steps left after --warmup {warmup}")
+    run_config = json.loads((out / "run_config.json").read_text())
+    return {
+        "trainable_params": run_config["trainable_params"],
+        "samples": len(rows),
+        "fwd_ms": median_ms(rows, "t_forward"),
+        "bkwd_ms": median_ms(rows, "t_backward"),
+        "agg_up_ms": median_ms(rows, "t_mix_update"),
+        "agg_ms": median_ms(rows, "t_aggregate"),
+        "step_ms": median_ms(rows, "t_forward", "t_backward", "t_mix_update"),
+        "comm_mb": statistics.fmean(r["bytes_sent"] for r in rows) / 1e6,
+    }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    results = []
+    for method in args.methods:
+        train_args = ["--ds_config", args.ds_config, "--method", method, "--rounds", "1",
+                      "--steps-per-block", str(args.steps_per_block), "--eval-limit", "16",
+                      "--consensus-interval", "0", *args.train_args]
+        out = runs.train(train_args, args.ranks, Path(args.work_dir) / method, args.timeout, method)
+        results.append({"method": LABELS[method], **measure(out, args.warmup)})
+    by = {r["method"]: r for r in results}
+    ratios = {}
+    if "DECA" in by:
+        deca = by["DECA"]
+        ratios["deca_agg_up_share_of_step"] = deca["agg_up_ms"] / deca["step_ms"]
+        for name in ("D-Adam", "Dec-LoRA", "Dec-Adapter", "DeCAF"):
+            if name in by:
+                ratios[f"deca_step_over_{name}"] = deca["step_ms"] / by[name]["step_ms"]
+    cuda = torch.cuda.is_available()
+    summary = {
+        "command": "python profiling/profile_resources.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "ranks": args.ranks, "ds_config": args.ds_config, "train_args": args.train_args,
+        "warmup": args.warmup, "results": results, "ratios": ratios,
+    }
+    write(summary, Path(args.out))
+    return summary
+
+
+def write(summary: dict, out: Path) -> None:
+    rows = summary["results"]
+    md = [f"**Per-step cost per client, measured** on {summary['device']}, {summary['ranks']} ranks "
+          f"(one client each); medians after {summary['warmup']} warm-up steps; "
+          f"command: `{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}.", "",
+          "| method | trainable params | Fwd (ms) | Bkwd (ms) | Agg & Up (ms) | of which Agg (ms) | step (ms) "
+          "| Comm (MB/step) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    md += [f"| {r['method']} | {r['trainable_params']:,} | {r['fwd_ms']:.2f} | {r['bkwd_ms']:.2f} | "
+           f"{r['agg_up_ms']:.2f} | {r['agg_ms']:.2f} | {r['step_ms']:.2f} | {r['comm_mb']:.3f} |" for r in rows]
+    if summary["ratios"]:
+        md += ["", "| ratio | value |", "| --- | ---: |"]
+        md += [f"| {k.replace('_', ' ')} | {v:.3f} |" for k, v in summary["ratios"].items()]
+    md += ["", "Agg & Up is the optimizer step DeepSpeed calls: the local Adam update, the exchange with the "
+           "neighbors and the combination (DECA: weighted sum and BMA correction; DeCAF: the truncated SVD). "
+           "'of which Agg' is the combination after the exchange. Comm is the bytes a client sends per step "
+           "(a baseline mixing every K-th step sends nothing in between). Times from CPU ranks share the "
+           "machine's cores and are comparable with each other, not with a GPU."]
+    write_results(out, "profile_resources", markdown="\n".join(md) + "\n", rows=rows, payload=summary)
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(rows)
+    for key, label in (("fwd_ms", "forward"), ("bkwd_ms", "backward"), ("agg_up_ms", "aggregation & update")):
+        values = [r[key] for r in rows]
+        ax.bar([r["method"] for r in rows], values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(f"Per-step cost per client ({summary['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "profile_resources.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()["results"], indent=2))
