@@ -45,6 +45,8 @@ class DecaConfig:
     """Algorithm 1's hyperparameters. Defaults are the paper's (classification tasks).
 
     lr is γ, adam_betas (α1, α2), bma_betas (β1, β2), steps_per_block R, rounds T.
+    state_bits: 32 (default) keeps the active block's m and v in master_dtype; 8 holds them in
+    8 bits (deca_ds.quantized, the optional `bnb` extra), the master and the arithmetic stay fp32.
     """
 
     lr: float = 5e-5
@@ -64,6 +66,7 @@ class DecaConfig:
     train_final_norm: bool = False
     train_lm_head: bool = False
     custom_blocks: list | None = field(default=None)
+    state_bits: int = 32
 
     def __post_init__(self) -> None:
         from .blocks import BLOCK_ORDERS  # blocks imports torch only; kept local to avoid a cycle
@@ -83,6 +86,15 @@ class DecaConfig:
         if self.block_order not in BLOCK_ORDERS:
             raise ValueError(f"block_order must be one of {BLOCK_ORDERS}, got {self.block_order!r}")
         self.master_dtype = check_master_dtype(self.master_dtype)
+        if self.state_bits not in (32, 8):
+            raise ValueError(f"state_bits must be 32 or 8, got {self.state_bits!r}")
+        if self.state_bits == 8:
+            if self.master_dtype != torch.float32:
+                raise ValueError(f"state_bits=8 needs master_dtype float32 (bitsandbytes quantizes fp32), "
+                                 f"got {self.master_dtype}")
+            from .quantized import bitsandbytes_functional
+
+            bitsandbytes_functional()  # fail here, with the extra to install, not at the first step
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
         if not self.weight_decay >= 0:

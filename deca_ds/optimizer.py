@@ -12,7 +12,9 @@ One step on the active block, with x its master vector (all the block's tensors 
                        x = x⁺, and the working weights are refreshed from x.
 
 Only the active block has a master copy and moments, in `master_dtype`; they are created when the
-block is activated and dropped when it is left. Every parameter outside the active block has
+block is activated and dropped when it is left. With `state_bits=8` the moments are held in 8 bits
+(deca_ds.quantized) and every phase works on them one tensor at a time: dequantize that tensor's
+m, v to fp32, update, quantize back. Every parameter outside the active block has
 requires_grad=False, so backward never produces a gradient for it.
 """
 
@@ -27,6 +29,7 @@ from .blocks import Partition, block_order, partition_model
 from .config import DecaConfig
 from .decentralized import DecentralizedOptimizer, adam_update, clip_scale, fold_gradient, segments, write_params
 from .mixing import IdentityMixer, Mixer
+from .quantized import QuantizedVector
 
 
 @dataclass
@@ -34,15 +37,15 @@ class ActiveBlock:
     index: int
     params: list[nn.Parameter]
     master: torch.Tensor  # x
-    m: torch.Tensor
-    v: torch.Tensor
+    m: torch.Tensor | QuantizedVector
+    v: torch.Tensor | QuantizedVector
 
     def segments(self, flat: torch.Tensor):
         """(param, view of `flat` shaped like param) for each of the block's tensors."""
         return segments(self.params, flat)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.master, self.m, self.v))
+        return sum(t.nbytes for t in (self.master, self.m, self.v))
 
 
 def model_partition(model: nn.Module, config: DecaConfig) -> Partition:
@@ -109,13 +112,20 @@ class DecaOptimizer(DecentralizedOptimizer):
     # ---- block activation ----------------------------------------------------------------
     def _activate(self, index: int, restored: dict | None = None) -> None:
         params = self.param_groups[index]["params"]
-        dtype = self.config.master_dtype
+        dtype, device = self.config.master_dtype, params[0].device
+        sizes = [p.numel() for p in params]
         if restored is None:
-            master = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+            master = torch.empty(sum(sizes), dtype=dtype, device=device)
+        else:
+            master = restored["master"].to(device=device, dtype=dtype).clone()
+        if self.config.state_bits == 8:
+            m, v = (QuantizedVector.zeros(sizes, signed, device) if restored is None
+                    else QuantizedVector.from_state_dict(restored[k], device)
+                    for k, signed in (("m", True), ("v", False)))  # v >= 0: the unsigned map
+        elif restored is None:
             m, v = torch.zeros_like(master), torch.zeros_like(master)
         else:
-            master, m, v = (restored[k].to(device=params[0].device, dtype=dtype).clone()
-                            for k in ("master", "m", "v"))
+            m, v = (restored[k].to(device=device, dtype=dtype).clone() for k in ("m", "v"))
         self.active = ActiveBlock(index, params, master, m, v)
         for p, x in self.active.segments(master):
             if restored is None:
@@ -154,11 +164,28 @@ class DecaOptimizer(DecentralizedOptimizer):
         group = self.param_groups[blk.index]
         if cfg.variant == "trivial_bma":
             self._m_prev, self._v_prev = blk.m.clone(), blk.v.clone()
-        fold_gradient(blk.params, blk.m, blk.v, cfg.adam_betas,
-                      clip_scale(blk.params, cfg.grad_clip, cfg.master_dtype))
-        # m, v now hold m½, v½; the bias corrections restart with every block (r + 1 steps).
-        return adam_update(blk.master, blk.m, blk.v, lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps,
-                           t=self.step_in_block + 1, weight_decay=group["weight_decay"])
+        scale = clip_scale(blk.params, cfg.grad_clip, cfg.master_dtype)
+        # the bias corrections restart with every block (r + 1 steps)
+        hyper = dict(lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps, t=self.step_in_block + 1,
+                     weight_decay=group["weight_decay"])
+        if cfg.state_bits == 8:
+            return self._quantized_half_step(scale, hyper)
+        fold_gradient(blk.params, blk.m, blk.v, cfg.adam_betas, scale)
+        # m, v now hold m½, v½
+        return adam_update(blk.master, blk.m, blk.v, **hyper)
+
+    def _quantized_half_step(self, scale: float, hyper: dict) -> torch.Tensor:
+        """adam_half_step on 8-bit moments, tensor by tensor; x½ comes from the fp32 m½, v½ before
+        they are rounded to 8 bits, so quantization error enters only through the carried moments."""
+        blk = self.active
+        x_half = torch.empty_like(blk.master)
+        for i, ((p, x), (_, out)) in enumerate(zip(blk.segments(blk.master), blk.segments(x_half))):
+            m, v = blk.m.get(i), blk.v.get(i)
+            fold_gradient([p], m, v, self.config.adam_betas, scale)
+            out.view(-1).copy_(adam_update(x.view(-1), m, v, **hyper))
+            blk.m.put(i, m)
+            blk.v.put(i, v)
+        return x_half
 
     @torch.no_grad()
     def bma_correct(self, x_plus: torch.Tensor) -> None:
@@ -168,7 +195,10 @@ class DecaOptimizer(DecentralizedOptimizer):
         d = blk.master.sub_(x_plus)  # the master buffer holds d, then h, until x = x⁺ below
         h = d.div_(torch.linalg.vector_norm(d).clamp_min(torch.finfo(d.dtype).tiny))  # h = 0 if d = 0
         variant = self.config.variant
-        if variant == "deca":
+        if self.config.state_bits == 8:
+            if variant != "no_bma":
+                self._quantized_correct(h)
+        elif variant == "deca":
             blk.m.mul_(b1).add_(h, alpha=1 - b1)
             blk.v.mul_(b2).addcmul_(h, h, value=1 - b2)
         elif variant == "trivial_bma":
@@ -178,6 +208,19 @@ class DecaOptimizer(DecentralizedOptimizer):
         blk.master.copy_(x_plus)
         write_params(blk.params, blk.master)
         self._advance()
+
+    def _quantized_correct(self, h: torch.Tensor) -> None:
+        """Step 7 of deca / trivial_bma on 8-bit moments, tensor by tensor, into blk.m, blk.v."""
+        blk = self.active
+        if self.config.variant == "deca":
+            (c1, c2), m, v = self.config.bma_betas, blk.m, blk.v
+        else:  # trivial_bma: from the moments before this step's gradient
+            (c1, c2), m, v = self.config.adam_betas, self._m_prev, self._v_prev
+            del self._m_prev, self._v_prev
+        for i, (_, h_i) in enumerate(blk.segments(h)):
+            h_i = h_i.view(-1)
+            blk.m.put(i, m.get(i).mul_(c1).add_(h_i, alpha=1 - c1))
+            blk.v.put(i, v.get(i).mul_(c2).addcmul_(h_i, h_i, value=1 - c2))
 
     def local_step(self) -> torch.Tensor:
         return self.adam_half_step()
@@ -192,8 +235,8 @@ class DecaOptimizer(DecentralizedOptimizer):
             "round": self.round, "position": self.position, "step_in_block": self.step_in_block,
             "block": None if blk is None else blk.index,
             "master": None if blk is None else blk.master.clone(),
-            "m": None if blk is None else blk.m.clone(),
-            "v": None if blk is None else blk.v.clone(),
+            "m": None if blk is None else _copy(blk.m),
+            "v": None if blk is None else _copy(blk.v),
             "lr": [g["lr"] for g in self.param_groups],
             "config": self.config.to_dict(),
         }
@@ -215,3 +258,8 @@ class DecaOptimizer(DecentralizedOptimizer):
                 raise ValueError(f"checkpoint's active block {state['block']} is not block {expected} "
                                  f"of round {self.round}, position {self.position}")
             self._activate(state["block"], restored=state)
+
+
+def _copy(moment: torch.Tensor | QuantizedVector):
+    """A checkpointable copy of a moment: a tensor, or the 8-bit codes and absmax as plain tensors."""
+    return moment.state_dict() if isinstance(moment, QuantizedVector) else moment.clone()
