@@ -21,6 +21,7 @@ requires_grad=False, so backward never produces a gradient for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -79,6 +80,9 @@ class DecaOptimizer(DecentralizedOptimizer):
         self.position = 0  # index into this round's block order
         self.step_in_block = 0  # r
         self.active: ActiveBlock | None = None
+        # Called with a block's index before the block's parameters are read (offload makes
+        # them resident there).
+        self.before_activate: Callable[[int], None] | None = None
         self._activate(self.block_schedule(0)[0])
 
     # ---- schedule -------------------------------------------------------------------------
@@ -111,6 +115,8 @@ class DecaOptimizer(DecentralizedOptimizer):
 
     # ---- block activation ----------------------------------------------------------------
     def _activate(self, index: int, restored: dict | None = None) -> None:
+        if self.before_activate is not None:
+            self.before_activate(index)
         params = self.param_groups[index]["params"]
         dtype, device = self.config.master_dtype, params[0].device
         sizes = [p.numel() for p in params]

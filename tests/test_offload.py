@@ -16,15 +16,11 @@ from helpers import client_batches, tiny_llama
 LAYERS = 4
 
 
-class OffloadedDeca(DecaOptimizer):
-    """Activates a block in the offload before the optimizer reads the block's parameters."""
-
-    offload = None
-
-    def _activate(self, index, restored=None):
-        if self.offload is not None:
-            self.offload.activate(index)
-        super()._activate(index, restored)
+def attach(opt: DecaOptimizer, offload: FrozenLayerOffload) -> FrozenLayerOffload:
+    """Wire the offload the way the runtime does: activated before the optimizer reads a block."""
+    opt.before_activate = offload.activate
+    offload.activate(opt.active.index)
+    return offload
 
 
 def nbytes(params) -> int:
@@ -39,18 +35,16 @@ def train(model, offload: bool, checkpointing: bool, steps_per_block: int = 2, r
     model.train()
     if checkpointing:
         enable_activation_checkpointing(model)
-    opt = OffloadedDeca(model, config)
+    opt = DecaOptimizer(model, config)
     layers = model.model.layers
     layer_bytes = nbytes(layers[0].parameters())
     non_layer = [p for n, p in model.named_parameters() if not n.startswith("model.layers.")]
-    if offload:
-        opt.offload = FrozenLayerOffload(model, opt.partition, "cpu", simulate_on_cpu=True)
-        opt.offload.activate(opt.active.index)
+    streamer = attach(opt, FrozenLayerOffload(model, opt.partition, "cpu", simulate_on_cpu=True)) if offload else None
     samples = []
 
     def sample(*_):
         if offload:
-            samples.append(opt.offload.resident_bytes())
+            samples.append(streamer.resident_bytes())
 
     def sample_in_backward(module, args, out):
         if out.requires_grad:
@@ -69,7 +63,7 @@ def train(model, offload: bool, checkpointing: bool, steps_per_block: int = 2, r
             # one prefetched for the next forward.
             on_device = [k for k, layer in enumerate(layers) if k != active and layer.mlp.up_proj.weight.numel()]
             assert len(on_device) <= (0 if opt.step_in_block == 0 else 2)
-            assert opt.offload.resident_bytes() == (1 + len(on_device)) * layer_bytes
+            assert streamer.resident_bytes() == (1 + len(on_device)) * layer_bytes
             if opt.step_in_block == 0:
                 assert nbytes(model.parameters()) == layer_bytes + nbytes(non_layer)
         opt.zero_grad()
@@ -80,7 +74,7 @@ def train(model, offload: bool, checkpointing: bool, steps_per_block: int = 2, r
         opt.step()
         losses.append(loss.item())
     assert opt.done
-    return opt, losses, samples, layer_bytes
+    return streamer, losses, samples, layer_bytes
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
@@ -88,7 +82,7 @@ def test_offload_is_bit_identical_to_resident(checkpointing):
     base = tiny_llama(layers=LAYERS, dtype=torch.float32)
     resident, offloaded = copy.deepcopy(base), copy.deepcopy(base)
     _, expected, _, _ = train(resident, offload=False, checkpointing=checkpointing)
-    opt, losses, samples, layer_bytes = train(offloaded, offload=True, checkpointing=checkpointing)
+    offload, losses, samples, layer_bytes = train(offloaded, offload=True, checkpointing=checkpointing)
     assert losses == expected and len(losses) == 2 * LAYERS * 2
     # at most two offloaded layers (the one computing and the one prefetched) besides the active
     # block; sampled in every forward of every layer, and more (in backward)
@@ -97,8 +91,8 @@ def test_offload_is_bit_identical_to_resident(checkpointing):
     batch = client_batches(1, steps=1, seed=7)[0][0]
     with torch.no_grad():  # evaluation streams too
         torch.testing.assert_close(offloaded(**batch).logits, resident(**batch).logits, rtol=0, atol=0)
-    opt.offload.close()
-    assert opt.offload.resident_bytes() == nbytes(offloaded.model.layers.parameters())
+    offload.close()
+    assert offload.resident_bytes() == nbytes(offloaded.model.layers.parameters())
     # only the test's own samplers are left
     assert sum(len(m._forward_pre_hooks) for m in offloaded.model.layers.modules()) == LAYERS
     for (name, a), b in zip(resident.named_parameters(), offloaded.parameters()):
@@ -110,9 +104,8 @@ def test_backward_does_not_keep_offloaded_weights_alive():
     (as weight.t() views) from forward to backward; the offload saves references instead."""
     layers = 6
     model = tiny_llama(layers=layers, dtype=torch.float32).train()
-    opt = OffloadedDeca(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))
-    opt.offload = FrozenLayerOffload(model, opt.partition, "cpu", simulate_on_cpu=True)
-    opt.offload.activate(0)
+    opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))
+    offload = attach(opt, FrozenLayerOffload(model, opt.partition, "cpu", simulate_on_cpu=True))
     refs = {}
     for k, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(

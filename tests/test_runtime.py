@@ -242,6 +242,10 @@ BAD_INPUTS = {
     "layers_per_block": (lambda t: ["--layers-per-block", "9"], "layers_per_block"),
     "bad_lr": (lambda t: ["--lr", "-1"], "lr must be > 0"),
     "existing_run": (lambda t: [], "already holds a run"),
+    "offload_with_checkpoints": (lambda t: ["--offload", "frozen", "--checkpoint-interval", "3"],
+                                 "--offload frozen does not combine with checkpoint_interval"),
+    "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),
+    "lora_dropout": (lambda t: ["--method", "decaf", "--lora-dropout", "1.5"], "lora dropout"),
 }
 
 

@@ -21,6 +21,7 @@ from ..blocks import Partition
 from ..config import VARIANTS, DecaConfig, parse_dtype
 from ..datasets import TASKS
 from ..methods import METHODS, AdamConfig, DAdam, DeCAF, Deca, DecAdapter, DecLoRA, Method
+from ..memory import OFFLOAD_MODES
 from ..methods.lora import DEFAULT_TARGETS
 from ..topology import TOPOLOGIES, WEIGHT_SCHEMES
 from .ds_engine import HONORED, load_ds_config
@@ -86,6 +87,10 @@ class RunOptions:
     # precision
     working_dtype: str = _opt("fp32", "dtype of the model's weights", choices=("fp32", "bf16"))
     master_dtype: str = _opt("fp32", "dtype of the active block's master, m, v", choices=("fp32", "fp64"))
+    offload: str = _opt("none", "DECA: 'frozen' keeps the frozen decoder layers in pinned host memory and streams "
+                        "them to the GPU layer by layer (no-op on CPU ranks)", choices=OFFLOAD_MODES)
+    state_bits: int = _opt(32, "DECA: bits per value of the active block's m and v (8 = bitsandbytes block-wise, "
+                           "extra [bnb])", choices=(32, 8))
     mix_dtype: str = _opt("master", "dtype exchanged between neighbors: 'master' (exact) or 'working'",
                           choices=("master", "working"))
     # batch (override the preset's DeepSpeed keys)
@@ -129,6 +134,14 @@ class RunOptions:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+        if self.offload == "frozen":
+            # Offloaded layers hold empty placeholders on the device between uses; these options
+            # read every weight mid-run, so they would see the placeholders.
+            clashes = [name for name in ("checkpoint_interval", "eval_interval")
+                       if getattr(self, name)] + (["method"] if self.method != "deca" else [])
+            if clashes:
+                raise ValueError(f"--offload frozen does not combine with {', '.join(clashes)} "
+                                 "(set the intervals to 0; offload is DECA's)")
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
 
@@ -153,7 +166,7 @@ class RunOptions:
             lr=self.lr, adam_betas=self.adam_betas, bma_betas=self.bma_betas, eps=self.eps,
             steps_per_block=self.steps_per_block, rounds=self.rounds,
             layers_per_block=self.layers_per_block, variant=self.variant, block_order=self.block_order,
-            seed=self.seed, master_dtype=parse_dtype(self.master_dtype),
+            seed=self.seed, master_dtype=parse_dtype(self.master_dtype), state_bits=self.state_bits,
         )
 
 

@@ -31,6 +31,7 @@ from ..decentralized import DecentralizedOptimizer
 from ..methods import Method
 from ..mixing import ClientView
 from ..models import enable_activation_checkpointing, load_model
+from ..offload import FrozenLayerOffload
 from ..optimizer import model_partition
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
@@ -219,6 +220,10 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             shutil.rmtree(out / stale, ignore_errors=True)  # --overwrite: nothing of the old run survives
         out.mkdir(parents=True, exist_ok=True)
         write_run_config(out, opts, ds_config, topology, partition, layout, task, trainable)
+    offload = FrozenLayerOffload(engine.module, partition, device, mode=opts.offload)
+    if offload.enabled:  # after initialize (which moves the module) and after resume (which loads weights)
+        optimizer.before_activate = offload.activate
+        offload.activate(optimizer.active.index)
     dist.barrier()
     metrics = MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard) if lead else None
     if rank == 0 and not opts.resume:
@@ -282,6 +287,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
 
     if metrics:
         metrics.close()
+    offload.close()
     distance, final_model = export_consensus(engine.module, optimizer, method, out, task.tokenizer, layout, opts.save_clients)
     distances = [None] * world_size
     dist.all_gather_object(distances, distance)
