@@ -74,6 +74,14 @@ def write_params(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
         p.copy_(x)
 
 
+def check_saved_config(saved: dict, current: dict, what: str) -> None:
+    """Refuse optimizer state saved under other hyperparameters, naming each that differs."""
+    if saved != current:
+        diff = {k: (saved.get(k), current.get(k)) for k in saved.keys() | current.keys()
+                if saved.get(k) != current.get(k)}
+        raise ValueError(f"optimizer state was saved with a different {what} (saved, now): {diff}")
+
+
 class DecentralizedOptimizer(torch.optim.Optimizer):
     """Base of every method's optimizer: the step split around mixing, and the schedule queries
     the runtime logs and checkpoints by."""

@@ -28,7 +28,8 @@ from torch import nn
 
 from .blocks import Partition, block_order, partition_model
 from .config import DecaConfig
-from .decentralized import DecentralizedOptimizer, adam_update, clip_scale, fold_gradient, segments, write_params
+from .decentralized import (DecentralizedOptimizer, adam_update, check_saved_config, clip_scale, fold_gradient,
+                            segments, write_params)
 from .mixing import IdentityMixer, Mixer
 from .quantized import QuantizedVector
 
@@ -248,10 +249,7 @@ class DecaOptimizer(DecentralizedOptimizer):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self.config.to_dict():
-            diff = {k: (v, self.config.to_dict().get(k)) for k, v in state["config"].items()
-                    if self.config.to_dict().get(k) != v}
-            raise ValueError(f"optimizer state was saved with a different DecaConfig: {diff}")
+        check_saved_config(state["config"], self.config.to_dict(), "DecaConfig")
         if self.active is not None:
             self._deactivate()
         self.round, self.position, self.step_in_block = (

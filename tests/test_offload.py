@@ -105,7 +105,7 @@ def test_backward_does_not_keep_offloaded_weights_alive():
     layers = 6
     model = tiny_llama(layers=layers, dtype=torch.float32).train()
     opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))
-    offload = attach(opt, FrozenLayerOffload(model, opt.partition, "cpu", simulate_on_cpu=True))
+    attach(opt, FrozenLayerOffload(model, opt.partition, "cpu", simulate_on_cpu=True))
     refs = {}
     for k, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(

@@ -19,7 +19,8 @@ from torch import nn
 
 from ..blocks import partition_model
 from ..config import check_betas, check_master_dtype
-from ..decentralized import DecentralizedOptimizer, adam_update, clip_scale, fold_gradient, segments, write_params
+from ..decentralized import (DecentralizedOptimizer, adam_update, check_saved_config, clip_scale, fold_gradient,
+                             segments, write_params)
 from ..mixing import IdentityMixer, Mixer
 from .base import Method
 
@@ -130,8 +131,7 @@ class MixedAdam(DecentralizedOptimizer):
                 "lr": self.param_groups[0]["lr"], "config": self.config.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self.config.to_dict():
-            raise ValueError(f"optimizer state was saved with a different config: {state['config']}")
+        check_saved_config(state["config"], self.config.to_dict(), "config")
         self.t = state["t"]
         self.param_groups[0]["lr"] = state["lr"]
         for name in ("master", "m", "v"):
