@@ -214,6 +214,9 @@ class DecaOptimizer(DecentralizedOptimizer):
             del self._m_prev, self._v_prev
         blk.master.copy_(x_plus)
         write_params(blk.params, blk.master)
+        # Drop this frame's references to the block's state first: at the end of a block _advance
+        # allocates the next block's master, m, v, and the finished block's must be free by then.
+        del blk, d, h
         self._advance()
 
     def _quantized_correct(self, h: torch.Tensor) -> None:

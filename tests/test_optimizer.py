@@ -206,3 +206,27 @@ def test_simulate_rejects_mismatched_inputs():
         simulate(model, [client_batches(1, 1)[0], []], make_topology("ring", 2).W, config())
     with pytest.raises(ValueError, match="mixing matrix .*row"):
         simulate(model, client_batches(2, steps=1), [[0.5, 0.5], [0.5, 0.4]], config())
+
+
+@pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])
+def test_finished_block_state_is_freed_before_the_next_is_allocated(variant):
+    """Two blocks' master, m, v are never alive at once (on a GPU that would add a whole block's
+    state to the peak at every block switch)."""
+    import weakref
+
+    model = tiny_llama(layers=3)
+    opt = DecaOptimizer(model, config(variant=variant, rounds=1))
+    held = []
+
+    def check(index):
+        alive = [name for name, ref in held if ref() is not None]
+        assert not alive, f"activating block {index} while the previous block's {alive} are alive"
+
+    opt.before_activate = check
+    for batch in client_batches(1, steps=opt.total_steps)[0]:
+        blk = opt.active
+        held[:] = [(name, weakref.ref(getattr(blk, name))) for name in ("master", "m", "v")]
+        del blk
+        model(**batch).loss.backward()
+        opt.step()
+    assert opt.done
