@@ -30,10 +30,10 @@ Phase model of one inner step (what is alive at once; the peak is the largest ph
                    allocates x_half; it never holds a full master-dtype gradient)
     mixing         weights + optimizer_state + x_half + send_copy + recv + x_plus
                    + trivial_bma_extra
-                   (DistributedMixer.mix: the send buffer and one receive buffer per neighbor; x⁺
-                   is summed into the first term's buffer (x½ or a receive buffer) once the sends
-                   are done, so x_plus is 0 - unless the transfer dtype is not the master's: then
-                   x⁺ is a new master-dtype buffer; bma_correct then works in place)
+                   (DistributedMixer.mix exchanges the block MIX_CHUNK elements at a time: per
+                   chunk one receive buffer per neighbor, a cast send copy if the transfer dtype
+                   is not the master's, and x⁺ summed into the first term's buffer (a new
+                   master-dtype chunk when cast), then written over x½; bma_correct works in place)
 
 Not modelled: the CUDA context, cuBLAS workspaces and NCCL buffers (covered by the `reserve` of
 `fits`), allocator fragmentation, per-tensor temporaries (a single parameter tensor's worth,
@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from .blocks import Partition, find_decoder_layers, partition_model
+from .mixing import MIX_CHUNK
 
 GiB = 2**30
 MiB = 2**20
@@ -297,9 +298,9 @@ class MemoryEstimate:
     grad_allreduce: int  # DeepSpeed stage-0 all-reduce: largest bucket × (working + 4 if the
     #                      working dtype is not fp32: flat copy, then its fp32 communication copy)
     x_half: int  # active block × master bytes: x½, allocated by adam_half_step, the send buffer
-    send_copy: int  # active block × transfer bytes when the transfer dtype differs from the master's
-    recv: int  # n_neighbors × active block × transfer bytes (one receive buffer per neighbor)
-    x_plus: int  # x⁺ = Σ w_ij x½_j: 0 when summed into an existing master-dtype buffer, else block × master bytes
+    send_copy: int  # one mixing chunk × transfer bytes when the transfer dtype differs from the master's
+    recv: int  # n_neighbors × one mixing chunk (min(block, MIX_CHUNK)) × transfer bytes
+    x_plus: int  # x⁺ chunk = Σ w_ij x½_j: 0 when summed into an existing master-dtype buffer, else chunk × master bytes
     trivial_bma_extra: int  # variant trivial_bma: m_prev, v_prev, 2 × block × master bytes
     offload_buffers: int  # offload "frozen": two streaming buffers of the largest layer, working dtype
     host_weights: int  # offload "frozen": decoder layers kept in (pinned) host memory, not on the GPU
@@ -433,6 +434,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     w, mb = _size(working), _size(master)
     transfer = master if transfer_dtype == "master" else working
     tb, cast = _size(transfer), transfer != master
+    chunk = min(n, MIX_CHUNK)  # DistributedMixer.mix exchanges the block in chunks
 
     first = block * layers_per_block  # the default partition: block k = layers [k·lpb, (k+1)·lpb)
     in_block = min(layers_per_block, spec.num_layers - first)
@@ -470,8 +472,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         variant=variant, attn_implementation=attn_implementation, inputs_require_grad=inputs_require_grad,
         steps_per_block=steps_per_block,
         weights=weights, master=n * mb, m=n * mb, v=n * mb, grad=n * w, grad_allreduce=grad_allreduce,
-        x_half=n * mb, send_copy=n * tb if cast else 0, recv=n_neighbors * n * tb,
-        x_plus=n * mb if cast else 0,
+        x_half=n * mb, send_copy=chunk * tb if cast else 0, recv=n_neighbors * chunk * tb,
+        x_plus=chunk * mb if cast else 0,
         trivial_bma_extra=2 * n * mb if variant == "trivial_bma" else 0,
         offload_buffers=offload_buffers, host_weights=host_weights,
         act_saved=act_saved, act_recompute=act_recompute, act_logits=logits_bytes(spec, b, s, w),

@@ -31,6 +31,11 @@ class Mixer(Protocol):
         """(w_ij, x½_j) for every j in `mixing_order`, this client's own x½ included."""
 
 
+# Elements per exchange in DistributedMixer.mix: bounds each receive buffer at 128 MiB of fp32
+# instead of a whole block (0.8 GiB per neighbor for one Llama-3.1-8B layer).
+MIX_CHUNK = 2**25
+
+
 def weighted_sum(terms: Sequence[tuple[float, torch.Tensor]], *, dtype: torch.dtype | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Σ w·x over (w, x) pairs, accumulated left to right in `dtype` (default: the first x's).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -28,3 +30,9 @@ def client_batches(n_clients: int, steps: int, batch: int = 2, seq: int = 8, see
         ids = torch.randint(low, low + VOCAB // 2, (steps, batch, seq), generator=g)
         out.append([{"input_ids": x, "labels": x} for x in ids])
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

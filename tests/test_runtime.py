@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import deca_ds
 from deca_ds.data import ClientStream
 from deca_ds.runtime import trainer
 from deca_ds.runtime.options import parse_args
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = str(ROOT / "launch" / "train.py")
@@ -36,12 +36,6 @@ RUN = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "
        "--rounds", "2", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "64",
        "--consensus-interval", "2", "--checkpoint-interval", "3", "--save-clients", "--timeout", "60",
        "--eval-interval", "7", "--eval-clients"]  # x̄ is swapped in and out mid-run: results must not change
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ranks(args: list[str], world: int, logs: Path) -> list[subprocess.Popen]:

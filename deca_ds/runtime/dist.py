@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..mixing import mixing_order, weighted_sum
+from ..mixing import MIX_CHUNK, mixing_order, weighted_sum
 
 
 class PeerError(RuntimeError):
@@ -166,8 +166,8 @@ class DistributedMixer:
     """
 
     def __init__(self, W: np.ndarray, layout: ClientLayout, groups: ClientGroups, *, timeout_s: float,
-                 transfer_dtype: torch.dtype | None = None) -> None:
-        self.W, self.layout, self.groups = W, layout, groups
+                 transfer_dtype: torch.dtype | None = None, chunk: int = MIX_CHUNK) -> None:
+        self.W, self.layout, self.groups, self.chunk = W, layout, groups, chunk
         self.order = mixing_order(W, layout.client)
         self.neighbors = [j for j in self.order if j != layout.client]
         self.timeout = timedelta(seconds=timeout_s)
@@ -208,11 +208,17 @@ class DistributedMixer:
         return [(float(self.W[i, j]), x_half if j == i else received[j]) for j in self.order]
 
     def mix(self, x_half: torch.Tensor) -> torch.Tensor:
-        terms = self.exchange(x_half)
-        # Every send has completed, so x½ and the receive buffers are free: x⁺ is summed into
-        # the first term's buffer when it has the master dtype, saving a block-sized buffer.
-        first = terms[0][1]
-        return weighted_sum(terms, dtype=x_half.dtype, out=first if first.dtype == x_half.dtype else None)
+        """x⁺, written over x½, exchanged `chunk` elements at a time: the receive buffers are
+        chunk-sized, not block-sized (each element is summed exactly as in one piece)."""
+        for chunk in x_half.split(self.chunk):
+            terms = self.exchange(chunk)
+            # Every send of this chunk has completed, so its x½ and receive buffers are free:
+            # x⁺ is summed into the first term's buffer when it has the master dtype.
+            first = terms[0][1]
+            summed = weighted_sum(terms, dtype=x_half.dtype, out=first if first.dtype == x_half.dtype else None)
+            if summed is not chunk:
+                chunk.copy_(summed)
+        return x_half
 
 
 def all_mean_(tensor: torch.Tensor) -> torch.Tensor:
