@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from .data import ANSWER, PROMPT, Example, collate, encode
+from .models import labelled_logits
 
 
 @torch.no_grad()
@@ -44,14 +45,10 @@ def score_answers(model: nn.Module, pairs: Sequence[dict[str, list[int]]], pad_i
     try:
         scores = []
         for start in range(0, len(pairs), batch_size):
-            batch = collate(pairs[start:start + batch_size], pad_id)
-            logits = model(input_ids=batch["input_ids"].to(device),
-                           attention_mask=batch["attention_mask"].to(device)).logits
-            targets = batch["labels"][:, 1:].to(device)  # position t predicts token t+1
+            batch = {k: v.to(device) for k, v in collate(pairs[start:start + batch_size], pad_id).items()}
+            logits, targets = labelled_logits(model, batch)
             answer = targets != -100
-            # Softmax only where the answer is predicted: a full (batch, length, vocab) float32
-            # copy would be large for real vocabularies.
-            log_probs = logits[:, :-1][answer].float().log_softmax(-1)
+            log_probs = logits[answer].float().log_softmax(-1)
             picked = log_probs.gather(-1, targets[answer].unsqueeze(-1)).squeeze(-1)
             rows = answer.nonzero()[:, 0]
             scores.append(torch.zeros(len(targets), device=device).index_add_(0, rows, picked).cpu())

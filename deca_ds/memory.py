@@ -251,11 +251,12 @@ def layer_backward_transient_bytes(spec: ModelSpec, micro_batch: int, seq_len: i
     return micro_batch * seq_len * (2 * w * h + 3 * w * i + 8 * h)
 
 
-def logits_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, working_bytes: int) -> int:
-    """APPROXIMATE peak of the loss: b·s·V·max(w + 8, 12). Forward: the working-dtype logits, their
-    fp32 upcast (ForCausalLMLoss) and the fp32 log-softmax output saved by cross_entropy; start of
-    backward: that output, the fp32 gradient from nll_loss and log-softmax's fp32 input gradient."""
-    return micro_batch * seq_len * spec.vocab * max(working_bytes + 8, 12)
+def logits_bytes(spec: ModelSpec, micro_batch: int, positions: int, working_bytes: int) -> int:
+    """APPROXIMATE peak of the loss: b·k·V·max(w + 8, 12), k the positions the LM head runs at
+    (models.causal_lm_loss: those predicting a labelled token). Forward: the working-dtype logits,
+    their fp32 upcast and the fp32 log-softmax output saved by cross_entropy; start of backward:
+    that output, the fp32 gradient from nll_loss and log-softmax's fp32 input gradient."""
+    return micro_batch * positions * spec.vocab * max(working_bytes + 8, 12)
 
 
 # ---- the estimate ---------------------------------------------------------------------------------
@@ -400,11 +401,15 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
                    transfer_dtype: str = "master", n_neighbors: int = 2, micro_batch: int = 1, seq_len: int = 512,
                    checkpointing: bool = True, offload: str = "none", variant: str = "deca",
                    attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
-                   deepspeed_allreduce: bool = False, inputs_require_grad: bool = False) -> MemoryEstimate:
+                   deepspeed_allreduce: bool = False, inputs_require_grad: bool = False,
+                   loss_positions: int | None = None) -> MemoryEstimate:
     """The estimate while block `block` of the default partition is active (see MemoryEstimate).
 
     deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets; the runtime runs
     that all-reduce only with more than one rank per client.
+    loss_positions: positions per micro-batch at which the LM head runs (models.causal_lm_loss:
+    the union of those predicting a labelled token); default seq_len, every position (language
+    modelling; a classification answer needs one or two).
     inputs_require_grad: whether the embedding output requires grad. transformers >= 5's
     checkpointing switch turns it on for every input_ids model; then the layers BELOW the active
     block also keep their checkpointed inputs and backward recomputes them, down to the embeddings.
@@ -422,7 +427,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     if variant not in ("deca", "trivial_bma", "no_bma"):
         raise ValueError(f"variant must be deca, trivial_bma or no_bma, got {variant!r}")
     for name, value in (("n_neighbors", n_neighbors), ("micro_batch", micro_batch), ("seq_len", seq_len),
-                        ("steps_per_block", steps_per_block)):
+                        ("steps_per_block", steps_per_block), ("loss_positions", loss_positions or 1)):
         if value < (0 if name == "n_neighbors" else 1):
             raise ValueError(f"{name} must be >= {0 if name == 'n_neighbors' else 1}, got {value}")
 
@@ -476,7 +481,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         x_plus=chunk * mb if cast else 0,
         trivial_bma_extra=2 * n * mb if variant == "trivial_bma" else 0,
         offload_buffers=offload_buffers, host_weights=host_weights,
-        act_saved=act_saved, act_recompute=act_recompute, act_logits=logits_bytes(spec, b, s, w),
+        act_saved=act_saved, act_recompute=act_recompute, act_logits=logits_bytes(spec, b, min(s, loss_positions or s), w),
         comm_per_step=n_neighbors * n * tb,
         comm_per_round=sum(steps_per_block * n_neighbors * blk.numel * tb for blk in partition.blocks),
         paper_deca=M + 10 * M // B if (10 * M) % B == 0 else round(M + 10 * M / B),

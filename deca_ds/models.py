@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -42,14 +44,16 @@ def load_model(
     from_config: bool = False,
     vocab_size: int | None = None,
     seed: int = 0,
+    init_device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
     """The causal LM named by `name_or_path`.
 
     "tiny": `tiny_llama(vocab_size, seed)`. A local directory or hub id: its pretrained weights,
     or with `from_config=True` a random initialisation (from `seed`) of its architecture, which
     needs only a config.json (a directory holding one, or the file itself) - enough for
-    measuring memory and speed without downloading weights. `vocab_size` is used by "tiny" only;
-    a checkpoint or config fixes its own vocabulary.
+    measuring memory and speed without downloading weights, drawn on `init_device` (the same
+    seed gives different weights on different devices). `vocab_size` is used by "tiny" only; a
+    checkpoint or config fixes its own vocabulary.
     """
     if name_or_path == "tiny":
         if vocab_size is None:
@@ -59,7 +63,8 @@ def load_model(
     try:
         if from_config:
             config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-            return _from_config(config, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code)
+            with torch.device(init_device):
+                return _from_config(config, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code)
         return AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
             use_safetensors=_has_safetensors(name_or_path),
@@ -120,3 +125,24 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     # and PEFT); that would build a graph through every layer below the active block and run
     # backward through all of them. Non-reentrant checkpointing does not need it.
     model.disable_input_require_grads()
+
+
+def labelled_logits(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets) at the positions that predict a labelled token (labels -100 elsewhere),
+    the union over the batch: logits (batch, k, vocab), targets (batch, k), -100 where a row has
+    no label there. The LM head runs at those k positions only (transformers' logits_to_keep):
+    the full (batch, length, vocab) logits and their fp32 copies are the largest activation of a
+    real vocabulary (about 1 GiB for Llama-3's at 512 tokens), while a classification answer is
+    one or two tokens."""
+    targets = batch["labels"][:, 1:]  # position t predicts token t + 1
+    keep = (targets != -100).any(0).nonzero().squeeze(1)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs, logits_to_keep=keep).logits, targets[:, keep]
+
+
+def causal_lm_loss(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled tokens (transformers' causal-LM loss), with
+    the LM head applied only where a token is labelled. The loss the trainer and the simulator
+    minimize."""
+    logits, targets = labelled_logits(model, batch)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)

@@ -12,6 +12,7 @@ from torch import nn
 from .config import DecaConfig
 from .methods import Deca, Method
 from .mixing import InProcessMixer
+from .models import causal_lm_loss
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ def simulate(
     """Run Algorithm 1 (a DecaConfig) or another method for N clients and return each client's
     final parameters by name.
 
-    `model.forward(**batch)` must return an object with `.loss` (the transformers convention).
+    `model` is a transformers causal LM and every batch holds input_ids, attention_mask and labels
+    (-100 where not trained); the loss is models.causal_lm_loss, as in the distributed runtime.
     The model is deep-copied per client, so every client starts from the same weights and the
     caller's model is left untouched. Client i takes one batch from `client_batches[i]` per
     local step, T·B·R batches in all.
@@ -60,7 +62,7 @@ def simulate(
             except StopIteration:
                 raise ValueError(f"client {i} ran out of batches at step {info['step']} of "
                                  f"{lead.total_steps}") from None
-            loss = client(**batch).loss
+            loss = causal_lm_loss(client, batch)
             loss.backward()
             losses.append(loss.item())
             payloads.append(opt.local_step())

@@ -1,12 +1,18 @@
-"""Peak and average memory per granularity (the paper's Fig. 12), from real training runs.
+"""Peak and average memory per granularity and offload mode (the paper's Fig. 12), from real training
+runs, next to the estimator's figure for the same run.
 
-For each --layers-per-block value this runs launch/train.py with --ranks ranks (started like
-torchrun starts them), reads every client's metrics, and reports the peak and the average over
-steps of device memory (torch.cuda max_memory_allocated / memory_allocated on a GPU) or of the
-process's resident set (psutil RSS, on CPU ranks). Writes <out>/profile_memory.{md,csv,json,png}.
+For each --layers-per-block × --offload this runs launch/train.py with --ranks ranks (started like
+torchrun starts them), reads every client's metrics, and reports the training peak and the average
+over steps of device memory (torch.cuda max_memory_allocated / memory_allocated on a GPU) or of the
+process's resident set (psutil RSS, on CPU ranks), the setup's own peak (the whole model is on the
+device once before offloading frees the frozen layers), the median step time, and - for a model
+given by its config - deca_ds.memory's estimate of the peak for exactly that run (same dtypes,
+graph degree, micro-batch, sequence length, checkpointing, offload). Writes
+<out>/profile_memory.{md,csv,json,png}.
 
-    python profiling/profile_memory.py --ds-config ds_configs/cpu_demo.json --ranks 4
-    python profiling/profile_memory.py --ds-config ds_configs/rtxpro6000_llama-3.1-8b.json --ranks 8 \\
+    python profiling/profile_memory.py --ranks 4
+    python profiling/profile_memory.py --ds-config ds_configs/profile_bf16.json --ranks 1 \\
+        --layers-per-block 1 --offload none frozen \\
         --train-args --from-config --model profiling/configs/llama-3.1-8b-instruct.json
 """
 
@@ -14,14 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
+import torch
+
 import runs
 from report import pyplot, write_results
 from runs import ROOT
+
+from deca_ds.memory import GiB, OFFLOAD_MODES, estimate_memory
 
 
 def parse_args(argv=None):
@@ -29,34 +41,63 @@ def parse_args(argv=None):
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "cpu_demo.json"))
     p.add_argument("--ranks", type=int, default=4, help="ranks on this machine (one client each)")
     p.add_argument("--layers-per-block", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--offload", nargs="+", choices=OFFLOAD_MODES, default=["none"])
     p.add_argument("--steps-per-block", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each client left out of the step time")
     p.add_argument("--work-dir", default="/tmp/deca_profile_memory", help="where the runs' outputs go")
     p.add_argument("--out", default=str(ROOT / "profiling" / "results"))
+    p.add_argument("--name", default="profile_memory", help="base name of the result files")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
                    help="everything after this goes to launch/train.py unchanged")
     return p.parse_args(argv)
 
 
-def run(args, lpb: int) -> Path:
-    train_args = ["--ds_config", args.ds_config, "--layers-per-block", str(lpb),
+def run(args, lpb: int, offload: str) -> Path:
+    train_args = ["--ds_config", args.ds_config, "--layers-per-block", str(lpb), "--offload", offload,
                   "--steps-per-block", str(args.steps_per_block), "--rounds", str(args.rounds),
-                  "--eval-limit", "16", *args.train_args]
-    return runs.train(train_args, args.ranks, Path(args.work_dir) / f"lpb{lpb}", args.timeout,
-                      f"layers_per_block={lpb}")
+                  "--eval-limit", "16", "--no-export", *args.train_args]
+    return runs.train(train_args, args.ranks, Path(args.work_dir) / f"lpb{lpb}_{offload}", args.timeout,
+                      f"layers_per_block={lpb}, offload={offload}")
 
 
-def measure(out: Path) -> dict:
-    rows = [r for client in runs.metrics(out) for r in client]
+def estimate(run_config: dict) -> float | None:
+    """deca_ds.memory's peak (GiB) for the run described by run_config.json; None for the tiny model."""
+    opts = run_config["options"]
+    if not opts["from_config"] and not Path(opts["model"]).is_dir():
+        return None  # the built-in tiny model, or a hub id whose config is not here
+    W = np.asarray(run_config["topology"]["W"])
+    degree = int(max(((W[i] > 0).sum() - (W[i, i] > 0)) for i in range(len(W))))
+    est = estimate_memory(
+        opts["model"], opts["layers_per_block"], working_dtype=opts["working_dtype"],
+        master_dtype=opts["master_dtype"], transfer_dtype="working" if opts["mix_dtype"] == "working" else "master",
+        n_neighbors=degree, micro_batch=opts["micro_batch"], seq_len=opts["max_seq_len"],
+        checkpointing="activation_checkpointing" in run_config["ds_config"], offload=opts["offload"],
+        variant=opts["variant"], steps_per_block=opts["steps_per_block"],
+        deepspeed_allreduce=opts["ranks_per_client"] > 1, loss_positions=run_config["loss_positions_max"])
+    return est.peak / GiB
+
+
+def measure(out: Path, warmup: int) -> dict:
+    clients = runs.metrics(out)
+    rows = [r for client in clients for r in client]
     key_now, key_peak = ("mem_allocated", "mem_peak") if "mem_peak" in rows[0] else ("mem_rss", "mem_rss")
     run_config = json.loads((out / "run_config.json").read_text())
+    steps = [r for client in clients for r in client[warmup:]]
+    peak = max(r[key_peak] for r in rows) / GiB
+    est = estimate(run_config) if key_now == "mem_allocated" else None  # RSS is not device memory
     return {
         "kind": "device memory (torch.cuda)" if key_now == "mem_allocated" else "process RSS (CPU)",
         "blocks": len(run_config["blocks"]),
-        "peak_gib": max(r[key_peak] for r in rows) / 2**30,
-        "mean_gib": statistics.fmean(r[key_now] for r in rows) / 2**30,
         "steps": len(rows) // run_config["n_clients"],
+        "peak_gib": peak,
+        "peak_gb": peak * GiB / 1e9,
+        "mean_gib": statistics.fmean(r[key_now] for r in rows) / GiB,
+        "setup_peak_gib": max(r["mem_setup_peak"] for r in rows if "mem_setup_peak" in r) / GiB,
+        "step_ms": 1e3 * statistics.median(r["t_forward"] + r["t_backward"] + r["t_mix_update"] for r in steps),
+        "estimate_gib": est,
+        "measured_over_estimate": None if est is None else peak / est,
     }
 
 
@@ -64,41 +105,65 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     results = []
     for lpb in args.layers_per_block:
-        results.append({"layers_per_block": lpb, **measure(run(args, lpb))})
+        for offload in args.offload:
+            results.append({"layers_per_block": lpb, "offload": offload,
+                            **measure(run(args, lpb, offload), args.warmup)})
+    by = {(r["layers_per_block"], r["offload"]): r for r in results}
+    for r in results:
+        resident = by.get((r["layers_per_block"], "none"))
+        r["step_over_resident"] = resident and r["step_ms"] / resident["step_ms"]
+    cuda = torch.cuda.is_available()
     summary = {
         "command": "python profiling/profile_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "ranks": args.ranks,
-        "ds_config": args.ds_config, "train_args": args.train_args, "results": results,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "ranks": args.ranks, "ds_config": args.ds_config, "train_args": args.train_args, "results": results,
     }
-    write(summary, Path(args.out))
+    write(summary, Path(args.out), args.name)
     return summary
 
 
-def write(summary: dict, out: Path) -> None:
+def _f(value, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def write(summary: dict, out: Path, name: str) -> None:
     rows = summary["results"]
-    md = [f"**Memory per granularity, measured** ({rows[0]['kind']}, per client, {summary['ranks']} ranks); "
-          f"command: `{summary['command']}`; {summary['date']}.", "",
-          "| layers per block | blocks | steps | peak (GiB) | mean over steps (GiB) |", "| ---: | ---: | ---: | ---: | ---: |"]
-    md += [f"| {r['layers_per_block']} | {r['blocks']} | {r['steps']} | {r['peak_gib']:.3f} | {r['mean_gib']:.3f} |"
-           for r in rows]
-    md += ["", "On a GPU the peak is torch.cuda.max_memory_allocated (the true peak, every allocation counted) "
-           "and the mean is memory_allocated at the end of each step; on CPU ranks both come from the "
-           "process's RSS sampled at the end of each step, which includes the Python, torch and DeepSpeed "
-           "runtime (about 0.4 GiB) and is not a measure of a tiny model's optimizer state."]
-    write_results(out, "profile_memory", markdown="\n".join(md) + "\n", rows=rows, payload=summary)
+    md = [f"**Memory per granularity, measured** ({rows[0]['kind']}, per client) on {summary['device']}, "
+          f"{summary['ranks']} ranks; command: `{summary['command']}`; {summary['date']}; "
+          f"torch {summary['versions']['torch']}.", "",
+          "| layers per block | offload | blocks | steps | peak (GiB) | peak (GB) | estimate (GiB) "
+          "| measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms, median) | step / resident |",
+          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    md += [f"| {r['layers_per_block']} | {r['offload']} | {r['blocks']} | {r['steps']} | {r['peak_gib']:.2f} | "
+           f"{r['peak_gb']:.2f} | {_f(r['estimate_gib'], '.2f')} | {_f(r['measured_over_estimate'], '.3f')} | "
+           f"{r['mean_gib']:.2f} | {r['setup_peak_gib']:.2f} | {r['step_ms']:.1f} | "
+           f"{_f(r['step_over_resident'], '.2f')} |" for r in rows]
+    md += ["", "On a GPU the peak is torch.cuda.max_memory_allocated over the training steps (every allocation "
+           "counted; reset after setup), the mean is memory_allocated at the end of each step, and the setup "
+           "peak is the maximum before the first step (the model is loaded onto the device whole before "
+           "offloading moves its frozen layers to host memory). The estimate is deca_ds.memory's peak for the "
+           "same run; it leaves out the CUDA context and allocator slack, as max_memory_allocated does. On CPU "
+           "ranks all three come from the process's RSS, which includes the Python, torch and DeepSpeed "
+           "runtime (about 0.4 GiB), so there is no estimate to compare with."]
+    write_results(out, name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["peak_gib"] for r in rows], width=0.4, label="peak")
-    ax.bar([i + 0.2 for i in x], [r["mean_gib"] for r in rows], width=0.4, label="mean over steps")
-    ax.set_xticks(list(x), [str(r["layers_per_block"]) for r in rows])
-    ax.set_xlabel("layers per block")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["peak_gib"] for r in rows], width=0.4, label="peak (measured)")
+    ax.bar(x + 0.2, [r["mean_gib"] for r in rows], width=0.4, label="mean over steps")
+    if any(r["estimate_gib"] is not None for r in rows):
+        ax.scatter(x - 0.2, [r["estimate_gib"] or np.nan for r in rows], color="k", marker="_", s=400,
+                   label="estimate", zorder=3)
+    ax.set_xticks(x, [f"{r['layers_per_block']}\n{r['offload']}" for r in rows])
+    ax.set_xlabel("layers per block / offload")
     ax.set_ylabel(f"GiB ({rows[0]['kind']})")
-    ax.set_title("DECA memory per client by granularity")
+    ax.set_title(f"DECA memory per client ({summary['device']})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "profile_memory.png", dpi=120)
+    fig.savefig(out / f"{name}.png", dpi=120)
     plt.close(fig)
 
 

@@ -149,3 +149,32 @@ def test_deca_on_non_iid_clients_beats_chance():
     model.load_state_dict(consensus, strict=False)  # every parameter; buffers (rotary tables) stay
     after = evaluate_classification(model, tok, test, task.label_words, max_length=32)
     assert after["accuracy"] > 0.6 > before["accuracy"] + 0.2, (before, after)
+
+
+def test_causal_lm_loss_is_the_transformers_loss_with_the_head_at_labelled_positions_only():
+    from helpers import tiny_llama as tiny64
+    from deca_ds.models import causal_lm_loss
+
+    model = tiny64(layers=2)  # float64: the two losses agree to rounding
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding
+    labels = torch.full_like(ids, -100)
+    labels[0, 10:12] = ids[0, 10:12]  # answers end at different positions
+    labels[1, 7:9] = ids[1, 7:9]
+    labels[2, 5] = ids[2, 5]
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
+    ours = causal_lm_loss(model, batch)
+    hook.remove()
+    assert seen == [5], "the LM head runs at the union of labelled positions only (4, 6, 7, 9, 10)"
+    ours.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    reference = model(**batch).loss
+    reference.backward()
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=0)
+    for a, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-10, atol=1e-14)

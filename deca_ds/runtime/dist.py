@@ -62,6 +62,12 @@ def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None) 
     return n
 
 
+def local_device() -> torch.device:
+    """This rank's device: GPU number LOCAL_RANK, or the CPU on a machine without one."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def init_process_group(timeout_s: float) -> tuple[int, int, torch.device, dist.Store]:
     """Join the job started by deepspeed/torchrun; NCCL on GPUs, gloo on CPU.
 
@@ -75,13 +81,12 @@ def init_process_group(timeout_s: float) -> tuple[int, int, torch.device, dist.S
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=rank == 0 and not agent_store, timeout=timedelta(seconds=timeout_s),
                           multi_tenant=True)
-    os.environ.setdefault("LOCAL_RANK", "0")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    device = local_device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        backend = "gloo"
         # CPU ranks share the machine's cores; letting each use all of them thrashes.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))

@@ -52,6 +52,8 @@ class RunOptions:
     iid: bool = _opt(False, "split the data IID instead of Dirichlet")
     dirichlet_alpha: float = _opt(0.25, "Dirichlet concentration μ of the label split across clients")
     max_seq_len: int = _opt(64, "tokens per example (prompt truncated from the left, never the answer)")
+    synthetic_words: int = _opt(12, "words per example of the synthetic task (long examples fill --max-seq-len "
+                                "for memory and speed profiling)")
     eval_limit: int = _opt(512, "held-out examples scored per evaluation (0 = all)")
     # clients and graph
     clients: int | None = _opt(None, "number of clients N (default: world size / ranks per client)")
@@ -105,6 +107,8 @@ class RunOptions:
     checkpoint_interval: int = _opt(0, "steps between checkpoints (0 = none)")
     keep_checkpoints: int = _opt(2, "complete checkpoints kept")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --output-dir")
+    export: bool = _opt(True, "write the consensus model at the end (--no-export: evaluate it in memory only, "
+                        "as the profiling tools do)")
     save_clients: bool = _opt(False, "also export every client's model")
     tensorboard: bool = _opt(False, "write TensorBoard event files")
     timeout: float = _opt(300.0, "seconds any wait on another rank may take before the run fails")

@@ -43,7 +43,7 @@ def _tokenizer(opts: RunOptions, words: Callable[[], list[str]]):
 
 
 def _synthetic(opts: RunOptions, n_clients: int) -> Task:
-    task = SyntheticTask(seed=opts.seed)
+    task = SyntheticTask(seed=opts.seed, words_per_example=opts.synthetic_words)
     train, test = task.generate()
     tokenizer = _tokenizer(opts, task.vocabulary)
     features = encode_examples(tokenizer, train, task.label_words, max_length=opts.max_seq_len)

@@ -30,13 +30,13 @@ from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..methods import Method
 from ..mixing import ClientView
-from ..models import enable_activation_checkpointing, load_model
+from ..models import causal_lm_loss, enable_activation_checkpointing, load_model
 from ..offload import FrozenLayerOffload
 from ..optimizer import model_partition
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from .dist import (ClientGroups, ClientLayout, DistributedMixer, Heartbeat, PeerError, all_mean_, check_layout,
-                   init_process_group)
+                   init_process_group, local_device)
 from .ds_engine import ClientMPU, initialize
 from .metrics import MetricsWriter, plot_losses, read_metrics, summarize, summary_table
 from .options import RunOptions, parse_args
@@ -46,8 +46,10 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def build_model(opts: RunOptions, vocab_size: int):
+    # A random initialisation is drawn on the rank's device: on the CPU an 8B model takes minutes.
     return load_model(opts.model, dtype=_DTYPES[opts.working_dtype], trust_remote_code=opts.trust_remote_code,
-                      from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed)
+                      from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
+                      init_device=local_device())
 
 
 def next_shard(stream: ClientStream, layout: ClientLayout) -> dict:
@@ -143,13 +145,13 @@ def factor_consensus_(optimizer) -> float:
 
 
 def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, layout: ClientLayout,
-                     save_clients: bool) -> tuple[float, object]:
-    """Write the clients (optionally) and x̄ (rank 0, the method's format); return ‖x_i − x̄‖ and
-    the model to evaluate."""
-    if save_clients and layout.local_rank == 0:
+                     opts: RunOptions) -> tuple[float, object]:
+    """Write the clients (optionally) and x̄ (rank 0, the method's format, unless --no-export);
+    return ‖x_i − x̄‖ and the model to evaluate (x̄ itself)."""
+    if opts.save_clients and layout.local_rank == 0:
         ckpt.save_hf_model(model, out / "clients" / f"client_{layout.client:03d}")
     distance = to_consensus_(model) if optimizer.linear else factor_consensus_(optimizer)
-    if layout.rank == 0:
+    if layout.rank == 0 and opts.export:
         model = method.save_consensus(model, out / "consensus", tokenizer)
     return distance, model
 
@@ -159,6 +161,9 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
     resolved = {
         "options": asdict(opts), "ds_config": ds_config, "topology": topology.to_dict(),
         "method": opts.method, "trainable_params": trainable,
+        # the most positions the LM head runs at per micro-batch (models.causal_lm_loss)
+        "loss_positions_max": min(opts.max_seq_len, opts.micro_batch * max(
+            sum(label != -100 for label in f["labels"][1:]) for f in task.features)),
         "blocks": [asdict(b) for b in partition.blocks], "frozen": list(partition.frozen),
         "world_size": layout.world_size, "n_clients": layout.n_clients,
         "client_sizes": [len(ix) for ix in task.client_indices],
@@ -231,6 +236,11 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
         if before:
             print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
 
+    # Loading puts the whole model on the device before offloading frees the frozen layers: that
+    # peak is the setup's, logged apart (first record), not the training step's.
+    setup = memory_now(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     timer = Timer(device)
     optimizer.clock = mixer.clock = timer.now
     bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
@@ -250,7 +260,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             for _ in range(opts.grad_accum):
                 batch = {k: v.to(device) for k, v in next_shard(stream, layout).items()}
                 t0 = timer.now()
-                loss = engine(**batch).loss
+                loss = causal_lm_loss(engine, batch)
                 t1 = timer.now()
                 engine.backward(loss)
                 t2 = timer.now()
@@ -270,6 +280,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                           bytes_sent=mixer.total_bytes_sent - sent, **memory_now(device))
             if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
                 record.update(evaluate_during_training(engine.module, task, opts, layout))
+            if step == start:
+                record["mem_setup_peak"] = setup.get("mem_peak", setup.get("mem_rss"))
             if metrics:
                 metrics.write(record)
             bar.set_postfix(**where, loss=f"{record['loss']:.4f}")
@@ -288,7 +300,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     if metrics:
         metrics.close()
     offload.close()
-    distance, final_model = export_consensus(engine.module, optimizer, method, out, task.tokenizer, layout, opts.save_clients)
+    distance, final_model = export_consensus(engine.module, optimizer, method, out, task.tokenizer, layout, opts)
     distances = [None] * world_size
     dist.all_gather_object(distances, distance)
     result = None
