@@ -27,6 +27,8 @@ device, and copying layers around would only cost time. `simulate_on_cpu=True` s
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -35,14 +37,16 @@ from .memory import OFFLOAD_MODES
 
 
 class FrozenLayerOffload:
-    """Streams the decoder layers outside the active block, for a model already on `device`.
+    """Streams the decoder layers outside the active block to `device`. The model may still be in
+    host memory (the runtime builds this before moving the model, so the device never holds every
+    layer) or already on `device`; either way every decoder layer is copied to host memory here.
 
     Call `activate(k)` whenever the optimizer activates block k, before it reads the block's
     parameters (DecaOptimizer copies them into its master in `_activate`): an offloaded parameter
     holds no values on the device. Right after construction every decoder layer is offloaded, so
     call `activate` for the current block first. Whatever reads parameters outside forward
-    (state_dict, checkpoints) sees empty placeholders for the offloaded layers; `close()` makes
-    every layer resident again.
+    (state_dict, checkpoints) sees empty placeholders for the offloaded layers unless it runs in
+    `host_weights()`; `close()` makes every layer resident again.
     """
 
     def __init__(self, model: nn.Module, partition: Partition, device: str | torch.device, *,
@@ -101,6 +105,27 @@ class FrozenLayerOffload:
         self._offloaded = [k for k in range(len(self._params)) if k not in layers]
         self._graph.clear()
         self._current = None
+
+    @contextmanager
+    def host_weights(self):
+        """Between steps, for code that reads or writes every weight (checkpoints, the consensus,
+        export): the offloaded layers' parameters are their host copies meanwhile (current: a
+        layer's copy is refreshed whenever it leaves the active block), and writes land there. The
+        device never holds them all."""
+        if not self.enabled:
+            yield
+            return
+        for k in list(self._materialized):
+            self._release(k)
+        for k in self._offloaded:
+            for p, h in zip(self._params[k], self._host[k]):
+                p.data = h
+        try:
+            yield
+        finally:
+            for k in self._offloaded:
+                for p in self._params[k]:
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
 
     def resident_bytes(self) -> int:
         """Device bytes held by decoder-layer parameters now."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -236,8 +237,8 @@ BAD_INPUTS = {
     "layers_per_block": (lambda t: ["--layers-per-block", "9"], "layers_per_block"),
     "bad_lr": (lambda t: ["--lr", "-1"], "lr must be > 0"),
     "existing_run": (lambda t: [], "already holds a run"),
-    "offload_with_checkpoints": (lambda t: ["--offload", "frozen", "--checkpoint-interval", "3"],
-                                 "--offload frozen does not combine with checkpoint_interval"),
+    "offload_with_mid_run_eval": (lambda t: ["--offload", "frozen", "--eval-interval", "3"],
+                                  "--offload frozen does not combine with eval_interval"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),
     "lora_dropout": (lambda t: ["--method", "decaf", "--lora-dropout", "1.5"], "lora dropout"),
 }
@@ -392,12 +393,57 @@ def test_standalone_evaluation_of_the_export(reference_run, tmp_path):
 def test_profile_memory_tool(tmp_path):
     """profiling/profile_memory.py runs training per granularity and reports memory per client."""
     done = subprocess.run([sys.executable, str(ROOT / "profiling" / "profile_memory.py"), "--ranks", "2",
-                           "--layers-per-block", "2", "4", "--steps-per-block", "2", "--work-dir", str(tmp_path / "runs"),
-                           "--out", str(tmp_path / "out"), "--train-args", "--topology", "ring", "--micro-batch", "4"],
+                           "--layers-per-block", "2", "4", "--offload", "none", "frozen", "--steps-per-block", "2",
+                           "--warmup", "1", "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+                           "--train-args", "--topology", "ring", "--micro-batch", "4"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "profile_memory.json").read_text())
     rows = summary["results"]
-    assert [(r["layers_per_block"], r["blocks"], r["steps"]) for r in rows] == [(2, 2, 4), (4, 1, 2)]
+    assert [(r["layers_per_block"], r["offload"], r["blocks"], r["steps"]) for r in rows] == [
+        (2, "none", 2, 4), (2, "frozen", 2, 4), (4, "none", 1, 2), (4, "frozen", 1, 2)]
     assert all(r["kind"] == "process RSS (CPU)" and 0.1 < r["mean_gib"] <= r["peak_gib"] < 8 for r in rows)
+    assert all(0 < r["update_ms"] < r["step_ms"] and r["setup_peak_gib"] > 0.1 for r in rows)
+    assert all(r["estimate_gib"] is None for r in rows), "RSS is not compared with a device-memory estimate"
+    assert [r["step_over_resident"] for r in rows][::2] == [1.0, 1.0]
     assert (tmp_path / "out" / "profile_memory.png").stat().st_size > 1000
+
+
+def test_offloaded_run_equals_resident_run_bit_for_bit(tmp_path, monkeypatch):
+    """--offload frozen, streamed for real on CPU ranks (DECA_OFFLOAD_ON_CPU=1): set up before the
+    model moves, re-activated at every block switch, checkpoints and the consensus export taken
+    from host memory, resume loading weights before offloading. Checkpoints, the exported
+    clients and x̄, the losses and the final evaluation equal those of the resident run exactly."""
+    monkeypatch.setenv("DECA_OFFLOAD_ON_CPU", "1")
+    args = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "1", "--steps-per-block", "3",
+            "--rounds", "2", "--micro-batch", "4", "--max-seq-len", "32", "--eval-limit", "32",
+            "--consensus-interval", "2", "--checkpoint-interval", "5", "--keep-checkpoints", "10",
+            "--save-clients", "--timeout", "60"]
+
+    def run(mode: str, out: Path, *extra: str) -> None:
+        logs = tmp_path / f"logs_{out.name}"
+        procs = start_ranks([*args, "--offload", mode, "--output-dir", str(out), *extra], 2, logs)
+        assert wait_all(procs, 300) == [0, 0], (logs / "rank0.err").read_text()[-3000:]
+
+    resident, offloaded = tmp_path / "none", tmp_path / "frozen"
+    run("none", resident)
+    run("frozen", offloaded)
+    files = ["consensus/model.safetensors", *(f"clients/client_{c:03d}/model.safetensors" for c in range(2)),
+             *(f"checkpoints/step_{s:08d}/client_{c:03d}/model.safetensors"
+               for s in (5, 10, 15, 20) for c in range(2))]
+    for f in files:
+        a, b = load_file(resident / f), load_file(offloaded / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+
+    def losses(out: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
+
+    assert losses(resident) == losses(offloaded) and len(losses(resident)) == 4 * 3 * 2
+    summary = lambda out: json.loads((out / "summary.json").read_text())  # noqa: E731
+    assert summary(resident)["consensus_eval"] == summary(offloaded)["consensus_eval"]
+
+    # resume the offloaded run from its checkpoint at step 20 (mid-block): same end, bit for bit
+    shutil.rmtree(offloaded / "consensus")
+    run("frozen", offloaded, "--resume")
+    a, b = load_file(resident / files[0]), load_file(offloaded / files[0])
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -73,9 +73,10 @@ def complete_steps(root: Path, client: int, ranks_per_client: int) -> list[int]:
 
 def load_client(root: Path, step: int, client: int, local_rank: int, model: torch.nn.Module,
                 device: torch.device) -> dict:
-    """Load the model's weights in place; return the optimizer state and this rank's state."""
+    """Load the model's weights in place, where the model is; return the optimizer state (on
+    `device`) and this rank's state."""
     d = client_dir(root, step, client)
-    load_model(model, d / "model.safetensors", strict=True, device=str(device))
+    load_model(model, d / "model.safetensors", strict=True, device=str(next(model.parameters()).device))
     return {
         "optimizer": torch.load(d / "optimizer.pt", map_location=device, weights_only=True),
         "rank": torch.load(d / f"rank_{local_rank}.pt", weights_only=True),

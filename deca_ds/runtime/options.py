@@ -139,13 +139,12 @@ class RunOptions:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         if self.offload == "frozen":
-            # Offloaded layers hold empty placeholders on the device between uses; these options
-            # read every weight mid-run, so they would see the placeholders.
-            clashes = [name for name in ("checkpoint_interval", "eval_interval")
-                       if getattr(self, name)] + (["method"] if self.method != "deca" else [])
+            # Evaluating x̄ mid-run swaps every weight in and out on the device, which offloading
+            # exists to avoid; offloading streams the decoder layers DECA's blocks freeze.
+            clashes = (["eval_interval"] if self.eval_interval else []) + (["method"] if self.method != "deca" else [])
             if clashes:
                 raise ValueError(f"--offload frozen does not combine with {', '.join(clashes)} "
-                                 "(set the intervals to 0; offload is DECA's)")
+                                 "(evaluate at the end only; offload is DECA's)")
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
 

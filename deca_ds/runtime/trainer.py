@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import __version__
-from ..blocks import Partition
+from ..blocks import Partition, block_order
 from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
@@ -46,10 +46,11 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def build_model(opts: RunOptions, vocab_size: int):
-    # A random initialisation is drawn on the rank's device: on the CPU an 8B model takes minutes.
+    # A random initialisation is drawn on the rank's device (on the CPU an 8B model takes minutes),
+    # except with offloading, whose point is that the device never holds every layer.
     return load_model(opts.model, dtype=_DTYPES[opts.working_dtype], trust_remote_code=opts.trust_remote_code,
                       from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
-                      init_device=local_device())
+                      init_device=local_device() if opts.offload == "none" else "cpu")
 
 
 def next_shard(stream: ClientStream, layout: ClientLayout) -> dict:
@@ -106,14 +107,17 @@ def _consensus_distance(x: torch.Tensor) -> float:
     return torch.linalg.vector_norm(x - mean).item()
 
 
-def to_consensus_(model) -> float:
+def to_consensus_(model, device: torch.device | None = None) -> float:
     """Replace this client's weights by x̄ = mean over clients (one all-reduce per tensor, in at
-    least fp32, so no full-model buffer is ever allocated); return ‖x_i − x̄‖ of this client."""
+    least fp32 and on `device` - a weight in host memory goes there one tensor at a time - so no
+    full-model buffer is ever allocated); return ‖x_i − x̄‖ of this client."""
     sq = 0.0
     with torch.no_grad():
         for p in model.parameters():
-            mean = all_mean_(p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True))
-            sq += torch.sum((p - mean) ** 2).item()
+            x = p.detach().to(device=device or p.device, dtype=torch.promote_types(p.dtype, torch.float32),
+                              copy=True)
+            mean = all_mean_(x.clone())
+            sq += x.sub_(mean).square_().sum().item()
             p.copy_(mean)
     return math.sqrt(sq)
 
@@ -145,12 +149,12 @@ def factor_consensus_(optimizer) -> float:
 
 
 def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, layout: ClientLayout,
-                     opts: RunOptions) -> tuple[float, object]:
+                     opts: RunOptions, device: torch.device) -> tuple[float, object]:
     """Write the clients (optionally) and x̄ (rank 0, the method's format, unless --no-export);
     return ‖x_i − x̄‖ and the model to evaluate (x̄ itself)."""
     if opts.save_clients and layout.local_rank == 0:
         ckpt.save_hf_model(model, out / "clients" / f"client_{layout.client:03d}")
-    distance = to_consensus_(model) if optimizer.linear else factor_consensus_(optimizer)
+    distance = to_consensus_(model, device) if optimizer.linear else factor_consensus_(optimizer)
     if layout.rank == 0 and opts.export:
         model = method.save_consensus(model, out / "consensus", tokenizer)
     return distance, model
@@ -199,20 +203,30 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     torch.manual_seed(opts.seed * 1_000_003 + rank)
     mixer = DistributedMixer(topology.W, layout, groups, timeout_s=opts.timeout,
                              transfer_dtype=_DTYPES[opts.working_dtype] if opts.mix_dtype == "working" else None)
+    start, state = 0, None
+    if opts.resume:  # the weights go into the model where it is now, in host memory
+        start = _resume_step(out, layout)
+        state = ckpt.load_client(out, start, layout.client, layout.local_rank, model, device)
+    # Offloaded layers go to pinned host memory before the model moves, so the device never holds
+    # them all; the first block the optimizer activates is made resident first.
+    offload = FrozenLayerOffload(model, partition, device, mode=opts.offload,
+                                 simulate_on_cpu=os.environ.get("DECA_OFFLOAD_ON_CPU") == "1")
+    if offload.enabled:
+        cfg = opts.deca_config()
+        offload.activate(block_order(partition.num_blocks, cfg.block_order, 0, cfg.seed)[0])
     # On the device before the optimizer exists: the active block's master and moments are
     # created beside its parameters (DeepSpeed would move the module only afterwards).
     model.to(device)
     optimizer = method.optimizer(model, mixer)
+    if offload.enabled:
+        optimizer.before_activate = offload.activate
     if "activation_checkpointing" in ds_config:
         enable_activation_checkpointing(model)
     engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single))
     stream = task.stream(opts, layout.client)
     lead = layout.local_rank == 0
 
-    start = 0
     if opts.resume:
-        start = _resume_step(out, layout)
-        state = ckpt.load_client(out, start, layout.client, layout.local_rank, engine.module, device)
         optimizer.load_state_dict(state["optimizer"])
         stream.load_state_dict(state["rank"]["stream"])
         torch.set_rng_state(state["rank"]["torch_rng"])
@@ -225,10 +239,6 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             shutil.rmtree(out / stale, ignore_errors=True)  # --overwrite: nothing of the old run survives
         out.mkdir(parents=True, exist_ok=True)
         write_run_config(out, opts, ds_config, topology, partition, layout, task, trainable)
-    offload = FrozenLayerOffload(engine.module, partition, device, mode=opts.offload)
-    if offload.enabled:  # after initialize (which moves the module) and after resume (which loads weights)
-        optimizer.before_activate = offload.activate
-        offload.activate(optimizer.active.index)
     dist.barrier()
     metrics = MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard) if lead else None
     if rank == 0 and not opts.resume:
@@ -236,8 +246,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
         if before:
             print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
 
-    # Loading puts the whole model on the device before offloading frees the frozen layers: that
-    # peak is the setup's, logged apart (first record), not the training step's.
+    # The setup's peak (the first evaluation's batch, say) is logged apart (first record), not as
+    # the training step's.
     setup = memory_now(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -287,7 +297,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             bar.set_postfix(**where, loss=f"{record['loss']:.4f}")
             bar.update(1)
             if opts.checkpoint_interval and (step + 1) % opts.checkpoint_interval == 0 and not optimizer.done:
-                save_checkpoint(out, step + 1, layout, engine.module, optimizer, stream, opts.keep_checkpoints)
+                with offload.host_weights():
+                    save_checkpoint(out, step + 1, layout, engine.module, optimizer, stream, opts.keep_checkpoints)
             last_step_s = time.perf_counter() - step_start
         except RuntimeError as err:  # PeerError from mixing, or a collective that lost a rank
             # Live ranks post a step (or their own failure) within a few step times.
@@ -299,8 +310,9 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
 
     if metrics:
         metrics.close()
-    offload.close()
-    distance, final_model = export_consensus(engine.module, optimizer, method, out, task.tokenizer, layout, opts)
+    with offload.host_weights():  # offloaded layers are averaged and exported from host memory
+        distance, final_model = export_consensus(engine.module, optimizer, method, out, task.tokenizer, layout,
+                                                 opts, device)
     distances = [None] * world_size
     dist.all_gather_object(distances, distance)
     result = None
