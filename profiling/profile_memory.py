@@ -85,10 +85,14 @@ def measure(out: Path, warmup: int) -> dict:
     key_now, key_peak = ("mem_allocated", "mem_peak") if "mem_peak" in rows[0] else ("mem_rss", "mem_rss")
     run_config = json.loads((out / "run_config.json").read_text())
     steps = [r for client in clients for r in client[warmup:]]
+    if not steps:
+        raise SystemExit(f"{out}: no steps left after --warmup {warmup}")
     peak = max(r[key_peak] for r in rows) / GiB
     est = estimate(run_config) if key_now == "mem_allocated" else None  # RSS is not device memory
     return {
         "kind": "device memory (torch.cuda)" if key_now == "mem_allocated" else "process RSS (CPU)",
+        "micro_batch": run_config["options"]["micro_batch"],
+        "seq_len": run_config["options"]["max_seq_len"],
         "blocks": len(run_config["blocks"]),
         "steps": len(rows) // run_config["n_clients"],
         "peak_gib": peak,
@@ -96,6 +100,7 @@ def measure(out: Path, warmup: int) -> dict:
         "mean_gib": statistics.fmean(r[key_now] for r in rows) / GiB,
         "setup_peak_gib": max(r["mem_setup_peak"] for r in rows if "mem_setup_peak" in r) / GiB,
         "step_ms": 1e3 * statistics.median(r["t_forward"] + r["t_backward"] + r["t_mix_update"] for r in steps),
+        "update_ms": 1e3 * statistics.median(r["t_mix_update"] for r in steps),
         "estimate_gib": est,
         "measured_over_estimate": None if est is None else peak / est,
     }
@@ -133,20 +138,21 @@ def write(summary: dict, out: Path, name: str) -> None:
     md = [f"**Memory per granularity, measured** ({rows[0]['kind']}, per client) on {summary['device']}, "
           f"{summary['ranks']} ranks; command: `{summary['command']}`; {summary['date']}; "
           f"torch {summary['versions']['torch']}.", "",
-          "| layers per block | offload | blocks | steps | peak (GiB) | peak (GB) | estimate (GiB) "
-          "| measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms, median) | step / resident |",
-          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    md += [f"| {r['layers_per_block']} | {r['offload']} | {r['blocks']} | {r['steps']} | {r['peak_gib']:.2f} | "
+          "| layers per block | offload | micro-batch × max tokens | blocks | steps | peak (GiB) | peak (GB) | estimate (GiB) "
+          "| measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms, median) | mixing + update (ms) "
+          "| step / resident |",
+          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    md += [f"| {r['layers_per_block']} | {r['offload']} | {r['micro_batch']} × {r['seq_len']} | {r['blocks']} | {r['steps']} | {r['peak_gib']:.2f} | "
            f"{r['peak_gb']:.2f} | {_f(r['estimate_gib'], '.2f')} | {_f(r['measured_over_estimate'], '.3f')} | "
-           f"{r['mean_gib']:.2f} | {r['setup_peak_gib']:.2f} | {r['step_ms']:.1f} | "
+           f"{r['mean_gib']:.2f} | {r['setup_peak_gib']:.2f} | {r['step_ms']:.1f} | {r['update_ms']:.1f} | "
            f"{_f(r['step_over_resident'], '.2f')} |" for r in rows]
     md += ["", "On a GPU the peak is torch.cuda.max_memory_allocated over the training steps (every allocation "
            "counted; reset after setup), the mean is memory_allocated at the end of each step, and the setup "
-           "peak is the maximum before the first step (the model is loaded onto the device whole before "
-           "offloading moves its frozen layers to host memory). The estimate is deca_ds.memory's peak for the "
-           "same run; it leaves out the CUDA context and allocator slack, as max_memory_allocated does. On CPU "
-           "ranks all three come from the process's RSS, which includes the Python, torch and DeepSpeed "
-           "runtime (about 0.4 GiB), so there is no estimate to compare with."]
+           "peak is the maximum before the first step (loading, the first evaluation). The estimate is "
+           "deca_ds.memory's peak for the same run; it leaves out the CUDA context and allocator slack, as "
+           "max_memory_allocated does. On CPU ranks all three come from the process's RSS, which includes the "
+           "Python, torch and DeepSpeed runtime (about 0.4 GiB), so there is no estimate to compare with, and "
+           "--offload frozen is a no-op there."]
     write_results(out, name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
 
     plt = pyplot()
