@@ -27,7 +27,10 @@ Phase model of one inner step (what is alive at once; the peak is the largest ph
                    gone: autograd freed the graph at the end of backward)
     update         weights + optimizer_state + max(grad, x_half) + trivial_bma_extra
                    (adam_half_step folds .grad into m, v tensor by tensor and frees it, then
-                   allocates x_half; it never holds a full master-dtype gradient)
+                   allocates x_half; it never holds a full master-dtype gradient). With 8-bit
+                   moments (state_bits=8) x_half comes first, the gradient is freed tensor by
+                   tensor, and one tensor's fp32 m, v and Adam result exist at a time:
+                   grad + x_half + quant_transient
     mixing         weights + optimizer_state + x_half + send_copy + recv + x_plus
                    + trivial_bma_extra
                    (DistributedMixer.mix exchanges the block MIX_CHUNK elements at a time: per
@@ -53,6 +56,7 @@ from torch import nn
 
 from .blocks import Partition, find_decoder_layers, partition_model
 from .mixing import MIX_CHUNK
+from .quantized import num_absmax
 
 GiB = 2**30
 MiB = 2**20
@@ -285,6 +289,7 @@ class MemoryEstimate:
     checkpointing: bool
     offload: str  # "none" or "frozen"
     variant: str
+    state_bits: int  # 32: fp32/fp64 m, v; 8: bitsandbytes block-wise codes (DecaConfig.state_bits)
     attn_implementation: str
     inputs_require_grad: bool  # embedding output requires grad: layers below the active block keep a graph
     steps_per_block: int  # R, for the per-round communication
@@ -302,7 +307,8 @@ class MemoryEstimate:
     send_copy: int  # one mixing chunk × transfer bytes when the transfer dtype differs from the master's
     recv: int  # n_neighbors × one mixing chunk (min(block, MIX_CHUNK)) × transfer bytes
     x_plus: int  # x⁺ chunk = Σ w_ij x½_j: 0 when summed into an existing master-dtype buffer, else chunk × master bytes
-    trivial_bma_extra: int  # variant trivial_bma: m_prev, v_prev, 2 × block × master bytes
+    trivial_bma_extra: int  # variant trivial_bma: m_prev, v_prev (2 × the bytes of m)
+    quant_transient: int  # state_bits=8: fp32 m, v and Adam result of the block's largest tensor
     offload_buffers: int  # offload "frozen": two streaming buffers of the largest layer, working dtype
     host_weights: int  # offload "frozen": decoder layers kept in (pinned) host memory, not on the GPU
 
@@ -343,7 +349,8 @@ class MemoryEstimate:
         return {
             "backward": base + self.grad + self.activations,
             "grad_allreduce": base + self.grad + self.grad_allreduce,
-            "update": base + max(self.grad, self.x_half) + self.trivial_bma_extra,
+            "update": base + (self.grad + self.x_half if self.state_bits == 8 else max(self.grad, self.x_half))
+                      + self.quant_transient + self.trivial_bma_extra,
             "mixing": base + self.x_half + self.send_copy + self.recv + self.x_plus
                       + self.trivial_bma_extra,
         }
@@ -402,7 +409,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
                    checkpointing: bool = True, offload: str = "none", variant: str = "deca",
                    attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
                    deepspeed_allreduce: bool = False, inputs_require_grad: bool = False,
-                   loss_positions: int | None = None) -> MemoryEstimate:
+                   loss_positions: int | None = None, state_bits: int = 32) -> MemoryEstimate:
     """The estimate while block `block` of the default partition is active (see MemoryEstimate).
 
     deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets; the runtime runs
@@ -424,6 +431,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+    if state_bits not in (32, 8):
+        raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
     if variant not in ("deca", "trivial_bma", "no_bma"):
         raise ValueError(f"variant must be deca, trivial_bma or no_bma, got {variant!r}")
     for name, value in (("n_neighbors", n_neighbors), ("micro_batch", micro_batch), ("seq_len", seq_len),
@@ -440,6 +449,9 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     transfer = master if transfer_dtype == "master" else working
     tb, cast = _size(transfer), transfer != master
     chunk = min(n, MIX_CHUNK)  # DistributedMixer.mix exchanges the block in chunks
+    numels = spec.tensor_numels(partition, block)
+    # 8-bit moments: one code per element and one fp32 absmax per quantization block of each tensor
+    moment = n + 4 * num_absmax(numels) if state_bits == 8 else n * mb
 
     first = block * layers_per_block  # the default partition: block k = layers [k·lpb, (k+1)·lpb)
     in_block = min(layers_per_block, spec.num_layers - first)
@@ -474,12 +486,14 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         num_layers=spec.num_layers, layers_per_block=layers_per_block, num_blocks=B, block=block, block_params=n,
         working_dtype=_short(working), master_dtype=_short(master), transfer_dtype=transfer_dtype,
         n_neighbors=n_neighbors, micro_batch=b, seq_len=s, checkpointing=checkpointing, offload=offload,
-        variant=variant, attn_implementation=attn_implementation, inputs_require_grad=inputs_require_grad,
+        variant=variant, state_bits=state_bits, attn_implementation=attn_implementation,
+        inputs_require_grad=inputs_require_grad,
         steps_per_block=steps_per_block,
-        weights=weights, master=n * mb, m=n * mb, v=n * mb, grad=n * w, grad_allreduce=grad_allreduce,
+        weights=weights, master=n * mb, m=moment, v=moment, grad=n * w, grad_allreduce=grad_allreduce,
         x_half=n * mb, send_copy=chunk * tb if cast else 0, recv=n_neighbors * chunk * tb,
         x_plus=chunk * mb if cast else 0,
-        trivial_bma_extra=2 * n * mb if variant == "trivial_bma" else 0,
+        trivial_bma_extra=2 * moment if variant == "trivial_bma" else 0,
+        quant_transient=3 * max(numels) * mb if state_bits == 8 else 0,
         offload_buffers=offload_buffers, host_weights=host_weights,
         act_saved=act_saved, act_recompute=act_recompute, act_logits=logits_bytes(spec, b, min(s, loss_positions or s), w),
         comm_per_step=n_neighbors * n * tb,

@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transfer-dtype", choices=["master", "working"], default="master",
                    help="dtype of the exchanged block (master = exact)")
     p.add_argument("--variant", choices=["deca", "trivial_bma", "no_bma"], default="deca")
+    p.add_argument("--state-bits", type=int, choices=[32, 8], default=32,
+                   help="8: the active block's m, v as bitsandbytes block-wise codes (DecaConfig.state_bits)")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation")
     p.add_argument("--steps-per-block", type=int, default=48, help="R, for the communication per round")
     p.add_argument("--deepspeed-allreduce", action="store_true",
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     spec, lpb, working_dtype=args.working_dtype, master_dtype=args.master_dtype,
                     transfer_dtype=args.transfer_dtype, n_neighbors=args.neighbors, micro_batch=args.micro_batch,
                     seq_len=args.seq_len, loss_positions=args.loss_positions, checkpointing=args.checkpointing,
-                    offload=offload, variant=args.variant,
+                    offload=offload, variant=args.variant, state_bits=args.state_bits,
                     attn_implementation=args.attn, steps_per_block=args.steps_per_block,
                     deepspeed_allreduce=args.deepspeed_allreduce)
                 row = est.to_dict()

@@ -93,10 +93,11 @@ def test_config_sources(tmp_path, specs):
 
 
 @pytest.mark.parametrize("layers_per_block", [1, 2])
-@pytest.mark.parametrize("master_dtype", [torch.float32, torch.float64])
-def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype):
+@pytest.mark.parametrize("master_dtype,state_bits", [(torch.float32, 32), (torch.float64, 32), (torch.float32, 8)])
+def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype, state_bits):
     model = tiny_llama(layers=3, dtype=torch.float32)
-    cfg = DecaConfig(layers_per_block=layers_per_block, steps_per_block=1, rounds=1, master_dtype=master_dtype)
+    cfg = DecaConfig(layers_per_block=layers_per_block, steps_per_block=1, rounds=1, master_dtype=master_dtype,
+                     state_bits=state_bits)
     opt = DecaOptimizer(model, cfg)
     spec = ModelSpec.from_config(model.config)
     master = "fp64" if master_dtype == torch.float64 else "fp32"
@@ -104,9 +105,14 @@ def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype):
     seen = []
     while not opt.done:
         k = opt.active.index
-        est = estimate_block(spec, layers_per_block, k, working_dtype="fp32", master_dtype=master)
+        est = estimate_block(spec, layers_per_block, k, working_dtype="fp32", master_dtype=master,
+                             state_bits=state_bits)
         assert est.optimizer_state == opt.state_bytes()
-        assert est.master == est.m == est.v == opt.active.master.numel() * opt.active.master.element_size()
+        assert est.master == opt.active.master.numel() * opt.active.master.element_size()
+        n = opt.active.master.numel()
+        # 8-bit: a code per element and an fp32 absmax per 256 elements of each tensor
+        want = est.master if state_bits == 32 else n + 4 * sum(-(-p.numel() // 256) for p in opt.active.params)
+        assert est.m == est.v == want
         model(input_ids=ids, labels=ids).loss.backward()
         assert est.grad == sum(p.grad.numel() * p.grad.element_size() for p in opt.active.params)
         x_half = opt.adam_half_step()
