@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
         r["step_over_resident"] = resident and r["step_ms"] / resident["step_ms"]
     cuda = torch.cuda.is_available()
     summary = {
-        "command": "python profiling/profile_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python profiling/profile_memory.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
         "versions": {"torch": torch.__version__, "python": platform.python_version()},

@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
                 ratios[f"deca_step_over_{name}"] = deca["step_ms"] / by[name]["step_ms"]
     cuda = torch.cuda.is_available()
     summary = {
-        "command": "python profiling/profile_resources.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python profiling/profile_resources.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
         "versions": {"torch": torch.__version__, "python": platform.python_version()},

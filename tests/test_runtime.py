@@ -447,3 +447,28 @@ def test_offloaded_run_equals_resident_run_bit_for_bit(tmp_path, monkeypatch):
     run("frozen", offloaded, "--resume")
     a, b = load_file(resident / files[0]), load_file(offloaded / files[0])
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_profile_resources_tool(tmp_path):
+    """profiling/profile_resources.py trains each method on the same ranks and reports Table 9's columns."""
+    done = subprocess.run([sys.executable, str(ROOT / "profiling" / "profile_resources.py"), "--ranks", "2",
+                           "--methods", "deca", "dadam", "--steps-per-block", "2", "--warmup", "1",
+                           "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+                           "--train-args", "--topology", "ring", "--micro-batch", "4", "--layers-per-block", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "profile_resources.json").read_text())
+    deca, dadam = summary["results"]
+    assert (deca["method"], dadam["method"]) == ("DECA", "D-Adam")
+    assert deca["trainable_params"] == dadam["trainable_params"]  # the same decoder layers, one block at a time
+    for r in (deca, dadam):
+        assert r["samples"] == 2 * (4 - 1)  # 2 blocks × 2 steps per client, first step left out
+        assert 0 < r["agg_ms"] <= r["agg_up_ms"] < r["step_ms"]
+        assert abs(r["step_ms"] - (r["fwd_ms"] + r["bkwd_ms"] + r["agg_up_ms"])) < 0.5 * r["step_ms"]
+    # ring of 2: one neighbour; DECA sends its active block, D-Adam every decoder layer (fp32)
+    blocks = json.loads((tmp_path / "runs" / "deca" / "run_config.json").read_text())["blocks"]
+    assert deca["comm_mb"] * 1e6 == pytest.approx(4 * blocks[0]["numel"])
+    assert dadam["comm_mb"] * 1e6 == pytest.approx(4 * deca["trainable_params"])
+    assert summary["ratios"]["deca_step_over_D-Adam"] == pytest.approx(deca["step_ms"] / dadam["step_ms"])
+    assert summary["command"].startswith("python profiling/profile_resources.py --ranks 2")
+    assert (tmp_path / "out" / "profile_resources.png").stat().st_size > 1000
