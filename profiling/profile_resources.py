@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="first steps of each client left out of the medians")
     p.add_argument("--work-dir", default="/tmp/deca_profile_resources", help="where the runs' outputs go")
     p.add_argument("--out", default=str(ROOT / "profiling" / "results"))
+    p.add_argument("--name", default="profile_resources", help="base name of the result files")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
                    help="everything after this goes to launch/train.py unchanged (every method)")
@@ -94,11 +95,11 @@ def main(argv=None) -> dict:
         "ranks": args.ranks, "ds_config": args.ds_config, "train_args": args.train_args,
         "warmup": args.warmup, "results": results, "ratios": ratios,
     }
-    write(summary, Path(args.out))
+    write(summary, Path(args.out), args.name)
     return summary
 
 
-def write(summary: dict, out: Path) -> None:
+def write(summary: dict, out: Path, name: str) -> None:
     rows = summary["results"]
     md = [f"**Per-step cost per client, measured** on {summary['device']}, {summary['ranks']} ranks "
           f"(one client each); medians after {summary['warmup']} warm-up steps; "
@@ -115,7 +116,7 @@ def write(summary: dict, out: Path) -> None:
            "'of which Agg' is the combination after the exchange. Comm is the bytes a client sends per step "
            "(a baseline mixing every K-th step sends nothing in between). Times from CPU ranks share the "
            "machine's cores and are comparable with each other, not with a GPU."]
-    write_results(out, "profile_resources", markdown="\n".join(md) + "\n", rows=rows, payload=summary)
+    write_results(out, name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -128,7 +129,7 @@ def write(summary: dict, out: Path) -> None:
     ax.set_title(f"Per-step cost per client ({summary['device']})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "profile_resources.png", dpi=120)
+    fig.savefig(out / f"{name}.png", dpi=120)
     plt.close(fig)
 
 
