@@ -296,7 +296,8 @@ class MemoryEstimate:
 
     # ---- exact terms (bytes)
     weights: int  # working-dtype parameters on the device: all of them (offload "none"), or
-    #               embeddings + final norm + LM head + the active block (offload "frozen")
+    #               embeddings + final norm + LM head + the active block + the kept layers
+    #               (offload "frozen")
     master: int  # active block × master bytes (DecaOptimizer ActiveBlock.master)
     m: int  # active block × master bytes (first moment)
     v: int  # active block × master bytes (second moment)
@@ -310,6 +311,9 @@ class MemoryEstimate:
     trivial_bma_extra: int  # variant trivial_bma: m_prev, v_prev (2 × the bytes of m)
     quant_transient: int  # state_bits=8: fp32 m, v and Adam result of the block's largest tensor
     offload_buffers: int  # offload "frozen": two streaming buffers of the largest layer, working dtype
+    offload_keep: int  # offload "frozen": top decoder layers kept resident (FrozenLayerOffload keep)
+    offload_stream: int  # offload "frozen": bytes copied host -> device per inner step (forward: each
+    #                      streamed layer; backward: again those above the active block)
     host_weights: int  # offload "frozen": decoder layers kept in (pinned) host memory, not on the GPU
 
     # ---- approximate terms (bytes)
@@ -409,7 +413,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
                    checkpointing: bool = True, offload: str = "none", variant: str = "deca",
                    attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
                    deepspeed_allreduce: bool = False, inputs_require_grad: bool = False,
-                   loss_positions: int | None = None, state_bits: int = 32) -> MemoryEstimate:
+                   loss_positions: int | None = None, state_bits: int = 32, offload_keep: int = 0) -> MemoryEstimate:
     """The estimate while block `block` of the default partition is active (see MemoryEstimate).
 
     deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets; the runtime runs
@@ -431,6 +435,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+    if not 0 <= offload_keep <= spec.num_layers:
+        raise ValueError(f"offload_keep must be in [0, {spec.num_layers}], got {offload_keep}")
     if state_bits not in (32, 8):
         raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
     if variant not in ("deca", "trivial_bma", "no_bma"):
@@ -470,11 +476,15 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         act_recompute = transient
 
     if offload == "frozen":
-        weights = (spec.non_layer_params + n) * w
-        offload_buffers = 2 * max(spec.layer_params) * w
+        resident = set(range(first, first + in_block)) | set(range(spec.num_layers - offload_keep, spec.num_layers))
+        streamed = [k for k in range(spec.num_layers) if k not in resident]
+        weights = (spec.non_layer_params + sum(spec.layer_params[k] for k in resident)) * w
+        offload_buffers = 2 * max(spec.layer_params) * w if streamed else 0
         host_weights = spec.decoder_params * w
+        # forward: every streamed layer; backward: again those above the active block
+        offload_stream = sum(spec.layer_params[k] * w * (2 if k >= first + in_block else 1) for k in streamed)
     else:
-        weights, offload_buffers, host_weights = spec.total_params * w, 0, 0
+        weights, offload_buffers, host_weights, offload_stream = spec.total_params * w, 0, 0, 0
 
     grad_allreduce = 0
     if deepspeed_allreduce:
@@ -494,7 +504,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         x_plus=chunk * mb if cast else 0,
         trivial_bma_extra=2 * moment if variant == "trivial_bma" else 0,
         quant_transient=3 * max(numels) * mb if state_bits == 8 else 0,
-        offload_buffers=offload_buffers, host_weights=host_weights,
+        offload_buffers=offload_buffers, host_weights=host_weights, offload_keep=offload_keep,
+        offload_stream=offload_stream,
         act_saved=act_saved, act_recompute=act_recompute, act_logits=logits_bytes(spec, b, min(s, loss_positions or s), w),
         comm_per_step=n_neighbors * n * tb,
         comm_per_round=sum(steps_per_block * n_neighbors * blk.numel * tb for blk in partition.blocks),

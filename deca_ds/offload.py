@@ -36,6 +36,12 @@ from .blocks import Partition, find_decoder_layers
 from .memory import OFFLOAD_MODES
 
 
+def check_keep(num_layers: int, keep: int) -> None:
+    """Refuse keeping more decoder layers resident than the model has."""
+    if not 0 <= keep <= num_layers:
+        raise ValueError(f"offload keep must be in [0, {num_layers}] (the model's decoder layers), got {keep}")
+
+
 class FrozenLayerOffload:
     """Streams the decoder layers outside the active block to `device`. The model may still be in
     host memory (the runtime builds this before moving the model, so the device never holds every
@@ -50,11 +56,15 @@ class FrozenLayerOffload:
     """
 
     def __init__(self, model: nn.Module, partition: Partition, device: str | torch.device, *,
-                 mode: str = "frozen", simulate_on_cpu: bool = False) -> None:
+                 mode: str = "frozen", keep: int = 0, simulate_on_cpu: bool = False) -> None:
         if mode not in OFFLOAD_MODES:
             raise ValueError(f"unknown offload mode {mode!r}; valid modes: {', '.join(OFFLOAD_MODES)}")
         self.device = torch.device(device)
         _, layers = find_decoder_layers(model)
+        check_keep(len(layers), keep)
+        # The top layers are the ones a step streams twice (forward, and backward for every block
+        # below them): keeping them resident saves the most copying per byte of device memory.
+        self._kept = set(range(len(layers) - keep, len(layers)))
         self._params = [list(layer.parameters()) for layer in layers]
         self.enabled = mode == "frozen" and (self.device.type == "cuda" or simulate_on_cpu)
         if not self.enabled:
@@ -89,10 +99,11 @@ class FrozenLayerOffload:
 
     # ---- runtime API ------------------------------------------------------------------------
     def activate(self, block: int) -> None:
-        """Make block `block`'s layers resident; the previous active block's go back to the host."""
+        """Make block `block`'s layers (and the kept ones) resident; the previous active block's
+        go back to the host."""
         if not self.enabled:
             return
-        layers = self._block_layers[block]
+        layers = self._block_layers[block] | self._kept
         for k in list(self._materialized):
             self._release(k)
         for k in self._resident - layers:

@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transfer-dtype", choices=["master", "working"], default="master",
                    help="dtype of the exchanged block (master = exact)")
     p.add_argument("--variant", choices=["deca", "trivial_bma", "no_bma"], default="deca")
+    p.add_argument("--offload-keep", type=int, default=0,
+                   help="with offload frozen: top decoder layers kept resident (launch/train.py --offload-keep)")
     p.add_argument("--state-bits", type=int, choices=[32, 8], default=32,
                    help="8: the active block's m, v as bitsandbytes block-wise codes (DecaConfig.state_bits)")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation")
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     transfer_dtype=args.transfer_dtype, n_neighbors=args.neighbors, micro_batch=args.micro_batch,
                     seq_len=args.seq_len, loss_positions=args.loss_positions, checkpointing=args.checkpointing,
                     offload=offload, variant=args.variant, state_bits=args.state_bits,
+                    offload_keep=args.offload_keep if offload == "frozen" else 0,
                     attn_implementation=args.attn, steps_per_block=args.steps_per_block,
                     deepspeed_allreduce=args.deepspeed_allreduce)
                 row = est.to_dict()

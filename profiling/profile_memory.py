@@ -74,6 +74,7 @@ def estimate(run_config: dict) -> float | None:
         master_dtype=opts["master_dtype"], transfer_dtype="working" if opts["mix_dtype"] == "working" else "master",
         n_neighbors=degree, micro_batch=opts["micro_batch"], seq_len=opts["max_seq_len"],
         checkpointing="activation_checkpointing" in run_config["ds_config"], offload=opts["offload"],
+        offload_keep=opts["offload_keep"],
         variant=opts["variant"], state_bits=opts["state_bits"], steps_per_block=opts["steps_per_block"],
         deepspeed_allreduce=opts["ranks_per_client"] > 1, loss_positions=run_config["loss_positions_max"])
     return est.peak / GiB

@@ -308,3 +308,19 @@ def test_command_writes_all_outputs(tmp_path):
     assert row["peak"] == expected.peak and row["optimizer_state"] == expected.optimizer_state
     png = (tmp_path / "estimate.png").read_bytes()
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offload_weights_and_streamed_bytes_with_kept_layers():
+    model = tiny_llama(layers=4, dtype=torch.float32)
+    spec = ModelSpec.from_config(model.config)
+    layer = spec.layer_params[0]
+    w = 2  # bf16
+    for keep, resident, stream in ((0, [1], [0, 2, 2, 3, 3]), (1, [1, 3], [0, 2, 2]), (3, [1, 2, 3], [0])):
+        est = estimate_block(spec, 1, 1, offload="frozen", offload_keep=keep)  # block 1 = layer 1 active
+        assert est.weights == (spec.non_layer_params + len(resident) * layer) * w
+        # forward streams every offloaded layer; backward again those above the active block
+        assert est.offload_stream == len(stream) * layer * w
+        assert est.offload_buffers == 2 * layer * w
+    assert estimate_block(spec, 1, 1, offload="frozen", offload_keep=4).offload_buffers == 0  # nothing streams
+    with pytest.raises(ValueError, match="offload_keep"):
+        estimate_block(spec, 1, 0, offload="frozen", offload_keep=5)

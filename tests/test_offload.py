@@ -27,7 +27,7 @@ def nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def train(model, offload: bool, checkpointing: bool, steps_per_block: int = 2, rounds: int = 2):
+def train(model, offload: bool, checkpointing: bool, steps_per_block: int = 2, rounds: int = 2, keep: int = 0):
     """Losses of a DECA run over all blocks (layers_per_block=1), and the device bytes of decoder-layer
     parameters sampled whenever a layer computes, in forward and in backward."""
     config = DecaConfig(layers_per_block=1, steps_per_block=steps_per_block, rounds=rounds, lr=1e-2,
@@ -39,7 +39,9 @@ def train(model, offload: bool, checkpointing: bool, steps_per_block: int = 2, r
     layers = model.model.layers
     layer_bytes = nbytes(layers[0].parameters())
     non_layer = [p for n, p in model.named_parameters() if not n.startswith("model.layers.")]
-    streamer = attach(opt, FrozenLayerOffload(model, opt.partition, "cpu", simulate_on_cpu=True)) if offload else None
+    streamer = attach(opt, FrozenLayerOffload(model, opt.partition, "cpu", keep=keep, simulate_on_cpu=True)) \
+        if offload else None
+    kept = set(range(LAYERS - keep, LAYERS))
     samples = []
 
     def sample(*_):
@@ -61,11 +63,15 @@ def train(model, offload: bool, checkpointing: bool, steps_per_block: int = 2, r
             # Offloaded layers are empty placeholders between uses. Right after a block switch only the
             # active block is on the device; between steps also the layer backward used last and the
             # one prefetched for the next forward.
-            on_device = [k for k, layer in enumerate(layers) if k != active and layer.mlp.up_proj.weight.numel()]
+            # The kept layers are always there.
+            on_device = [k for k, layer in enumerate(layers)
+                         if k != active and k not in kept and layer.mlp.up_proj.weight.numel()]
+            assert all(layers[k].mlp.up_proj.weight.numel() for k in kept)
+            resident = 1 + len(kept - {active})
             assert len(on_device) <= (0 if opt.step_in_block == 0 else 2)
-            assert streamer.resident_bytes() == (1 + len(on_device)) * layer_bytes
+            assert streamer.resident_bytes() == (resident + len(on_device)) * layer_bytes
             if opt.step_in_block == 0:
-                assert nbytes(model.parameters()) == layer_bytes + nbytes(non_layer)
+                assert nbytes(model.parameters()) == resident * layer_bytes + nbytes(non_layer)
         opt.zero_grad()
         loss = model(**batch).loss
         loss.backward()
@@ -97,6 +103,27 @@ def test_offload_is_bit_identical_to_resident(checkpointing):
     assert sum(len(m._forward_pre_hooks) for m in offloaded.model.layers.modules()) == LAYERS
     for (name, a), b in zip(resident.named_parameters(), offloaded.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_kept_top_layers_stay_resident_and_change_nothing(keep):
+    base = tiny_llama(layers=LAYERS, dtype=torch.float32)
+    resident, offloaded = copy.deepcopy(base), copy.deepcopy(base)
+    _, expected, _, _ = train(resident, offload=False, checkpointing=True)
+    offload, losses, samples, layer_bytes = train(offloaded, offload=True, checkpointing=True, keep=keep)
+    assert losses == expected
+    # the active block, the kept layers and at most two streamed ones; never fewer than the kept
+    assert max(samples) == min(LAYERS, keep + 3) * layer_bytes and min(samples) >= keep * layer_bytes
+    offload.close()
+    for (name, a), b in zip(resident.named_parameters(), offloaded.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_keep_beyond_the_model_is_an_error():
+    model = tiny_llama(layers=LAYERS, dtype=torch.float32)
+    opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1, rounds=1))
+    with pytest.raises(ValueError, match=r"offload keep must be in \[0, 4\]"):
+        FrozenLayerOffload(model, opt.partition, "cpu", keep=5, simulate_on_cpu=True)
 
 
 def test_backward_does_not_keep_offloaded_weights_alive():

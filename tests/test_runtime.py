@@ -239,6 +239,8 @@ BAD_INPUTS = {
     "existing_run": (lambda t: [], "already holds a run"),
     "offload_with_mid_run_eval": (lambda t: ["--offload", "frozen", "--eval-interval", "3"],
                                   "--offload frozen does not combine with eval_interval"),
+    "offload_keep_without_offload": (lambda t: ["--offload-keep", "2"], "--offload-keep needs --offload frozen"),
+    "offload_keep_beyond_layers": (lambda t: ["--offload", "frozen", "--offload-keep", "9"], "offload keep must be in"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),
     "lora_dropout": (lambda t: ["--method", "decaf", "--lora-dropout", "1.5"], "lora dropout"),
 }
@@ -442,9 +444,10 @@ def test_offloaded_run_equals_resident_run_bit_for_bit(tmp_path, monkeypatch):
     summary = lambda out: json.loads((out / "summary.json").read_text())  # noqa: E731
     assert summary(resident)["consensus_eval"] == summary(offloaded)["consensus_eval"]
 
-    # resume the offloaded run from its checkpoint at step 20 (mid-block): same end, bit for bit
+    # resume the offloaded run from its checkpoint at step 20 (mid-block), now keeping the top layer
+    # resident: same end, bit for bit
     shutil.rmtree(offloaded / "consensus")
-    run("frozen", offloaded, "--resume")
+    run("frozen", offloaded, "--resume", "--offload-keep", "1")
     a, b = load_file(resident / files[0]), load_file(offloaded / files[0])
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -91,6 +91,8 @@ class RunOptions:
     master_dtype: str = _opt("fp32", "dtype of the active block's master, m, v", choices=("fp32", "fp64"))
     offload: str = _opt("none", "DECA: 'frozen' keeps the frozen decoder layers in pinned host memory and streams "
                         "them to the GPU layer by layer (no-op on CPU ranks)", choices=OFFLOAD_MODES)
+    offload_keep: int = _opt(0, "with --offload frozen: the top N decoder layers stay on the GPU, never streamed "
+                             "(N layers' memory for less copying per step)")
     state_bits: int = _opt(32, "DECA: bits per value of the active block's m and v (8 = bitsandbytes block-wise, "
                            "extra [bnb])", choices=(32, 8))
     mix_dtype: str = _opt("master", "dtype exchanged between neighbors: 'master' (exact) or 'working'",
@@ -117,7 +119,7 @@ class RunOptions:
         for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints", "mix_every", "lora_rank", "adapter_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval"):
+        for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval", "offload_keep"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("micro_batch", "grad_accum", "clients", "steps"):
@@ -145,6 +147,8 @@ class RunOptions:
             if clashes:
                 raise ValueError(f"--offload frozen does not combine with {', '.join(clashes)} "
                                  "(evaluate at the end only; offload is DECA's)")
+        elif self.offload_keep:
+            raise ValueError("--offload-keep needs --offload frozen")
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
 

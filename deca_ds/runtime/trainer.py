@@ -24,14 +24,14 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import __version__
-from ..blocks import Partition, block_order
+from ..blocks import Partition, block_order, find_decoder_layers
 from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..methods import Method
 from ..mixing import ClientView
 from ..models import causal_lm_loss, enable_activation_checkpointing, load_model
-from ..offload import FrozenLayerOffload
+from ..offload import FrozenLayerOffload, check_keep
 from ..optimizer import model_partition
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
@@ -190,6 +190,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     task = build_task(opts, n_clients)
     model = build_model(opts, len(task.tokenizer))
     partition = model_partition(model, opts.deca_config())
+    check_keep(len(find_decoder_layers(model)[1]), opts.offload_keep)
     method = opts.build_method(partition)
     model = method.prepare(model)
     trainable = method.num_trainable(model)
@@ -209,7 +210,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
         state = ckpt.load_client(out, start, layout.client, layout.local_rank, model, device)
     # Offloaded layers go to pinned host memory before the model moves, so the device never holds
     # them all; the first block the optimizer activates is made resident first.
-    offload = FrozenLayerOffload(model, partition, device, mode=opts.offload,
+    offload = FrozenLayerOffload(model, partition, device, mode=opts.offload, keep=opts.offload_keep,
                                  simulate_on_cpu=os.environ.get("DECA_OFFLOAD_ON_CPU") == "1")
     if offload.enabled:
         cfg = opts.deca_config()
