@@ -50,6 +50,11 @@ class ActiveBlock:
         return sum(t.nbytes for t in (self.master, self.m, self.v))
 
 
+def block_schedule(config: DecaConfig, num_blocks: int, round_index: int) -> list[int]:
+    """The blocks of round `round_index` in the order DecaOptimizer activates them."""
+    return block_order(num_blocks, config.block_order, round_index, config.seed)
+
+
 def model_partition(model: nn.Module, config: DecaConfig) -> Partition:
     return partition_model(
         model, config.layers_per_block,
@@ -112,7 +117,7 @@ class DecaOptimizer(DecentralizedOptimizer):
         return self.active.master
 
     def block_schedule(self, round_index: int) -> list[int]:
-        return block_order(self.num_blocks, self.config.block_order, round_index, self.config.seed)
+        return block_schedule(self.config, self.num_blocks, round_index)
 
     # ---- block activation ----------------------------------------------------------------
     def _activate(self, index: int, restored: dict | None = None) -> None:

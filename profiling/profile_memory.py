@@ -67,8 +67,7 @@ def estimate(run_config: dict) -> float | None:
     opts = run_config["options"]
     if not opts["from_config"] and not Path(opts["model"]).is_dir():
         return None  # the built-in tiny model, or a hub id whose config is not here
-    W = np.asarray(run_config["topology"]["W"])
-    degree = int(max(((W[i] > 0).sum() - (W[i, i] > 0)) for i in range(len(W))))
+    degree = max(len(neighbors) for neighbors in run_config["topology"]["neighbors"])
     est = estimate_memory(
         opts["model"], opts["layers_per_block"], working_dtype=opts["working_dtype"],
         master_dtype=opts["master_dtype"], transfer_dtype="working" if opts["mix_dtype"] == "working" else "master",

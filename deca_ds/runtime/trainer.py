@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import __version__
-from ..blocks import Partition, block_order, find_decoder_layers
+from ..blocks import Partition, find_decoder_layers
 from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
@@ -32,7 +32,7 @@ from ..methods import Method
 from ..mixing import ClientView
 from ..models import causal_lm_loss, enable_activation_checkpointing, load_model
 from ..offload import FrozenLayerOffload, check_keep
-from ..optimizer import model_partition
+from ..optimizer import block_schedule, model_partition
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from .dist import (ClientGroups, ClientLayout, DistributedMixer, Heartbeat, PeerError, all_mean_, check_layout,
@@ -205,7 +205,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     mixer = DistributedMixer(topology.W, layout, groups, timeout_s=opts.timeout,
                              transfer_dtype=_DTYPES[opts.working_dtype] if opts.mix_dtype == "working" else None)
     start, state = 0, None
-    if opts.resume:  # the weights go into the model where it is now, in host memory
+    if opts.resume:  # the weights go into the model where it is now (host memory unless drawn on the device)
         start = _resume_step(out, layout)
         state = ckpt.load_client(out, start, layout.client, layout.local_rank, model, device)
     # Offloaded layers go to pinned host memory before the model moves, so the device never holds
@@ -213,8 +213,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     offload = FrozenLayerOffload(model, partition, device, mode=opts.offload, keep=opts.offload_keep,
                                  simulate_on_cpu=os.environ.get("DECA_OFFLOAD_ON_CPU") == "1")
     if offload.enabled:
-        cfg = opts.deca_config()
-        offload.activate(block_order(partition.num_blocks, cfg.block_order, 0, cfg.seed)[0])
+        offload.activate(block_schedule(opts.deca_config(), partition.num_blocks, 0)[0])
     # On the device before the optimizer exists: the active block's master and moments are
     # created beside its parameters (DeepSpeed would move the module only afterwards).
     model.to(device)
