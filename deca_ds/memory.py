@@ -38,6 +38,10 @@ Phase model of one inner step (what is alive at once; the peak is the largest ph
                    is not the master's, and x⁺ summed into the first term's buffer (a new
                    master-dtype chunk when cast), then written over x½; bma_correct works in place)
 
+With offload "frozen", `weights` counts only the resident layers, and every phase also holds two
+streaming buffers and FrozenPrefix's hidden states (one per micro-batch of the block's R steps,
+held from the block's first step); `offload_stream` is what a step copies from host memory.
+
 Not modelled: the CUDA context, cuBLAS workspaces and NCCL buffers (covered by the `reserve` of
 `fits`), allocator fragmentation, per-tensor temporaries (a single parameter tensor's worth,
 e.g. p.grad * clip_scale), the model's non-parameter buffers (rotary tables), the batch itself.
@@ -312,8 +316,11 @@ class MemoryEstimate:
     quant_transient: int  # state_bits=8: fp32 m, v and Adam result of the block's largest tensor
     offload_buffers: int  # offload "frozen": two streaming buffers of the largest layer, working dtype
     offload_keep: int  # offload "frozen": top decoder layers kept resident (FrozenLayerOffload keep)
-    offload_stream: int  # offload "frozen": bytes copied host -> device per inner step (forward: each
-    #                      streamed layer; backward: again those above the active block)
+    offload_stream_block: int  # offload "frozen": bytes of frozen layers copied host -> device over
+    #                            the block's R steps (offload_block_stream)
+    offload_stream: int  # offload "frozen": the same per inner step, the mean over the block's R steps
+    prefix_cache: int  # offload "frozen": the hidden states entering the active block, one per micro-batch
+    #                    of its R steps, and their input_ids (deca_ds.prefix.FrozenPrefix), at the first step
     host_weights: int  # offload "frozen": decoder layers kept in (pinned) host memory, not on the GPU
 
     # ---- approximate terms (bytes)
@@ -349,7 +356,7 @@ class MemoryEstimate:
 
     @property
     def phases(self) -> dict[str, int]:
-        base = self.weights + self.offload_buffers + self.optimizer_state
+        base = self.weights + self.offload_buffers + self.prefix_cache + self.optimizer_state
         return {
             "backward": base + self.grad + self.activations,
             "grad_allreduce": base + self.grad + self.grad_allreduce,
@@ -406,6 +413,33 @@ def _largest_bucket(numels: list[int], limit: int = DEEPSPEED_ALLREDUCE_BUCKET) 
         if current > limit:
             largest, current = max(largest, current), 0
     return max(largest, current)
+
+
+def offload_block_stream(below: list[int], above: list[int], steps: int, prefix: bool = True) -> int:
+    """Bytes FrozenLayerOffload copies to the device over one block's `steps` inner steps, given the
+    sizes of the streamed layers below and above the block, bottom up.
+
+    A step uses the layers below (unless FrozenPrefix, `prefix`, ran them once for the whole block
+    first), then those above going up (forward) and down again (backward; the top one, still in use,
+    is not asked for again). At each use the offload keeps two layers on the device, the one in use
+    and the next one used (prefetched), and copies whichever of them is not there: at the top of the
+    walk the last two layers are reused, at the bottom the lowest one above the block. After the
+    block's last use it prefetches what a next step would use first, in vain."""
+    size = {("below", i): n for i, n in enumerate(below)} | {("above", i): n for i, n in enumerate(above)}
+    lower = [("below", i) for i in range(len(below))]
+    upper = [("above", i) for i in range(len(above))]
+    step = ([] if prefix else lower) + upper + upper[::-1][1:]
+    uses = (lower if prefix else []) + step * steps
+    after = step[0] if step else (lower[0] if lower else None)
+    held, copied = set(), 0
+    for j, use in enumerate(uses):
+        following = uses[j + 1] if j + 1 < len(uses) else after
+        held &= {use, following}
+        for layer in (use, following):
+            if layer is not None and layer not in held:
+                held.add(layer)
+                copied += size[layer]
+    return copied
 
 
 def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_dtype="bf16", master_dtype="fp32",
@@ -475,16 +509,20 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         act_saved = in_block * full + (above + below) * flow + final_norm
         act_recompute = transient
 
+    stream_block = prefix_cache = host_weights = offload_buffers = 0
+    weights = spec.total_params * w
     if offload == "frozen":
         resident = set(range(first, first + in_block)) | set(range(spec.num_layers - offload_keep, spec.num_layers))
         streamed = [k for k in range(spec.num_layers) if k not in resident]
         weights = (spec.non_layer_params + sum(spec.layer_params[k] for k in resident)) * w
         offload_buffers = 2 * max(spec.layer_params) * w if streamed else 0
         host_weights = spec.decoder_params * w
-        # forward: every streamed layer; backward: again those above the active block
-        offload_stream = sum(spec.layer_params[k] * w * (2 if k >= first + in_block else 1) for k in streamed)
-    else:
-        weights, offload_buffers, host_weights, offload_stream = spec.total_params * w, 0, 0, 0
+        prefix = not inputs_require_grad  # the runtime's FrozenPrefix caches what enters the block
+        stream_block = offload_block_stream([spec.layer_params[k] * w for k in streamed if k < first],
+                                            [spec.layer_params[k] * w for k in streamed if k > first],
+                                            steps_per_block, prefix)
+        if prefix and first:
+            prefix_cache = steps_per_block * b * s * (h * w + 8)
 
     grad_allreduce = 0
     if deepspeed_allreduce:
@@ -505,7 +543,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         trivial_bma_extra=2 * moment if variant == "trivial_bma" else 0,
         quant_transient=3 * max(numels) * mb if state_bits == 8 else 0,
         offload_buffers=offload_buffers, host_weights=host_weights, offload_keep=offload_keep,
-        offload_stream=offload_stream,
+        offload_stream_block=stream_block, offload_stream=round(stream_block / steps_per_block),
+        prefix_cache=prefix_cache,
         act_saved=act_saved, act_recompute=act_recompute, act_logits=logits_bytes(spec, b, min(s, loss_positions or s), w),
         comm_per_step=n_neighbors * n * tb,
         comm_per_round=sum(steps_per_block * n_neighbors * blk.numel * tb for blk in partition.blocks),
@@ -547,4 +586,5 @@ def to_json(estimates: list[MemoryEstimate]) -> str:
 __all__ = [
     "DEFAULT_RESERVE", "GPUS", "GiB", "MB", "MemoryEstimate", "ModelSpec", "communication", "estimate_block",
     "estimate_blocks", "estimate_memory", "layer_activation_bytes", "load_config", "logits_bytes", "meta_model",
+    "offload_block_stream",
 ]

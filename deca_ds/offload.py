@@ -18,7 +18,10 @@ empty placeholder except while its layer is in use:
   held on the device from forward to backward.
 
 Prefetch follows the order a training step uses the layers: up through the offloaded layers in
-forward, down through those backward needs, then up again for the next step.
+forward, down through those backward needs, then up again for the next step. Layers marked with
+`skip` (deca_ds.prefix.FrozenPrefix runs the layers below the active block once per block and
+hands their output over in the steps) are neither streamed nor prefetched meanwhile.
+deca_ds.memory.offload_block_stream counts the bytes this policy copies per block.
 
 Mode "none", and a run whose device is the CPU, do nothing: with no accelerator the "host" is the
 device, and copying layers around would only cost time. `simulate_on_cpu=True` streams anyway
@@ -67,6 +70,7 @@ class FrozenLayerOffload:
         self._kept = set(range(len(layers) - keep, len(layers)))
         self._params = [list(layer.parameters()) for layer in layers]
         self.enabled = mode == "frozen" and (self.device.type == "cuda" or simulate_on_cpu)
+        self.bytes_streamed = 0  # copied host -> device for frozen layers so far
         if not self.enabled:
             return
         cuda = self.device.type == "cuda"
@@ -86,6 +90,7 @@ class FrozenLayerOffload:
         self._owner: dict[int, tuple[int, int]] = {}  # their storages' data_ptr -> (layer, param)
         self._graph: set[int] = set()  # offloaded layers whose forward built a graph: backward needs them
         self._current: int | None = None  # the offloaded layer computing now, or last
+        self._skipped: set[int] = set()  # layers that hand over cached outputs (FrozenPrefix): never streamed
         self._saving = None
         self._hooks = []
         for k, layer in enumerate(layers):
@@ -116,6 +121,12 @@ class FrozenLayerOffload:
         self._offloaded = [k for k in range(len(self._params)) if k not in layers]
         self._graph.clear()
         self._current = None
+
+    def skip(self, layers) -> None:
+        """`layers` do not compute until the next call (deca_ds.prefix.FrozenPrefix hands over their
+        output): neither streamed nor prefetched."""
+        if self.enabled:
+            self._skipped = set(layers)
 
     @contextmanager
     def host_weights(self):
@@ -159,7 +170,7 @@ class FrozenLayerOffload:
     def _enter_layer(self, k: int, args, kwargs) -> None:
         if k == 0:
             self._graph.clear()
-        if k in self._resident:
+        if k in self._resident or k in self._skipped:
             return
         # An input that requires grad means backward comes through here (the weights are frozen).
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
@@ -193,8 +204,9 @@ class FrozenLayerOffload:
 
     def _next(self, k: int, backward: bool) -> int:
         """The offloaded layer a training step uses after k."""
+        streamed = [j for j in self._offloaded if j not in self._skipped]
         if not backward:
-            later = [j for j in self._offloaded if j > k]
+            later = [j for j in streamed if j > k]
             if later:
                 return later[0]
             backward = k in self._graph
@@ -202,7 +214,7 @@ class FrozenLayerOffload:
             below = [j for j in self._graph if j < k]
             if below:
                 return max(below)
-        return self._offloaded[0]
+        return streamed[0] if streamed else k
 
     def _copy_in(self, k: int) -> torch.cuda.Event | None:
         """Start copying layer k to the device; the event marks the end of the copy."""
@@ -226,6 +238,7 @@ class FrozenLayerOffload:
         if k in self._materialized:
             return
         self._materialized[k] = self._copy_in(k)
+        self.bytes_streamed += sum(h.nbytes for h in self._host[k])
         for i, p in enumerate(self._params[k]):
             self._owner[p.untyped_storage().data_ptr()] = (k, i)
 

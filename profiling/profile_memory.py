@@ -99,7 +99,12 @@ def measure(out: Path, warmup: int) -> dict:
         "peak_gb": peak * GiB / 1e9,
         "mean_gib": statistics.fmean(r[key_now] for r in rows) / GiB,
         "setup_peak_gib": max(r["mem_setup_peak"] for r in rows if "mem_setup_peak" in r) / GiB,
-        "step_ms": 1e3 * statistics.median(r["t_forward"] + r["t_backward"] + r["t_mix_update"] for r in steps),
+        # offloaded: the layers below each block run once for all its steps, at its first step (t_prefix);
+        # their time is spread over the steps
+        "prefix_ms": 1e3 * statistics.fmean(r.get("t_prefix", 0.0) for r in steps),
+        "step_ms": 1e3 * (statistics.median(r["t_forward"] + r["t_backward"] + r["t_mix_update"] for r in steps)
+                          + statistics.fmean(r.get("t_prefix", 0.0) for r in steps)),
+        "streamed_gb": statistics.fmean(r.get("bytes_streamed", 0) for r in steps) / 1e9,
         "update_ms": 1e3 * statistics.median(r["t_mix_update"] for r in steps),
         "estimate_gib": est,
         "measured_over_estimate": None if est is None else peak / est,
@@ -139,16 +144,19 @@ def write(summary: dict, out: Path, name: str) -> None:
           f"{summary['ranks']} ranks; command: `{summary['command']}`; {summary['date']}; "
           f"torch {summary['versions']['torch']}.", "",
           "| layers per block | offload | micro-batch × max tokens | blocks | steps | peak (GiB) | peak (GB) | estimate (GiB) "
-          "| measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms, median) | mixing + update (ms) "
-          "| step / resident |",
-          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+          "| measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms) | of which layers below, once "
+          "per block (ms) | mixing + update (ms) | streamed (GB per step) | step / resident |",
+          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     md += [f"| {r['layers_per_block']} | {r['offload']} | {r['micro_batch']} × {r['seq_len']} | {r['blocks']} | {r['steps']} | {r['peak_gib']:.2f} | "
            f"{r['peak_gb']:.2f} | {_f(r['estimate_gib'], '.2f')} | {_f(r['measured_over_estimate'], '.3f')} | "
-           f"{r['mean_gib']:.2f} | {r['setup_peak_gib']:.2f} | {r['step_ms']:.1f} | {r['update_ms']:.1f} | "
-           f"{_f(r['step_over_resident'], '.2f')} |" for r in rows]
+           f"{r['mean_gib']:.2f} | {r['setup_peak_gib']:.2f} | {r['step_ms']:.1f} | {r['prefix_ms']:.1f} | "
+           f"{r['update_ms']:.1f} | {r['streamed_gb']:.3f} | {_f(r['step_over_resident'], '.2f')} |" for r in rows]
     md += ["", "On a GPU the peak is torch.cuda.max_memory_allocated over the training steps (every allocation "
            "counted; reset after setup), the mean is memory_allocated at the end of each step, and the setup "
-           "peak is the maximum before the first step (loading, the first evaluation). The estimate is "
+           "peak is the maximum before the first step (loading, the first evaluation). The step is the median of "
+           "forward + backward + mixing + update over the steps after the warm-up, plus the mean per step of the "
+           "time FrozenPrefix takes at each block's first step to run the layers below the block for all its "
+           "steps (offload frozen only; the fewer steps per block, the larger that share). The estimate is "
            "deca_ds.memory's peak for the same run; it leaves out the CUDA context and allocator slack, as "
            "max_memory_allocated does. On CPU ranks all three come from the process's RSS, which includes the "
            "Python, torch and DeepSpeed runtime (about 0.4 GiB), so there is no estimate to compare with, and "

@@ -27,6 +27,7 @@ from deca_ds.memory import (
     estimate_blocks,
     estimate_memory,
     load_config,
+    offload_block_stream,
 )
 from helpers import tiny_llama
 
@@ -315,11 +316,12 @@ def test_offload_weights_and_streamed_bytes_with_kept_layers():
     spec = ModelSpec.from_config(model.config)
     layer = spec.layer_params[0]
     w = 2  # bf16
-    for keep, resident, stream in ((0, [1], [0, 2, 2, 3, 3]), (1, [1, 3], [0, 2, 2]), (3, [1, 2, 3], [0])):
+    for keep, resident, above in ((0, [1], [2, 3]), (1, [1, 3], [2]), (3, [1, 2, 3], [])):
         est = estimate_block(spec, 1, 1, offload="frozen", offload_keep=keep)  # block 1 = layer 1 active
         assert est.weights == (spec.non_layer_params + len(resident) * layer) * w
-        # forward streams every offloaded layer; backward again those above the active block
-        assert est.offload_stream == len(stream) * layer * w
+        # layer 0 below, the streamed ones above (the count itself: tests/test_prefix.py)
+        assert est.offload_stream_block == offload_block_stream([layer * w], [layer * w] * len(above), 48)
+        assert est.offload_stream == round(est.offload_stream_block / 48)
         assert est.offload_buffers == 2 * layer * w
     assert estimate_block(spec, 1, 1, offload="frozen", offload_keep=4).offload_buffers == 0  # nothing streams
     with pytest.raises(ValueError, match="offload_keep"):

@@ -24,6 +24,8 @@ from transformers import AutoModelForCausalLM
 
 import deca_ds
 from deca_ds.data import ClientStream
+from deca_ds.memory import offload_block_stream
+from deca_ds.models import tiny_llama
 from deca_ds.runtime import trainer
 from deca_ds.runtime.options import parse_args
 from helpers import free_port
@@ -441,6 +443,24 @@ def test_offloaded_run_equals_resident_run_bit_for_bit(tmp_path, monkeypatch):
         return [json.loads(line)["loss"] for line in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
 
     assert losses(resident) == losses(offloaded) and len(losses(resident)) == 4 * 3 * 2
+
+    # The frozen layers copied per block visit are the estimator's count: the layers below the block
+    # once (FrozenPrefix), those above up and down in each of the 3 steps. A checkpoint inside a block
+    # sends every streamed layer back to the host, so those visits are left out. Client 1: rank 0's
+    # evaluation before training leaves layers on the device.
+    records = [json.loads(line) for line in (offloaded / "metrics" / "client_001.jsonl").read_text().splitlines()]
+    layer = 4 * sum(p.numel() for p in tiny_llama(64).model.layers[0].parameters())  # fp32
+    checked = 0
+    for visit in range(8):
+        steps = records[3 * visit:3 * visit + 3]
+        if any((r["step"] + 1) % 5 == 0 for r in steps[:2]):
+            continue
+        block = visit % 4
+        expected = offload_block_stream([layer] * block, [layer] * (3 - block), 3)
+        assert sum(r["bytes_streamed"] for r in steps) == expected, visit
+        assert all(r["t_prefix"] == 0 for r in steps[1:]) and (steps[0]["t_prefix"] > 0 or not block)
+        checked += 1
+    assert checked == 5  # visits 0, 2, 4, 5, 7: blocks 0, 2, 0, 1, 3
     summary = lambda out: json.loads((out / "summary.json").read_text())  # noqa: E731
     assert summary(resident)["consensus_eval"] == summary(offloaded)["consensus_eval"]
 

@@ -33,6 +33,7 @@ from ..mixing import ClientView
 from ..models import causal_lm_loss, enable_activation_checkpointing, load_model
 from ..offload import FrozenLayerOffload, check_keep
 from ..optimizer import block_schedule, model_partition
+from ..prefix import FrozenPrefix
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from .dist import (ClientGroups, ClientLayout, DistributedMixer, Heartbeat, PeerError, all_mean_, check_layout,
@@ -60,6 +61,14 @@ def next_shard(stream: ClientStream, layout: ClientLayout) -> dict:
     batch = next(stream)
     stream.position += layout.ranks_per_client - layout.local_rank - 1
     return batch
+
+
+def upcoming_shards(stream: ClientStream, layout: ClientLayout, n: int) -> list[dict]:
+    """The next `n` micro-batches next_shard will give, the stream left where it is."""
+    state = stream.state_dict()
+    shards = [next_shard(stream, layout) for _ in range(n)]
+    stream.load_state_dict(state)
+    return shards
 
 
 def check_output_dir(opts: RunOptions) -> Path:
@@ -218,8 +227,10 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     # created beside its parameters (DeepSpeed would move the module only afterwards).
     model.to(device)
     optimizer = method.optimizer(model, mixer)
+    prefix = None
     if offload.enabled:
         optimizer.before_activate = offload.activate
+        prefix = FrozenPrefix(model, partition, offload)
     if "activation_checkpointing" in ds_config:
         enable_activation_checkpointing(model)
     engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single))
@@ -261,14 +272,24 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
         record = {"step": step, **where}
         step_start = time.perf_counter()
         sent, exchanged = mixer.total_bytes_sent, mixer.total_exchange_s
+        streamed = offload.bytes_streamed if offload.enabled else 0
         try:
             heartbeat.beat(step)
             if opts.consensus_interval and step % opts.consensus_interval == 0:
                 record["consensus_distance"] = _consensus_distance(optimizer.consensus_vector())
-            t_fwd = t_bwd = t_step = 0.0
+            t_fwd = t_bwd = t_step = t_prefix = 0.0
+            if prefix is not None and prefix.enabled and (optimizer.step_in_block == 0 or step == start):
+                # the layers below the block, once for the micro-batches of all its remaining steps
+                t0 = timer.now()
+                left = (optimizer.config.steps_per_block - optimizer.step_in_block) * opts.grad_accum
+                prefix.fill(engine.module, optimizer.active.index,
+                            [{k: v.to(device) for k, v in shard.items()} for shard in upcoming_shards(stream, layout, left)])
+                t_prefix = timer.now() - t0
             losses = []
             for _ in range(opts.grad_accum):
                 batch = {k: v.to(device) for k, v in next_shard(stream, layout).items()}
+                if prefix is not None:
+                    prefix.next(batch)
                 t0 = timer.now()
                 loss = causal_lm_loss(engine, batch)
                 t1 = timer.now()
@@ -278,6 +299,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                 t3 = timer.now()
                 t_fwd, t_bwd, t_step = t_fwd + t1 - t0, t_bwd + t2 - t1, t_step + t3 - t2
                 losses.append(loss.item())
+            if prefix is not None and not prefix.pending:
+                prefix.clear()  # the block is done: its layers compute again
             # on the device: NCCL reduces GPU tensors only
             loss_t = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
             if layout.ranks_per_client > 1:
@@ -288,6 +311,9 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                           t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
                           t_aggregate=optimizer.last_times["combine"] - t_exchange,
                           bytes_sent=mixer.total_bytes_sent - sent, **memory_now(device))
+            if offload.enabled:
+                # the first step of a block also runs the layers below it for all the block's steps
+                record.update(t_prefix=t_prefix, bytes_streamed=offload.bytes_streamed - streamed)
             if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
                 record.update(evaluate_during_training(engine.module, task, opts, layout))
             if step == start:
