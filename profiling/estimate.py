@@ -49,12 +49,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transfer-dtype", choices=["master", "working"], default="master",
                    help="dtype of the exchanged block (master = exact)")
     p.add_argument("--variant", choices=["deca", "trivial_bma", "no_bma"], default="deca")
-    p.add_argument("--offload-keep", type=int, default=0,
-                   help="with offload frozen: top decoder layers kept resident (launch/train.py --offload-keep)")
+    p.add_argument("--offload-keep", type=int, nargs="+", default=[0], metavar="N",
+                   help="with offload frozen: top decoder layers kept resident (launch/train.py --offload-keep); "
+                        "several values: a row each")
     p.add_argument("--state-bits", type=int, choices=[32, 8], default=32,
                    help="8: the active block's m, v as bitsandbytes block-wise codes (DecaConfig.state_bits)")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation")
     p.add_argument("--steps-per-block", type=int, default=48, help="R, for the communication per round")
+    p.add_argument("--h2d-gbps", type=float, default=55.2,
+                   help="host-to-device copy rate (GB/s) for the offloaded copy time per step; default: pinned "
+                        "copies measured on the H100 machine of profiling/results/gpu_h100")
     p.add_argument("--deepspeed-allreduce", action="store_true",
                    help="count DeepSpeed's stage-0 gradient all-reduce buckets (runs with G > 1 ranks per client)")
     p.add_argument("--reserve-gib", type=float, default=1.0,
@@ -81,7 +85,7 @@ def gib(x: float) -> float:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from deca_ds.memory import GPUS, ModelSpec, estimate_memory
+    from deca_ds.memory import GPUS, ModelSpec, estimate_blocks
 
     specs = sorted((ModelSpec.from_config(c) for c in args.config), key=lambda s: s.total_params)
     reserve = int(args.reserve_gib * 2**30)
@@ -90,16 +94,19 @@ def run(args: argparse.Namespace) -> list[dict]:
         for lpb in args.layers_per_block:
             if not 1 <= lpb <= spec.num_layers:
                 raise SystemExit(f"--layers-per-block {lpb}: {spec.name} has {spec.num_layers} decoder layers")
-            for offload in args.offload:
-                est = estimate_memory(
+            for offload, keep in [(o, k) for o in args.offload for k in (args.offload_keep if o == "frozen" else [0])]:
+                blocks = estimate_blocks(
                     spec, lpb, working_dtype=args.working_dtype, master_dtype=args.master_dtype,
                     transfer_dtype=args.transfer_dtype, n_neighbors=args.neighbors, micro_batch=args.micro_batch,
                     seq_len=args.seq_len, loss_positions=args.loss_positions, checkpointing=args.checkpointing,
-                    offload=offload, variant=args.variant, state_bits=args.state_bits,
-                    offload_keep=args.offload_keep if offload == "frozen" else 0,
+                    offload=offload, variant=args.variant, state_bits=args.state_bits, offload_keep=keep,
                     attn_implementation=args.attn, steps_per_block=args.steps_per_block,
                     deepspeed_allreduce=args.deepspeed_allreduce)
+                est = max(blocks, key=lambda e: (e.peak, -e.block))  # estimate_memory: the round's peak
                 row = est.to_dict()
+                # what a step copies from host memory, on average over a round (every block R steps)
+                row["offload_stream_round"] = sum(e.offload_stream_block for e in blocks) / (len(blocks) * args.steps_per_block)
+                row["offload_copy_ms"] = 1e3 * row["offload_stream_round"] / (args.h2d_gbps * 1e9)
                 for gpu, capacity in GPUS.items():
                     row[f"capacity {gpu}"] = capacity
                     row[f"headroom {gpu}"] = est.headroom(gpu, reserve)
@@ -107,6 +114,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                 row["reserve"] = reserve
                 rows.append(row)
     return rows
+
+
+def setting(row: dict) -> str:
+    """The offload mode of a row, with the kept layers."""
+    return row["offload"] + (f", keep {row['offload_keep']}" if row["offload_keep"] else "")
 
 
 def _fit(row: dict, gpu: str) -> str:
@@ -119,14 +131,18 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
 
     cols = ["model", "params", "layers/block", "B", "offload", "weights (+buffers) GiB", "optimizer state GiB", "grad GiB",
             "activations GiB (approx.)", "peak GiB (estimated)", "peak phase", "paper M+10M/B GiB",
-            "D-Adam GiB (paper 9M / runtime)", "comm MB/step"] + [f"fits {g} (headroom GiB)" for g in GPUS]
+            "D-Adam GiB (paper 9M / runtime)", "comm MB/step", "streamed GB/step (copy ms)"] + [
+            f"fits {g} (headroom GiB)" for g in GPUS]
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [r["model"], f"{r['total_params'] / 1e9:.2f} B", str(r["layers_per_block"]), str(r["num_blocks"]),
-                 r["offload"], f"{gib(r['weights'] + r['offload_buffers']):.2f}", f"{gib(r['optimizer_state']):.2f}",
+                 setting(r),
+                 f"{gib(r['weights'] + r['offload_buffers']):.2f}", f"{gib(r['optimizer_state']):.2f}",
                  f"{gib(r['grad']):.2f}", f"~{gib(r['activations']):.2f}", f"{gib(r['peak']):.2f}", r["peak_phase"],
                  f"{gib(r['paper_deca']):.2f}", f"{gib(r['paper_dadam_9m']):.1f} / {gib(r['dadam_runtime']):.1f}",
-                 f"{r['comm_per_step'] / 1e6:.1f}"] + [_fit(r, g) for g in GPUS]
+                 f"{r['comm_per_step'] / 1e6:.1f}",
+                 f"{r['offload_stream_round'] / 1e9:.2f} ({r['offload_copy_ms']:.0f})" if r["offload"] == "frozen" else "—",
+                 ] + [_fit(r, g) for g in GPUS]
         lines.append("| " + " | ".join(cells) + " |")
     reserve = rows[0]["reserve"] / 2**30 if rows else args.reserve_gib
     lines += ["", "Notes", "",
@@ -143,6 +159,12 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
               "+ LM head + the active block + two streaming buffers of the largest layer (offload `frozen`; the decoder "
               "layers then live in host memory, see `host_weights` in the CSV).",
               "- optimizer state = master + m + v of the active block (exact: DecaOptimizer.state_bytes()).",
+              "- streamed (offload `frozen`): bytes of frozen layers a step copies from host memory, the mean over "
+              f"a round of R = {args.steps_per_block} steps per block (FrozenPrefix runs the layers below the active "
+              "block once per block; those above go up and down in every step; `offload_block_stream`, equal to "
+              f"the bytes counted in CPU runs), and the time that takes at {args.h2d_gbps:g} GB/s host-to-device. "
+              "With offloading a step takes about the longer of that and its compute (the copies run on a side "
+              "stream), plus what the overlap misses.",
               "- activations are APPROXIMATE: tensors autograd saves in a Llama-style layer (counted from "
               "transformers' LlamaDecoderLayer and checked against saved tensors on CPU), checkpointed layer "
               "inputs, one layer's recomputation and backward temporaries, or the loss's fp32 logits peak at "
@@ -177,18 +199,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         key = (r["model"], r["layers_per_block"])
         if key not in groups:
             groups.append(key)
-    offloads = list(dict.fromkeys(r["offload"] for r in rows))
+    offloads = list(dict.fromkeys(setting(r) for r in rows))
     width = 0.8 / len(offloads)
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(groups) + 3), 6.5))
-    colors = {"none": "tab:blue", "frozen": "tab:orange"}
     for j, off in enumerate(offloads):
         xs, ys = [], []
         for x, key in enumerate(groups):
             for r in rows:
-                if (r["model"], r["layers_per_block"]) == key and r["offload"] == off:
+                if (r["model"], r["layers_per_block"]) == key and setting(r) == off:
                     xs.append(x - 0.4 + width * (j + 0.5))
                     ys.append(gib(r["peak"]))
-        bars = ax.bar(xs, ys, width, label=f"estimated peak, offload {off}", color=colors.get(off))
+        bars = ax.bar(xs, ys, width, label=f"estimated peak, offload {off}", color=f"C{j}")
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
     paper = {}
     for r in rows:
@@ -229,7 +250,7 @@ def main(argv=None) -> int:
     meta["options"]["config"] = [_relative(c) for c in args.config]
     write_results(out, args.name, markdown=text, rows=rows, payload={"meta": meta, "rows": rows})
     plot(rows, out / f"{args.name}.png",
-         f"DECA per-client peak memory (estimated): {args.working_dtype} weights, {args.master_dtype} master, "
+         f"DECA per-client peak memory (estimated)\n{args.working_dtype} weights, {args.master_dtype} master, "
          f"micro-batch {args.micro_batch} × {args.seq_len}, checkpointing {'on' if args.checkpointing else 'off'}, "
          f"{args.neighbors} neighbours")
     print(f"wrote {out / args.name}.md, .csv, .json, .png")
