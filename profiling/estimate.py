@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from report import pyplot, write_results
+from report import pyplot, setting, write_results
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIGS = sorted(str(p) for p in (HERE / "configs").glob("*.json"))
@@ -114,11 +114,6 @@ def run(args: argparse.Namespace) -> list[dict]:
                 row["reserve"] = reserve
                 rows.append(row)
     return rows
-
-
-def setting(row: dict) -> str:
-    """The offload mode of a row, with the kept layers."""
-    return row["offload"] + (f", keep {row['offload_keep']}" if row["offload_keep"] else "")
 
 
 def _fit(row: dict, gpu: str) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 import runs
-from report import pyplot, write_results
+from report import pyplot, setting, write_results
 from runs import ROOT
 
 from deca_ds.memory import GiB, OFFLOAD_MODES, estimate_memory
@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=4, help="ranks on this machine (one client each)")
     p.add_argument("--layers-per-block", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--offload", nargs="+", choices=OFFLOAD_MODES, default=["none"])
+    p.add_argument("--offload-keep", type=int, nargs="+", default=[0], metavar="N",
+                   help="with offload frozen: top decoder layers kept resident (launch/train.py --offload-keep); "
+                        "a run for each")
     p.add_argument("--steps-per-block", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2, help="first steps of each client left out of the step time")
@@ -54,12 +57,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run(args, lpb: int, offload: str) -> Path:
+def run(args, lpb: int, offload: str, keep: int) -> Path:
     train_args = ["--ds_config", args.ds_config, "--layers-per-block", str(lpb), "--offload", offload,
+                  *(["--offload-keep", str(keep)] if keep else []),
                   "--steps-per-block", str(args.steps_per_block), "--rounds", str(args.rounds),
                   "--eval-limit", "16", "--no-export", *args.train_args]
-    return runs.train(train_args, args.ranks, Path(args.work_dir) / f"lpb{lpb}_{offload}", args.timeout,
-                      f"layers_per_block={lpb}, offload={offload}")
+    return runs.train(train_args, args.ranks, Path(args.work_dir) / f"lpb{lpb}_{offload}{keep or ''}", args.timeout,
+                      f"layers_per_block={lpb}, offload={offload}, keep={keep}")
 
 
 def estimate(run_config: dict) -> float | None:
@@ -116,8 +120,9 @@ def main(argv=None) -> dict:
     results = []
     for lpb in args.layers_per_block:
         for offload in args.offload:
-            results.append({"layers_per_block": lpb, "offload": offload,
-                            **measure(run(args, lpb, offload), args.warmup)})
+            for keep in args.offload_keep if offload == "frozen" else [0]:
+                results.append({"layers_per_block": lpb, "offload": offload, "offload_keep": keep,
+                                **measure(run(args, lpb, offload, keep), args.warmup)})
     by = {(r["layers_per_block"], r["offload"]): r for r in results}
     for r in results:
         resident = by.get((r["layers_per_block"], "none"))
@@ -147,7 +152,7 @@ def write(summary: dict, out: Path, name: str) -> None:
           "| measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms) | of which layers below, once "
           "per block (ms) | mixing + update (ms) | streamed (GB per step) | step / resident |",
           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    md += [f"| {r['layers_per_block']} | {r['offload']} | {r['micro_batch']} × {r['seq_len']} | {r['blocks']} | {r['steps']} | {r['peak_gib']:.2f} | "
+    md += [f"| {r['layers_per_block']} | {setting(r)} | {r['micro_batch']} × {r['seq_len']} | {r['blocks']} | {r['steps']} | {r['peak_gib']:.2f} | "
            f"{r['peak_gb']:.2f} | {_f(r['estimate_gib'], '.2f')} | {_f(r['measured_over_estimate'], '.3f')} | "
            f"{r['mean_gib']:.2f} | {r['setup_peak_gib']:.2f} | {r['step_ms']:.1f} | {r['prefix_ms']:.1f} | "
            f"{r['update_ms']:.1f} | {r['streamed_gb']:.3f} | {_f(r['step_over_resident'], '.2f')} |" for r in rows]
@@ -171,7 +176,7 @@ def write(summary: dict, out: Path, name: str) -> None:
     if any(r["estimate_gib"] is not None for r in rows):
         ax.scatter(x - 0.2, [r["estimate_gib"] or np.nan for r in rows], color="k", marker="_", s=400,
                    label="estimate", zorder=3)
-    ax.set_xticks(x, [f"{r['layers_per_block']}\n{r['offload']}" for r in rows])
+    ax.set_xticks(x, [f"{r['layers_per_block']}\n{setting(r)}" for r in rows])
     ax.set_xlabel("layers per block / offload")
     ax.set_ylabel(f"GiB ({rows[0]['kind']})")
     ax.set_title(f"DECA memory per client ({summary['device']})")

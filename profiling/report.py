@@ -26,3 +26,8 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def setting(row: dict) -> str:
+    """A result row's offload mode, with the decoder layers it keeps resident."""
+    return row["offload"] + (f", keep {row['offload_keep']}" if row.get("offload_keep") else "")
