@@ -314,7 +314,8 @@ class MemoryEstimate:
     x_plus: int  # x⁺ chunk = Σ w_ij x½_j: 0 when summed into an existing master-dtype buffer, else chunk × master bytes
     trivial_bma_extra: int  # variant trivial_bma: m_prev, v_prev (2 × the bytes of m)
     quant_transient: int  # state_bits=8: fp32 m, v and Adam result of the block's largest tensor
-    offload_buffers: int  # offload "frozen": two streaming buffers of the largest layer, working dtype
+    offload_buffers: int  # offload "frozen": two streaming buffers of the largest streamed layer (one if only
+    #                       one layer streams), working dtype
     offload_keep: int  # offload "frozen": top decoder layers kept resident (FrozenLayerOffload keep)
     offload_stream_block: int  # offload "frozen": bytes of frozen layers copied host -> device over
     #                            the block's R steps (offload_block_stream)
@@ -515,7 +516,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         resident = set(range(first, first + in_block)) | set(range(spec.num_layers - offload_keep, spec.num_layers))
         streamed = [k for k in range(spec.num_layers) if k not in resident]
         weights = (spec.non_layer_params + sum(spec.layer_params[k] for k in resident)) * w
-        offload_buffers = 2 * max(spec.layer_params) * w if streamed else 0
+        # the layer in use and the one prefetched; one when a single layer streams
+        offload_buffers = min(2, len(streamed)) * max(spec.layer_params[k] for k in streamed) * w if streamed else 0
         host_weights = spec.decoder_params * w
         prefix = not inputs_require_grad  # the runtime's FrozenPrefix caches what enters the block
         stream_block = offload_block_stream([spec.layer_params[k] * w for k in streamed if k < first],

@@ -33,7 +33,8 @@ import runs
 from report import pyplot, setting, write_results
 from runs import ROOT
 
-from deca_ds.memory import GiB, OFFLOAD_MODES, estimate_memory
+from deca_ds.memory import GiB, OFFLOAD_MODES
+from deca_ds.runtime.options import estimate_run
 
 
 def parse_args(argv=None):
@@ -72,14 +73,8 @@ def estimate(run_config: dict) -> float | None:
     if not opts["from_config"] and not Path(opts["model"]).is_dir():
         return None  # the built-in tiny model, or a hub id whose config is not here
     degree = max(len(neighbors) for neighbors in run_config["topology"]["neighbors"])
-    est = estimate_memory(
-        opts["model"], opts["layers_per_block"], working_dtype=opts["working_dtype"],
-        master_dtype=opts["master_dtype"], transfer_dtype="working" if opts["mix_dtype"] == "working" else "master",
-        n_neighbors=degree, micro_batch=opts["micro_batch"], seq_len=opts["max_seq_len"],
-        checkpointing="activation_checkpointing" in run_config["ds_config"], offload=opts["offload"],
-        offload_keep=opts["offload_keep"],
-        variant=opts["variant"], state_bits=opts["state_bits"], steps_per_block=opts["steps_per_block"],
-        deepspeed_allreduce=opts["ranks_per_client"] > 1, loss_positions=run_config["loss_positions_max"])
+    est = estimate_run(opts, opts["model"], run_config["ds_config"], n_neighbors=degree,
+                       loss_positions=run_config["loss_positions_max"])
     return est.peak / GiB
 
 

@@ -322,7 +322,28 @@ def test_offload_weights_and_streamed_bytes_with_kept_layers():
         # layer 0 below, the streamed ones above (the count itself: tests/test_prefix.py)
         assert est.offload_stream_block == offload_block_stream([layer * w], [layer * w] * len(above), 48)
         assert est.offload_stream == round(est.offload_stream_block / 48)
-        assert est.offload_buffers == 2 * layer * w
+        assert est.offload_buffers == min(2, 1 + len(above)) * layer * w  # one buffer when one layer streams
     assert estimate_block(spec, 1, 1, offload="frozen", offload_keep=4).offload_buffers == 0  # nothing streams
     with pytest.raises(ValueError, match="offload_keep"):
         estimate_block(spec, 1, 0, offload="frozen", offload_keep=5)
+
+
+def test_offload_budget_keeps_the_most_layers_that_fit():
+    from dataclasses import asdict
+
+    from deca_ds.runtime.options import estimate_run, offload_keep_for_budget, parse_args
+
+    config = CONFIGS / "llama-3.1-8b-instruct.json"
+    opts, ds = parse_args(["--ds_config", str(ROOT / "ds_configs" / "profile_bf16.json"), "--offload", "frozen",
+                           "--steps-per-block", "48", "--offload-budget", "1"])
+    options = asdict(opts)
+    peaks = [estimate_run(options, config, ds, n_neighbors=2, loss_positions=2, offload_keep=k).peak
+             for k in range(33)]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]  # every kept layer costs memory
+    for keep in (0, 5, 17, 32):
+        for budget in (peaks[keep], (peaks[keep] + peaks[keep + 1]) / 2 if keep < 32 else peaks[keep] * 2):
+            options["offload_budget"] = budget / 1e9
+            assert offload_keep_for_budget(options, config, ds, n_neighbors=2, loss_positions=2) == keep
+    options["offload_budget"] = peaks[0] / 1e9 * 0.99
+    with pytest.raises(ValueError, match="even with every frozen decoder layer offloaded"):
+        offload_keep_for_budget(options, config, ds, n_neighbors=2, loss_positions=2)

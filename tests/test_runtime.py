@@ -243,6 +243,11 @@ BAD_INPUTS = {
                                   "--offload frozen does not combine with eval_interval"),
     "offload_keep_without_offload": (lambda t: ["--offload-keep", "2"], "--offload-keep needs --offload frozen"),
     "offload_keep_beyond_layers": (lambda t: ["--offload", "frozen", "--offload-keep", "9"], "offload keep must be in"),
+    "offload_budget_without_offload": (lambda t: ["--offload-budget", "10"], "--offload-budget needs --offload frozen"),
+    "offload_budget_and_keep": (lambda t: ["--offload", "frozen", "--offload-budget", "10", "--offload-keep", "1"],
+                                "--offload-budget chooses --offload-keep"),
+    "offload_budget_too_small": (lambda t: ["--offload", "frozen", "--offload-budget", "0.0001"],
+                                 r"--offload-budget 0.0001 GB: even with every frozen decoder layer offloaded"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),
     "lora_dropout": (lambda t: ["--method", "decaf", "--lora-dropout", "1.5"], "lora dropout"),
 }

@@ -21,7 +21,7 @@ from ..blocks import Partition
 from ..config import VARIANTS, DecaConfig, parse_dtype
 from ..datasets import TASKS
 from ..methods import METHODS, AdamConfig, DAdam, DeCAF, Deca, DecAdapter, DecLoRA, Method
-from ..memory import OFFLOAD_MODES
+from ..memory import OFFLOAD_MODES, MemoryEstimate, ModelSpec, estimate_memory
 from ..methods.lora import DEFAULT_TARGETS
 from ..topology import TOPOLOGIES, WEIGHT_SCHEMES
 from .ds_engine import HONORED, load_ds_config
@@ -93,6 +93,9 @@ class RunOptions:
                         "them to the GPU layer by layer (no-op on CPU ranks)", choices=OFFLOAD_MODES)
     offload_keep: int = _opt(0, "with --offload frozen: the top N decoder layers stay on the GPU, never streamed "
                              "(N layers' memory for less copying per step)")
+    offload_budget: float = _opt(0.0, "with --offload frozen: keep as many top decoder layers on the GPU as fit "
+                                 "this many GB (1e9 B) of estimated peak device memory (deca_ds.memory; the CUDA "
+                                 "context comes on top); 0 = off, see --offload-keep")
     state_bits: int = _opt(32, "DECA: bits per value of the active block's m and v (8 = bitsandbytes block-wise, "
                            "extra [bnb])", choices=(32, 8))
     mix_dtype: str = _opt("master", "dtype exchanged between neighbors: 'master' (exact) or 'working'",
@@ -119,7 +122,8 @@ class RunOptions:
         for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints", "mix_every", "lora_rank", "adapter_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval", "offload_keep"):
+        for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval", "offload_keep",
+                     "offload_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("micro_batch", "grad_accum", "clients", "steps"):
@@ -147,8 +151,10 @@ class RunOptions:
             if clashes:
                 raise ValueError(f"--offload frozen does not combine with {', '.join(clashes)} "
                                  "(evaluate at the end only; offload is DECA's)")
-        elif self.offload_keep:
-            raise ValueError("--offload-keep needs --offload frozen")
+            if self.offload_budget and self.offload_keep:
+                raise ValueError("--offload-budget chooses --offload-keep: give one of them")
+        elif self.offload_keep or self.offload_budget:
+            raise ValueError(f"--offload-{'keep' if self.offload_keep else 'budget'} needs --offload frozen")
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
 
@@ -251,3 +257,33 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunOptions, dict]:
     opts.micro_batch = ds_config["train_micro_batch_size_per_gpu"]
     opts.grad_accum = ds_config["gradient_accumulation_steps"]
     return opts, ds_config
+
+
+def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: int, loss_positions: int,
+                 offload_keep: int | None = None) -> MemoryEstimate:
+    """deca_ds.memory's estimate of a round's peak for a DECA run with `options` (RunOptions as a dict,
+    micro-batch resolved) on the model of `model_config` (a config, its path, or a ModelSpec)."""
+    return estimate_memory(
+        model_config, options["layers_per_block"], working_dtype=options["working_dtype"],
+        master_dtype=options["master_dtype"],
+        transfer_dtype="working" if options["mix_dtype"] == "working" else "master",
+        n_neighbors=n_neighbors, micro_batch=options["micro_batch"], seq_len=options["max_seq_len"],
+        checkpointing="activation_checkpointing" in ds_config, offload=options["offload"],
+        offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
+        variant=options["variant"], state_bits=options["state_bits"], steps_per_block=options["steps_per_block"],
+        deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions)
+
+
+def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_neighbors: int,
+                            loss_positions: int) -> int:
+    """The most top decoder layers --offload frozen can keep resident within --offload-budget GB of
+    estimated peak."""
+    spec = ModelSpec.from_config(model_config)
+    budget = options["offload_budget"] * 1e9
+    peak = lambda keep: estimate_run(options, spec, ds_config, n_neighbors=n_neighbors,  # noqa: E731
+                                     loss_positions=loss_positions, offload_keep=keep).peak
+    fits = [keep for keep in range(spec.num_layers + 1) if peak(keep) <= budget]
+    if not fits:
+        raise ValueError(f"--offload-budget {options['offload_budget']:g} GB: even with every frozen decoder layer "
+                         f"offloaded the estimated peak is {peak(0) / 1e9:.2f} GB")
+    return max(fits)

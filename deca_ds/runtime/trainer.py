@@ -40,7 +40,7 @@ from .dist import (ClientGroups, ClientLayout, DistributedMixer, Heartbeat, Peer
                    init_process_group, local_device)
 from .ds_engine import ClientMPU, initialize
 from .metrics import MetricsWriter, plot_losses, read_metrics, summarize, summary_table
-from .options import RunOptions, parse_args
+from .options import RunOptions, offload_keep_for_budget, parse_args
 from .task import Task, build_task
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -169,14 +169,20 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
     return distance, model
 
 
+def loss_positions_max(opts: RunOptions, task: Task) -> int:
+    """The most positions the LM head runs at per micro-batch (models.causal_lm_loss: the union of the
+    rows' labelled positions)."""
+    return min(opts.max_seq_len, opts.micro_batch * max(
+        sum(label != -100 for label in f["labels"][1:]) for f in task.features))
+
+
 def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Topology, partition: Partition,
                      layout: ClientLayout, task: Task, trainable: int) -> None:
     resolved = {
         "options": asdict(opts), "ds_config": ds_config, "topology": topology.to_dict(),
         "method": opts.method, "trainable_params": trainable,
         # the most positions the LM head runs at per micro-batch (models.causal_lm_loss)
-        "loss_positions_max": min(opts.max_seq_len, opts.micro_batch * max(
-            sum(label != -100 for label in f["labels"][1:]) for f in task.features)),
+        "loss_positions_max": loss_positions_max(opts, task),
         "blocks": [asdict(b) for b in partition.blocks], "frozen": list(partition.frozen),
         "world_size": layout.world_size, "n_clients": layout.n_clients,
         "client_sizes": [len(ix) for ix in task.client_indices],
@@ -199,6 +205,13 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     task = build_task(opts, n_clients)
     model = build_model(opts, len(task.tokenizer))
     partition = model_partition(model, opts.deca_config())
+    if opts.offload_budget:
+        opts.offload_keep = offload_keep_for_budget(
+            asdict(opts), model.config, ds_config, loss_positions=loss_positions_max(opts, task),
+            n_neighbors=max(len(topology.neighbors(i)) for i in range(n_clients)))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"--offload-budget {opts.offload_budget:g} GB: keeping the top {opts.offload_keep} decoder layers "
+                  "on the device")
     check_keep(len(find_decoder_layers(model)[1]), opts.offload_keep)
     method = opts.build_method(partition)
     model = method.prepare(model)
