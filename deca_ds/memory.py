@@ -38,9 +38,13 @@ Phase model of one inner step (what is alive at once; the peak is the largest ph
                    is not the master's, and x⁺ summed into the first term's buffer (a new
                    master-dtype chunk when cast), then written over x½; bma_correct works in place)
 
-With offload "frozen", `weights` counts only the resident layers, and every phase also holds two
-streaming buffers and FrozenPrefix's hidden states (one per micro-batch of the block's R steps,
-held from the block's first step); `offload_stream` is what a step copies from host memory.
+With offload "frozen", `weights` counts only the resident layers and every phase also holds two
+streaming buffers; `offload_stream` is what a step copies from host memory. One more phase:
+
+    prefix         weights + offload_buffers + optimizer_state + prefix_cache + act_recompute
+                   (at a block's first step FrozenPrefix runs the layers below it for all R · grad_accum
+                   micro-batches of the block, layer by layer, with their hidden states on the device,
+                   then keeps them in host memory; one layer's recomputation bounds a no-grad forward)
 
 Not modelled: the CUDA context, cuBLAS workspaces and NCCL buffers (covered by the `reserve` of
 `fits`), allocator fragmentation, per-tensor temporaries (a single parameter tensor's worth,
@@ -321,7 +325,8 @@ class MemoryEstimate:
     #                            the block's R steps (offload_block_stream)
     offload_stream: int  # offload "frozen": the same per inner step, the mean over the block's R steps
     prefix_cache: int  # offload "frozen": the hidden states entering the active block, one per micro-batch
-    #                    of its R steps, and their input_ids (deca_ds.prefix.FrozenPrefix), at the first step
+    #                    of its R steps (deca_ds.prefix.FrozenPrefix), on the device while they are computed;
+    #                    host memory afterwards
     host_weights: int  # offload "frozen": decoder layers kept in (pinned) host memory, not on the GPU
 
     # ---- approximate terms (bytes)
@@ -357,8 +362,9 @@ class MemoryEstimate:
 
     @property
     def phases(self) -> dict[str, int]:
-        base = self.weights + self.offload_buffers + self.prefix_cache + self.optimizer_state
+        base = self.weights + self.offload_buffers + self.optimizer_state
         return {
+            "prefix": base + self.prefix_cache + self.act_recompute,
             "backward": base + self.grad + self.activations,
             "grad_allreduce": base + self.grad + self.grad_allreduce,
             "update": base + (self.grad + self.x_half if self.state_bits == 8 else max(self.grad, self.x_half))
@@ -448,7 +454,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
                    checkpointing: bool = True, offload: str = "none", variant: str = "deca",
                    attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
                    deepspeed_allreduce: bool = False, inputs_require_grad: bool = False,
-                   loss_positions: int | None = None, state_bits: int = 32, offload_keep: int = 0) -> MemoryEstimate:
+                   loss_positions: int | None = None, state_bits: int = 32, offload_keep: int = 0,
+                   grad_accum: int = 1) -> MemoryEstimate:
     """The estimate while block `block` of the default partition is active (see MemoryEstimate).
 
     deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets; the runtime runs
@@ -477,6 +484,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     if variant not in ("deca", "trivial_bma", "no_bma"):
         raise ValueError(f"variant must be deca, trivial_bma or no_bma, got {variant!r}")
     for name, value in (("n_neighbors", n_neighbors), ("micro_batch", micro_batch), ("seq_len", seq_len),
+                        ("grad_accum", grad_accum),
                         ("steps_per_block", steps_per_block), ("loss_positions", loss_positions or 1)):
         if value < (0 if name == "n_neighbors" else 1):
             raise ValueError(f"{name} must be >= {0 if name == 'n_neighbors' else 1}, got {value}")
@@ -524,7 +532,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
                                             [spec.layer_params[k] * w for k in streamed if k > first],
                                             steps_per_block, prefix)
         if prefix and first:
-            prefix_cache = steps_per_block * b * s * (h * w + 8)
+            prefix_cache = steps_per_block * grad_accum * b * s * h * w
 
     grad_allreduce = 0
     if deepspeed_allreduce:

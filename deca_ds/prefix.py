@@ -82,7 +82,9 @@ class FrozenPrefix:
         if not _same(rng, _rng_states()):
             _set_rng_states(rng)
             return self._disable("the decoder layers draw random numbers (dropout)")
-        self._queue.extend((b["input_ids"], h) for b, h in zip(batches, hidden))
+        # Kept in host memory until their step (pinned, copied back asynchronously): the device then
+        # holds them all only while this runs, not through the block's steps.
+        self._queue.extend((b["input_ids"].cpu(), _to_host(h)) for b, h in zip(batches, hidden))
         self._skip(first)
         return True
 
@@ -92,10 +94,11 @@ class FrozenPrefix:
             return
         if not self._queue:
             raise RuntimeError("no cached hidden state left for this micro-batch: fill() at the start of every block")
-        ids, self._current = self._queue.popleft()
-        if not torch.equal(ids, batch["input_ids"]):
+        ids, hidden = self._queue.popleft()
+        if not torch.equal(ids, batch["input_ids"].cpu()):
             raise RuntimeError("the micro-batch is not the one the cached hidden state was computed for: "
                                "the batches must come in the order given to fill()")
+        self._current = hidden.to(batch["input_ids"].device, non_blocking=True)
 
     def clear(self) -> None:
         """Every layer computes again; nothing is cached."""
@@ -157,6 +160,10 @@ class FrozenPrefix:
         self.enabled = False
         warnings.warn(f"the layers below the active block are computed in every step: {why}", stacklevel=3)
         return False
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
 
 def _tensors(call: list[tuple]):

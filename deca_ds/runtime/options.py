@@ -271,6 +271,7 @@ def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: i
         checkpointing="activation_checkpointing" in ds_config, offload=options["offload"],
         offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
         variant=options["variant"], state_bits=options["state_bits"], steps_per_block=options["steps_per_block"],
+        grad_accum=options["grad_accum"],
         deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions)
 
 
