@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="activation checkpointing of the decoder layers")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per step (with offload frozen, FrozenPrefix holds R × this many hidden states)")
     p.add_argument("--loss-positions", type=int, default=None,
                    help="positions per micro-batch the LM head runs at (labelled tokens; default: the whole sequence)")
     p.add_argument("--neighbors", type=int, default=2, help="neighbors per client, itself excluded (ring: 2)")
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     spec, lpb, working_dtype=args.working_dtype, master_dtype=args.master_dtype,
                     transfer_dtype=args.transfer_dtype, n_neighbors=args.neighbors, micro_batch=args.micro_batch,
                     seq_len=args.seq_len, loss_positions=args.loss_positions, checkpointing=args.checkpointing,
+                    grad_accum=args.grad_accum,
                     offload=offload, variant=args.variant, state_bits=args.state_bits, offload_keep=keep,
                     attn_implementation=args.attn, steps_per_block=args.steps_per_block,
                     deepspeed_allreduce=args.deepspeed_allreduce)
