@@ -1,0 +1,135 @@
+"""What DECA's update of one active block costs, against the memory traffic it cannot avoid.
+
+One client (x⁺ = x½ through the identity mixer, so no network), one block of a model built from
+its config: each step gets a fresh random gradient in the working dtype, then adam_half_step() and
+bma_correct() run and are timed (the device synchronized around each). In the same run a copy of
+an fp32 vector of the block's size is timed: one read and one write of 4 bytes per element, the
+yardstick. The update is a memory-bound stream over the block, so its time in copies says how many
+block-sized passes it makes, wherever it runs; the floor is what one fused pass must move:
+read g, x, m, v, write m, v, x½ (half step), read x, x⁺ (twice: ‖x − x⁺‖ first), m, v, write m, v,
+the weights (correction; x⁺ becomes x without a copy). Writes <out>/<name>.{md,csv,json}.
+
+    python profiling/update_cost.py                       # Qwen2-1.5B's block (46.8 M parameters)
+    python profiling/update_cost.py --config profiling/configs/llama-3.1-8b-instruct.json   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from deca_ds import DecaConfig, DecaOptimizer
+from deca_ds.config import parse_dtype
+from deca_ds.memory import load_config, meta_model
+from report import write_results
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python profiling/update_cost.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=str(HERE / "configs" / "qwen2-1.5b.json"), help="HF config (file or dir)")
+    p.add_argument("--working-dtype", choices=["fp32", "bf16"], default=None,
+                   help="default: bf16 on a GPU, fp32 on CPU (where bf16-to-fp32 arithmetic is not vectorized "
+                        "and would dominate)")
+    p.add_argument("--variants", nargs="+", default=["deca", "no_bma"], choices=["deca", "trivial_bma", "no_bma"])
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant, after --warmup")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--name", default="update_cost")
+    return p.parse_args(argv)
+
+
+def timed(fn, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t0, out
+
+
+def measure(args, variant: str) -> dict:
+    device = torch.device(args.device)
+    dtype = parse_dtype(args.working_dtype)
+    config = load_config(args.config)
+    with torch.device(device):
+        model = meta_model(config).to_empty(device=device).to(dtype)  # values do not matter, only sizes
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=10**6, rounds=1, variant=variant,
+                                          master_dtype=torch.float32))
+    params, n = opt.active.params, opt.active.master.numel()
+    gen = torch.Generator(device).manual_seed(0)
+    half, correct, copy = [], [], []
+    a, b = torch.randn(n, device=device, generator=gen), torch.empty(n, device=device)
+    for step in range(args.warmup + args.steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen).mul_(1e-3)
+        t_half, x_half = timed(opt.adam_half_step, device)
+        t_correct, _ = timed(lambda: opt.bma_correct(x_half), device)
+        t_copy, _ = timed(lambda: b.copy_(a), device)
+        if step >= args.warmup:
+            half.append(t_half)
+            correct.append(t_correct)
+            copy.append(t_copy)
+    w = torch.finfo(dtype).bits // 8
+    # bytes per element of one fused pass (module docstring): half step g, x, m, v in and m, v, x½ out;
+    # correction x, x⁺ twice, m, v in and m, v, the weights out (x⁺ kept as the new x)
+    floor = (w + 3 * 4 + 3 * 4) + (6 * 4 + 2 * 4 + w)
+    t_half, t_correct, t_copy = (1e3 * statistics.median(x) for x in (half, correct, copy))
+    return {"variant": variant, "block_params": n, "working_dtype": args.working_dtype,
+            "half_step_ms": t_half, "correct_ms": t_correct, "update_ms": t_half + t_correct,
+            "copy_ms": t_copy, "update_in_copies": (t_half + t_correct) / t_copy,
+            "floor_in_copies": floor / 8, "over_floor": (t_half + t_correct) / t_copy / (floor / 8),
+            "copy_gbps": 8 * n / (t_copy / 1e3) / 1e9}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    args.working_dtype = args.working_dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    rows = [measure(args, v) for v in args.variants]
+    cuda = args.device.startswith("cuda")
+    summary = {
+        "command": " ".join(["python profiling/update_cost.py", *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
+                                                             f"{torch.get_num_threads()} threads)",
+        "versions": {"torch": torch.__version__, "python": platform.python_version()}, "rows": rows,
+    }
+    md = [f"**DECA's update of one block, measured** on {summary['device']}, commit {summary['commit']}; "
+          f"command: `{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}.", "",
+          "| variant | block params | working | half step (ms) | correction (ms) | update (ms) | fp32 copy (ms) "
+          "| update in copies | fused floor in copies | update / floor |",
+          "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    md += [f"| {r['variant']} | {r['block_params']:,} | {r['working_dtype']} | {r['half_step_ms']:.2f} | "
+           f"{r['correct_ms']:.2f} | {r['update_ms']:.2f} | {r['copy_ms']:.3f} | {r['update_in_copies']:.1f} | "
+           f"{r['floor_in_copies']:.1f} | {r['over_floor']:.2f} |" for r in rows]
+    md += ["", "A copy reads and writes 4 bytes per element of the block (fp32); 'in copies' is a time divided "
+           "by the copy's, so it counts block-sized passes whatever the device. The floor is one fused pass "
+           "over what the update must read and write (module docstring). Medians of the timed steps."]
+    write_results(Path(args.out), args.name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
+    print("\n".join(md))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
