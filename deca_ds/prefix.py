@@ -11,8 +11,9 @@ only the layers above the active block (R = 48: 1/48 of the lower layers' bytes 
 
 Caching needs two things a check verifies at every fill, falling back to computing the layers in
 every step (with a warning, and nothing changed) where either fails: nothing trainable feeds the
-layers below (the embeddings, or an LM head tied to them, as the active block), and the layers
-draw no random numbers (dropout), which a different order of computation would hand out otherwise.
+layers below (the embeddings, or an LM head tied to them, as the active block: that block only),
+and the layers draw no random numbers (dropout, which a different order of computation would hand
+out otherwise: the rest of the run).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class FrozenPrefix:
         self._first = [min((layer_of[id(p)] for p in partition.params(model, b) if id(p) in layer_of),
                            default=len(self.layers)) for b in range(partition.num_blocks)]
         self.offload = offload
-        self.enabled = True
+        self.enabled = True  # False for the rest of the run once the layers are found to draw random numbers
+        self._uncached: set[int] = set()  # blocks whose layers below take a trainable input
         self._queue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # (input_ids, hidden state)
         self._current: torch.Tensor | None = None
         self._skipped = 0
@@ -69,7 +71,11 @@ class FrozenPrefix:
             return False
         calls = [self._record(model, first, batch) for batch in batches]
         if any(t.requires_grad for c in calls for t in _tensors(c)):
-            return self._disable(f"block {block} trains a tensor that feeds the layers below it")
+            if block not in self._uncached:
+                self._uncached.add(block)
+                warnings.warn(f"block {block} trains a tensor that feeds the layers below it: they are computed "
+                              "in every step while it trains", stacklevel=2)
+            return False
         rng = _rng_states()
         hidden = [c[0][0][0] for c in calls]  # the input of layer 0
         with torch.no_grad():

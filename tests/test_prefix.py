@@ -132,6 +132,25 @@ def test_lm_head_block_caches_every_decoder_layer():
         assert torch.equal(a, b), name
 
 
+def test_embeddings_block_computes_every_step_and_the_others_still_cache():
+    base = tiny_llama(layers=LAYERS, dtype=torch.float32)
+    config = DecaConfig(layers_per_block=1, steps_per_block=R, rounds=1, lr=1e-2, master_dtype=torch.float32,
+                        train_embeddings=True)
+    resident, cached = copy.deepcopy(base), copy.deepcopy(base)
+    expected, _ = train(resident, config=config)
+    with pytest.warns(UserWarning, match="feeds the layers below") as caught:
+        losses, per_block = train(cached, offload=True, prefix=True, config=config)
+    assert losses == expected and len(caught) == 1
+    for (name, a), b in zip(resident.named_parameters(), cached.parameters()):
+        assert torch.equal(a, b), name
+    # blocks: embeddings, then layers 0..3; layer k's block streams the layers below it once
+    spec = ModelSpec.from_config(base.config)
+    layer = spec.layer_params[0] * 4
+    for k in range(1, LAYERS):
+        below, above = [layer] * k, [layer] * (LAYERS - 1 - k)
+        assert per_block[k + 1] == offload_block_stream(below, above, R, prefix=True), k
+
+
 def test_dropout_falls_back_to_computing_every_step():
     base = tiny_llama(layers=LAYERS, dtype=torch.float32)
     for layer in base.model.layers:
@@ -152,11 +171,14 @@ def test_trainable_input_falls_back():
     opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1, rounds=1))
     prefix = FrozenPrefix(model, opt.partition)
     model.model.embed_tokens.weight.requires_grad_(True)
-    with pytest.warns(UserWarning, match="feeds the layers below"):
-        assert not prefix.fill(model, 2, client_batches(1, steps=2)[0])
-    assert not prefix.enabled and prefix.pending == 0
-    assert not any("forward" in vars(layer) for layer in model.model.layers)
-    prefix.next(client_batches(1, steps=1)[0][0])  # disabled: every layer computes, nothing to hand over
+    batches = client_batches(1, steps=2)[0]
+    with pytest.warns(UserWarning, match="block 2 trains a tensor that feeds the layers below"):
+        assert not prefix.fill(model, 2, batches)
+    assert prefix.pending == 0 and not any("forward" in vars(layer) for layer in model.model.layers)
+    prefix.next(batches[0])  # nothing cached: every layer computes, nothing to hand over
+    # only while that block trains: once the input is frozen again, the next block caches
+    model.model.embed_tokens.weight.requires_grad_(False)
+    assert prefix.enabled and prefix.fill(model, 3, batches) and prefix.pending == 2
 
 
 def test_batches_out_of_order_are_refused():
