@@ -40,6 +40,11 @@ def check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
     return betas
 
 
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 @dataclass
 class DecaConfig:
     """Algorithm 1's hyperparameters. Defaults are the paper's (classification tasks).
@@ -47,6 +52,8 @@ class DecaConfig:
     lr is γ, adam_betas (α1, α2), bma_betas (β1, β2), steps_per_block R, rounds T.
     state_bits: 32 (default) keeps the active block's m and v in master_dtype; 8 holds them in
     8 bits (deca_ds.quantized, the optional `bnb` extra), the master and the arithmetic stay fp32.
+    fused_update: run the update's elementwise math as torch.compile'd kernels, a few passes over
+    the block instead of one per op (compiled at the first step; deca_ds.decentralized.fused).
     """
 
     lr: float = 5e-5
@@ -67,6 +74,7 @@ class DecaConfig:
     train_lm_head: bool = False
     custom_blocks: list | None = field(default=None)
     state_bits: int = 32
+    fused_update: bool = False
 
     def __post_init__(self) -> None:
         from .blocks import BLOCK_ORDERS  # blocks imports torch only; kept local to avoid a cycle
@@ -99,6 +107,7 @@ class DecaConfig:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        check_bool("fused_update", self.fused_update)
 
     def to_dict(self) -> dict:
         out = asdict(self)

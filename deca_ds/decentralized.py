@@ -11,6 +11,7 @@ first half on every client, then the second with each client's view of the other
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -37,34 +38,71 @@ def clip_scale(params: Iterable[nn.Parameter], max_norm: float | None, dtype: to
     return min(1.0, max_norm / (total + 1e-6))
 
 
+def fused(fn: Callable) -> Callable:
+    """`fn` compiled by torch.compile into fused kernels: one pass over its tensors where eager
+    PyTorch makes one pass per op (profiling/update_cost.py counts them). Compiled on the first
+    call, for any length.
+
+    Python floats are compiled in as constants, each guarded, so a new value recompiles: torch
+    2.13's symbolic floats can reuse a stale value where one reaches an op's `alpha=`/`value=`
+    (pytorch/pytorch#194976, #197889), the form the in-place math here is written in. A scalar
+    that changes every step (bias correction, a scheduled lr) therefore enters as a 0-d tensor;
+    a run compiles each kernel once per dtype, and a process that trains under many
+    hyperparameters (the tests) may hold more versions than dynamo's default limit of 8."""
+    compiled = _compile(fn)
+
+    def call(*args):
+        with torch._dynamo.config.patch(specialize_float=True, recompile_limit=64):
+            return compiled(*args)
+    return call
+
+
+@functools.cache
+def _compile(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def kernel(fn: Callable, use_fused: bool) -> Callable:
+    return fused(fn) if use_fused else fn
+
+
+def _fold(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, a1: float, a2: float) -> None:
+    m.mul_(a1).add_(g, alpha=1 - a1)
+    v.mul_(a2).addcmul_(g, g, value=1 - a2)
+
+
 @torch.no_grad()
 def fold_gradient(params: Sequence[nn.Parameter], m: torch.Tensor, v: torch.Tensor,
-                  betas: tuple[float, float], scale: float = 1.0) -> None:
+                  betas: tuple[float, float], scale: float = 1.0, *, use_fused: bool = False) -> None:
     """m = α1·m + (1−α1)·g, v = α2·v + (1−α2)·g⊙g in place, then drop the gradients.
 
     The gradient is folded in tensor by tensor and widened inside the add: no full-size
     master-dtype copy of it is ever held."""
     a1, a2 = betas
+    fold = kernel(_fold, use_fused)
     for (p, m_p), (_, v_p) in zip(segments(params, m), segments(params, v)):
-        m_p.mul_(a1)
-        v_p.mul_(a2)
-        if p.grad is not None:
-            g = p.grad if scale == 1.0 else p.grad * scale
-            m_p.add_(g, alpha=1 - a1)
-            v_p.addcmul_(g, g, value=1 - a2)
+        if p.grad is None:
+            m_p.mul_(a1)
+            v_p.mul_(a2)
+        else:
+            fold(m_p.view(-1), v_p.view(-1), (p.grad if scale == 1.0 else p.grad * scale).reshape(-1), a1, a2)
         p.grad = None
+
+
+def _adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
+               eps: float, keep: torch.Tensor) -> torch.Tensor:
+    x_half = torch.div(v, bc2).sqrt_().add_(eps)  # √v̂ + ε, reused as x½
+    torch.div(m, x_half, out=x_half).mul_(neg_step)
+    return x_half.addcmul_(x, keep)
 
 
 @torch.no_grad()
 def adam_update(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, betas: tuple[float, float],
-                eps: float, t: int, weight_decay: float = 0.0) -> torch.Tensor:
-    """x½ = x − γ·m̂/(√v̂+ε) − γ·λ·x with bias corrections for t steps, in a new buffer."""
-    bc1, bc2 = 1 - betas[0] ** t, 1 - betas[1] ** t
-    x_half = torch.div(v, bc2).sqrt_().add_(eps)  # √v̂ + ε, reused as x½
-    torch.addcdiv(x, m, x_half, value=-lr / bc1, out=x_half)
-    if weight_decay:
-        x_half.add_(x, alpha=-lr * weight_decay)
-    return x_half
+                eps: float, t: int, weight_decay: float = 0.0, use_fused: bool = False) -> torch.Tensor:
+    """x½ = (1 − γ·λ)·x − γ/(1−α1^t) · m/(√(v/(1−α2^t)) + ε), in a new buffer."""
+    scalar = lambda value: torch.full((), value, dtype=x.dtype, device=x.device)  # noqa: E731
+    neg_step, bc2, keep = scalar(-lr / (1 - betas[0] ** t)), scalar(1 - betas[1] ** t), scalar(1 - lr * weight_decay)
+    return kernel(_adam_step, use_fused)(x, m, v, neg_step, bc2, eps, keep)
 
 
 @torch.no_grad()
@@ -74,8 +112,13 @@ def write_params(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
         p.copy_(x)
 
 
+# Options that choose how the update runs, not what it computes: a run may resume with either.
+EXECUTION_ONLY = ("fused_update",)
+
+
 def check_saved_config(saved: dict, current: dict, what: str) -> None:
     """Refuse optimizer state saved under other hyperparameters, naming each that differs."""
+    saved, current = ({k: v for k, v in d.items() if k not in EXECUTION_ONLY} for d in (saved, current))
     if saved != current:
         diff = {k: (saved.get(k), current.get(k)) for k in saved.keys() | current.keys()
                 if saved.get(k) != current.get(k)}

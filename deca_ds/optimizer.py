@@ -29,7 +29,7 @@ from torch import nn
 from .blocks import Partition, block_order, partition_model
 from .config import DecaConfig
 from .decentralized import (DecentralizedOptimizer, adam_update, check_saved_config, clip_scale, fold_gradient,
-                            segments, write_params)
+                            kernel, segments, write_params)
 from .mixing import IdentityMixer, Mixer
 from .quantized import QuantizedVector
 
@@ -179,10 +179,10 @@ class DecaOptimizer(DecentralizedOptimizer):
         scale = clip_scale(blk.params, cfg.grad_clip, cfg.master_dtype)
         # the bias corrections restart with every block (r + 1 steps)
         hyper = dict(lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps, t=self.step_in_block + 1,
-                     weight_decay=group["weight_decay"])
+                     weight_decay=group["weight_decay"], use_fused=cfg.fused_update)
         if cfg.state_bits == 8:
             return self._quantized_half_step(scale, hyper)
-        fold_gradient(blk.params, blk.m, blk.v, cfg.adam_betas, scale)
+        fold_gradient(blk.params, blk.m, blk.v, cfg.adam_betas, scale, use_fused=cfg.fused_update)
         # m, v now hold m½, v½
         return adam_update(blk.master, blk.m, blk.v, **hyper)
 
@@ -193,7 +193,7 @@ class DecaOptimizer(DecentralizedOptimizer):
         x_half = torch.empty_like(blk.master)
         for i, ((p, x), (_, out)) in enumerate(zip(blk.segments(blk.master), blk.segments(x_half))):
             m, v = blk.m.get(i), blk.v.get(i)
-            fold_gradient([p], m, v, self.config.adam_betas, scale)
+            fold_gradient([p], m, v, self.config.adam_betas, scale, use_fused=hyper["use_fused"])
             out.view(-1).copy_(adam_update(x.view(-1), m, v, **hyper))
             blk.m.put(i, m)
             blk.v.put(i, v)
@@ -202,40 +202,32 @@ class DecaOptimizer(DecentralizedOptimizer):
     @torch.no_grad()
     def bma_correct(self, x_plus: torch.Tensor) -> None:
         """Steps 6–8: discrepancy h, carried moments by variant, x = x⁺; then the next step."""
-        blk = self.active
-        (a1, a2), (b1, b2) = self.config.adam_betas, self.config.bma_betas
-        d = blk.master.sub_(x_plus)  # the master buffer holds d, then h, until x = x⁺ below
-        h = d.div_(torch.linalg.vector_norm(d).clamp_min(torch.finfo(d.dtype).tiny))  # h = 0 if d = 0
-        variant = self.config.variant
-        if self.config.state_bits == 8:
-            if variant != "no_bma":
-                self._quantized_correct(h)
-        elif variant == "deca":
-            blk.m.mul_(b1).add_(h, alpha=1 - b1)
-            blk.v.mul_(b2).addcmul_(h, h, value=1 - b2)
-        elif variant == "trivial_bma":
-            blk.m = self._m_prev.mul_(a1).add_(h, alpha=1 - a1)
-            blk.v = self._v_prev.mul_(a2).addcmul_(h, h, value=1 - a2)
+        blk, cfg = self.active, self.config
+        if cfg.variant == "trivial_bma":  # from the moments before this step's gradient
+            (c1, c2), blk.m, blk.v = cfg.adam_betas, self._m_prev, self._v_prev
             del self._m_prev, self._v_prev
-        blk.master.copy_(x_plus)
+        else:
+            c1, c2 = cfg.bma_betas
+        if cfg.variant == "no_bma":
+            blk.master.copy_(x_plus)
+        elif cfg.state_bits == 8:
+            self._quantized_correct(discrepancy_(blk.master, x_plus), c1, c2)
+            blk.master.copy_(x_plus)
+        else:
+            kernel(carry_moments_, cfg.fused_update)(blk.master, x_plus, blk.m, blk.v, c1, c2)
         write_params(blk.params, blk.master)
-        # Drop this frame's references to the block's state first: at the end of a block _advance
+        # Drop this frame's reference to the block's state first: at the end of a block _advance
         # allocates the next block's master, m, v, and the finished block's must be free by then.
-        del blk, d, h
+        del blk
         self._advance()
 
-    def _quantized_correct(self, h: torch.Tensor) -> None:
-        """Step 7 of deca / trivial_bma on 8-bit moments, tensor by tensor, into blk.m, blk.v."""
+    def _quantized_correct(self, h: torch.Tensor, c1: float, c2: float) -> None:
+        """Step 7 of deca / trivial_bma on 8-bit moments, tensor by tensor."""
         blk = self.active
-        if self.config.variant == "deca":
-            (c1, c2), m, v = self.config.bma_betas, blk.m, blk.v
-        else:  # trivial_bma: from the moments before this step's gradient
-            (c1, c2), m, v = self.config.adam_betas, self._m_prev, self._v_prev
-            del self._m_prev, self._v_prev
         for i, (_, h_i) in enumerate(blk.segments(h)):
             h_i = h_i.view(-1)
-            blk.m.put(i, m.get(i).mul_(c1).add_(h_i, alpha=1 - c1))
-            blk.v.put(i, v.get(i).mul_(c2).addcmul_(h_i, h_i, value=1 - c2))
+            blk.m.put(i, blk.m.get(i).mul_(c1).add_(h_i, alpha=1 - c1))
+            blk.v.put(i, blk.v.get(i).mul_(c2).addcmul_(h_i, h_i, value=1 - c2))
 
     def local_step(self) -> torch.Tensor:
         return self.adam_half_step()
@@ -270,6 +262,22 @@ class DecaOptimizer(DecentralizedOptimizer):
                 raise ValueError(f"checkpoint's active block {state['block']} is not block {expected} "
                                  f"of round {self.round}, position {self.position}")
             self._activate(state["block"], restored=state)
+
+
+def discrepancy_(x: torch.Tensor, x_plus: torch.Tensor) -> torch.Tensor:
+    """h = (x − x⁺)/‖x − x⁺‖ over the whole block, written into x (h = 0 where x = x⁺)."""
+    d = x.sub_(x_plus)
+    return d.div_(torch.linalg.vector_norm(d).clamp_min(torch.finfo(d.dtype).tiny))
+
+
+def carry_moments_(x: torch.Tensor, x_plus: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                   c1: float, c2: float) -> None:
+    """m = c1·m + (1−c1)·h, v = c2·v + (1−c2)·h⊙h, then x = x⁺; x holds h meanwhile, so no
+    block-sized buffer is allocated."""
+    h = discrepancy_(x, x_plus)
+    m.mul_(c1).add_(h, alpha=1 - c1)
+    v.mul_(c2).addcmul_(h, h, value=1 - c2)
+    x.copy_(x_plus)
 
 
 def _copy(moment: torch.Tensor | QuantizedVector):

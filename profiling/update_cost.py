@@ -2,7 +2,8 @@
 
 One client (x⁺ = x½ through the identity mixer, so no network), one block of a model built from
 its config: each step gets a fresh random gradient in the working dtype, then adam_half_step() and
-bma_correct() run and are timed (the device synchronized around each). In the same run a copy of
+bma_correct() run and are timed, with PyTorch's eager ops and with the fused kernels of
+`fused_update` (torch.compile; compiled in the warm-up steps) (the device synchronized around each). In the same run a copy of
 an fp32 vector of the block's size is timed: one read and one write of 4 bytes per element, the
 yardstick. The update is a memory-bound stream over the block, so its time in copies says how many
 block-sized passes it makes, wherever it runs; the floor is what one fused pass must move:
@@ -42,6 +43,8 @@ def parse_args(argv=None):
                    help="default: bf16 on a GPU, fp32 on CPU (where bf16-to-fp32 arithmetic is not vectorized "
                         "and would dominate)")
     p.add_argument("--variants", nargs="+", default=["deca", "no_bma"], choices=["deca", "trivial_bma", "no_bma"])
+    p.add_argument("--updates", nargs="+", default=["eager", "fused"], choices=["eager", "fused"],
+                   help="eager PyTorch ops, or DecaConfig(fused_update=True)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant, after --warmup")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -59,7 +62,7 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0, out
 
 
-def measure(args, variant: str) -> dict:
+def measure(args, variant: str, update: str) -> dict:
     device = torch.device(args.device)
     dtype = parse_dtype(args.working_dtype)
     config = load_config(args.config)
@@ -68,7 +71,7 @@ def measure(args, variant: str) -> dict:
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=10**6, rounds=1, variant=variant,
-                                          master_dtype=torch.float32))
+                                          master_dtype=torch.float32, fused_update=update == "fused"))
     params, n = opt.active.params, opt.active.master.numel()
     gen = torch.Generator(device).manual_seed(0)
     half, correct, copy = [], [], []
@@ -88,7 +91,7 @@ def measure(args, variant: str) -> dict:
     # correction x, x⁺ twice, m, v in and m, v, the weights out (x⁺ kept as the new x)
     floor = (w + 3 * 4 + 3 * 4) + (6 * 4 + 2 * 4 + w)
     t_half, t_correct, t_copy = (1e3 * statistics.median(x) for x in (half, correct, copy))
-    return {"variant": variant, "block_params": n, "working_dtype": args.working_dtype,
+    return {"variant": variant, "update": update, "block_params": n, "working_dtype": args.working_dtype,
             "half_step_ms": t_half, "correct_ms": t_correct, "update_ms": t_half + t_correct,
             "copy_ms": t_copy, "update_in_copies": (t_half + t_correct) / t_copy,
             "floor_in_copies": floor / 8, "over_floor": (t_half + t_correct) / t_copy / (floor / 8),
@@ -106,7 +109,7 @@ def commit() -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     args.working_dtype = args.working_dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
-    rows = [measure(args, v) for v in args.variants]
+    rows = [measure(args, v, u) for v in args.variants for u in args.updates]
     cuda = args.device.startswith("cuda")
     summary = {
         "command": " ".join(["python profiling/update_cost.py", *(sys.argv[1:] if argv is None else argv)]),
@@ -117,10 +120,10 @@ def main(argv=None) -> dict:
     }
     md = [f"**DECA's update of one block, measured** on {summary['device']}, commit {summary['commit']}; "
           f"command: `{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}.", "",
-          "| variant | block params | working | half step (ms) | correction (ms) | update (ms) | fp32 copy (ms) "
+          "| variant | update | block params | working | half step (ms) | correction (ms) | update (ms) | fp32 copy (ms) "
           "| update in copies | fused floor in copies | update / floor |",
-          "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    md += [f"| {r['variant']} | {r['block_params']:,} | {r['working_dtype']} | {r['half_step_ms']:.2f} | "
+          "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    md += [f"| {r['variant']} | {r['update']} | {r['block_params']:,} | {r['working_dtype']} | {r['half_step_ms']:.2f} | "
            f"{r['correct_ms']:.2f} | {r['update_ms']:.2f} | {r['copy_ms']:.3f} | {r['update_in_copies']:.1f} | "
            f"{r['floor_in_copies']:.1f} | {r['over_floor']:.2f} |" for r in rows]
     md += ["", "A copy reads and writes 4 bytes per element of the block (fp32); 'in copies' is a time divided "

@@ -350,7 +350,8 @@ def test_offload_budget_keeps_the_most_layers_that_fit():
 
 
 def test_update_cost_tool(tmp_path):
-    """profiling/update_cost.py times the update of one block against a copy pass and writes its tables."""
+    """profiling/update_cost.py times the update of one block, eager and fused, against a copy pass
+    and writes its tables."""
     tiny_llama(layers=2).config.to_json_file(tmp_path / "config.json")
     done = subprocess.run([sys.executable, str(ROOT / "profiling" / "update_cost.py"), "--config", str(tmp_path),
                            "--steps", "2", "--warmup", "1", "--variants", "deca", "no_bma", "--out", str(tmp_path / "out")],
@@ -358,9 +359,12 @@ def test_update_cost_tool(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "update_cost.json").read_text())
     layer = sum(p.numel() for p in tiny_llama(layers=2).model.layers[0].parameters())
-    for row, variant in zip(summary["rows"], ("deca", "no_bma")):
-        assert row["variant"] == variant and row["block_params"] == layer and row["working_dtype"] == "fp32"
+    runs = [(v, u) for v in ("deca", "no_bma") for u in ("eager", "fused")]
+    assert [(row["variant"], row["update"]) for row in summary["rows"]] == runs
+    for row in summary["rows"]:
+        assert row["block_params"] == layer and row["working_dtype"] == "fp32"
         assert row["update_ms"] == pytest.approx(row["half_step_ms"] + row["correct_ms"]) and row["copy_ms"] > 0
         assert row["update_in_copies"] == pytest.approx(row["update_ms"] / row["copy_ms"])
         assert row["floor_in_copies"] == (4 + 24 + 32 + 4) / 8  # fp32: g, x, m, v, x½ | x, x⁺ twice, m, v, weights
-    assert (tmp_path / "out" / "update_cost.md").read_text().count("\n| deca |") == 1
+    md = (tmp_path / "out" / "update_cost.md").read_text()
+    assert md.count("\n| deca | eager |") == 1 and md.count("\n| no_bma | fused |") == 1

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..blocks import partition_model
-from ..config import check_betas, check_master_dtype
+from ..config import check_betas, check_bool, check_master_dtype
 from ..decentralized import (DecentralizedOptimizer, adam_update, check_saved_config, clip_scale, fold_gradient,
                              segments, write_params)
 from ..mixing import IdentityMixer, Mixer
@@ -37,6 +37,7 @@ class AdamConfig:
     mix_every: int = 1  # K: mix after every K-th local step
     master_dtype: torch.dtype = torch.float32
     grad_clip: float | None = None
+    fused_update: bool = False  # as DecaConfig's: the local Adam step as torch.compile'd kernels
 
     def __post_init__(self) -> None:
         for name in ("steps", "mix_every"):
@@ -53,6 +54,7 @@ class AdamConfig:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
         self.adam_betas = check_betas("adam_betas", self.adam_betas)
         self.master_dtype = check_master_dtype(self.master_dtype)
+        check_bool("fused_update", self.fused_update)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "master_dtype": str(self.master_dtype).removeprefix("torch.")}
@@ -105,9 +107,9 @@ class MixedAdam(DecentralizedOptimizer):
             raise RuntimeError(f"all {self.total_steps} steps are done")
         cfg, group = self.config, self.param_groups[0]
         fold_gradient(self.params, self.m, self.v, cfg.adam_betas,
-                      clip_scale(self.params, cfg.grad_clip, cfg.master_dtype))
+                      clip_scale(self.params, cfg.grad_clip, cfg.master_dtype), use_fused=cfg.fused_update)
         return adam_update(self.master, self.m, self.v, lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps,
-                           t=self.t + 1, weight_decay=group["weight_decay"])
+                           t=self.t + 1, weight_decay=group["weight_decay"], use_fused=cfg.fused_update)
 
     @torch.no_grad()
     def combine(self, mixer: Mixer, payload: torch.Tensor) -> None:

@@ -98,6 +98,8 @@ class RunOptions:
                                  "context comes on top); 0 = off, see --offload-keep")
     state_bits: int = _opt(32, "DECA: bits per value of the active block's m and v (8 = bitsandbytes block-wise, "
                            "extra [bnb])", choices=(32, 8))
+    fused_update: bool = _opt(False, "run the optimizer update (DECA's and the baselines' Adam) as torch.compile'd "
+                              "fused kernels: fewer passes over the block; compiles at the first step")
     mix_dtype: str = _opt("master", "dtype exchanged between neighbors: 'master' (exact) or 'working'",
                           choices=("master", "working"))
     # batch (override the preset's DeepSpeed keys)
@@ -165,7 +167,7 @@ class RunOptions:
             return Deca(config, partition)
         adam = AdamConfig(steps=self.steps or config.rounds * partition.num_blocks * config.steps_per_block,
                           lr=self.lr, adam_betas=self.adam_betas, eps=self.eps, mix_every=self.mix_every,
-                          master_dtype=config.master_dtype)
+                          master_dtype=config.master_dtype, fused_update=self.fused_update)
         if self.method == "dadam":
             return DAdam(adam)
         if self.method == "dec_adapter":
@@ -180,6 +182,7 @@ class RunOptions:
             steps_per_block=self.steps_per_block, rounds=self.rounds,
             layers_per_block=self.layers_per_block, variant=self.variant, block_order=self.block_order,
             seed=self.seed, master_dtype=parse_dtype(self.master_dtype), state_bits=self.state_bits,
+            fused_update=self.fused_update,
         )
 
 

@@ -1,0 +1,135 @@
+"""fused_update: the optimizers' elementwise math as torch.compile'd kernels.
+
+The fused run is checked against the independent float64 re-derivation of Algorithm 1 (the same
+bound as the eager run), against the eager run in fp32 with bf16 working weights, for compiling
+once however t, lr and tensor sizes change, and for D-Adam.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
+from deca_ds.decentralized import fused
+from deca_ds.methods import AdamConfig, DAdam
+from deca_ds.optimizer import carry_moments_
+from helpers import client_batches, tiny_llama
+from test_simulator_exact import LAYERS, LPB, N, R, T, reference_deca, relative_update_error
+
+
+@pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])
+def test_fused_simulator_matches_float64_reference(variant):
+    W = make_topology("ring", N).W
+    cfg = DecaConfig(lr=1e-3, bma_betas=(0.3, 0.333), steps_per_block=R, rounds=T, layers_per_block=LPB,
+                     variant=variant, master_dtype=torch.float64, fused_update=True)
+    model = tiny_llama(LAYERS)
+    batches = client_batches(N, steps=T * 2 * R)
+    got = simulate(model, batches, W, cfg)
+    init, want = reference_deca(model, batches, W, cfg)
+    for i in range(N):
+        assert relative_update_error(init, got[i], want[i]) <= 1e-10
+
+
+def train(model, cfg: DecaConfig, batches, lrs=None) -> DecaOptimizer:
+    opt = DecaOptimizer(model, cfg)
+    for step, batch in enumerate(batches):
+        if lrs is not None:
+            opt.param_groups[opt.active.index]["lr"] = lrs[step]
+        model(**batch).loss.backward()
+        opt.step()
+    return opt
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to a few fp32 roundings of the tensor's scale (elements near 0 come from cancellation)."""
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=8 * torch.finfo(torch.float32).eps * want.abs().max().item())
+
+
+@pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])
+def test_fused_step_equals_eager_in_fp32_with_bf16_weights(variant):
+    """Each phase from identical inputs: the same gradients, state and x⁺ every step. (Otherwise
+    d = x − x⁺, a difference of nearly equal numbers, turns the paths' last-bit differences into
+    relative differences of h, and bf16 weights one rounding apart give different gradients.)"""
+    base = tiny_llama(layers=2, dtype=torch.bfloat16)
+    cfg = dict(lr=1e-3, steps_per_block=3, rounds=1, layers_per_block=1, variant=variant,
+               weight_decay=0.01, grad_clip=0.5)
+    eager, fused = copy.deepcopy(base), copy.deepcopy(base)
+    opts = DecaOptimizer(eager, DecaConfig(**cfg)), DecaOptimizer(fused, DecaConfig(**cfg, fused_update=True))
+    state = lambda opt: [getattr(opt.active, k) for k in ("master", "m", "v")]  # noqa: E731
+    for batch in client_batches(1, steps=6)[0]:
+        eager(**batch).loss.backward()
+        for p, q in zip(opts[0].active.params, opts[1].active.params):
+            q.grad = p.grad.clone()
+        want, got = (opt.local_step() for opt in opts)
+        for g, w in zip([got, *state(opts[1])[1:]], [want, *state(opts[0])[1:]]):  # x½, m½, v½
+            close(g, w)
+        opts[0].combine(opts[0].mixer, want)
+        opts[1].combine(opts[1].mixer, want.clone())
+        if not opts[0].done:
+            for g, w in zip(state(opts[1]), state(opts[0])):  # x = x⁺, carried m, v
+                close(g, w)
+                g.copy_(w)
+    for (n, a), b, c in zip(eager.named_parameters(), fused.parameters(), base.parameters()):
+        assert torch.equal(b, a), n
+        assert torch.equal(a, c) != n.startswith("model.layers."), n  # both blocks moved, nothing else
+
+
+def test_fused_kernels_compile_once_whatever_t_lr_and_sizes():
+    """Bias corrections change every step and a schedule changes lr: neither may recompile."""
+    cfg = DecaConfig(lr=1e-3, steps_per_block=3, rounds=1, layers_per_block=1, weight_decay=0.1,
+                     fused_update=True, bma_betas=(0.5, 0.6), adam_betas=(0.8, 0.9))
+    batches = client_batches(1, steps=6, seed=7)[0]
+    model = tiny_llama(layers=2, dtype=torch.float32)
+    opt = DecaOptimizer(model, cfg)
+    model(**batches[0]).loss.backward()
+    opt.step()  # compiles
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step, batch in enumerate(batches[1:], start=1):
+            opt.param_groups[opt.active.index]["lr"] = 1e-3 / step
+            model(**batch).loss.backward()
+            opt.step()
+    assert opt.done
+
+
+def test_fused_dadam_equals_eager():
+    base = tiny_llama(layers=2, dtype=torch.float32)
+    batches = client_batches(2, steps=4)
+    W = make_topology("ring", 2).W
+    runs = [simulate(base, batches, W, DAdam(AdamConfig(steps=4, lr=1e-2, weight_decay=0.05, fused_update=f)))
+            for f in (False, True)]
+    for name, p in runs[0][0].items():
+        torch.testing.assert_close(runs[1][0][name], p, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(runs[0][0]["model.layers.0.mlp.up_proj.weight"],
+                           base.state_dict()["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_resume_across_the_fused_flag_is_allowed_and_other_changes_are_not():
+    model = tiny_llama(layers=2)
+    cfg = dict(lr=1e-3, steps_per_block=2, rounds=1, layers_per_block=1, master_dtype=torch.float64)
+    state = DecaOptimizer(copy.deepcopy(model), DecaConfig(**cfg)).state_dict()
+    DecaOptimizer(copy.deepcopy(model), DecaConfig(**cfg, fused_update=True)).load_state_dict(state)
+    with pytest.raises(ValueError, match="lr"):
+        DecaOptimizer(copy.deepcopy(model), DecaConfig(**{**cfg, "lr": 2e-3})).load_state_dict(state)
+
+
+@pytest.mark.parametrize("make", [lambda: DecaConfig(fused_update="yes"),
+                                  lambda: AdamConfig(steps=1, fused_update=1)])
+def test_fused_flag_must_be_a_bool(make):
+    with pytest.raises(ValueError, match="fused_update must be True or False"):
+        make()
+
+
+def test_fused_kernel_takes_each_call_s_constants():
+    """torch 2.13 can compile a float that reaches `alpha=` as a stale constant (pytorch#194976):
+    the same kernel called with other betas must use them."""
+    g = torch.Generator().manual_seed(0)
+    for c1, c2 in ((0.3, 0.333), (0.9, 0.999), (0.3, 0.333), (1.0, 1.0)):
+        x, x_plus, m, v = (torch.randn(100, generator=g) for _ in range(4))
+        v.abs_()
+        want = [t.clone() for t in (x, x_plus, m, v)]
+        got = [t.clone() for t in (x, x_plus, m, v)]
+        carry_moments_(*want, c1, c2)
+        fused(carry_moments_)(*got, c1, c2)
+        for a, b in zip(got, want):
+            close(a, b)
