@@ -29,6 +29,8 @@ from report import pyplot, write_results
 from runs import ROOT
 
 METHODS = ("deca", "dadam", "dec_lora", "dec_adapter", "decaf")
+# the optimizers' update: (suffix of run directories and ratio keys, suffix of method labels)
+UPDATES = {"eager": ("", ""), "fused": ("_fused", " (fused)")}
 LABELS = {"deca": "DECA", "dadam": "D-Adam", "dec_lora": "Dec-LoRA", "dec_adapter": "Dec-Adapter", "decaf": "DeCAF"}
 
 
@@ -37,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "cpu_demo.json"))
     p.add_argument("--ranks", type=int, default=4, help="ranks on this machine (one client each)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--updates", nargs="+", default=["eager"], choices=["eager", "fused"],
+                   help="the optimizers' update: PyTorch's eager ops, or --fused-update (torch.compile'd kernels; "
+                        "compiled in the warm-up steps); every method runs once per choice")
     p.add_argument("--steps-per-block", type=int, default=8, help="DECA's R; the baselines take as many steps")
     p.add_argument("--warmup", type=int, default=3, help="first steps of each client left out of the medians")
     p.add_argument("--work-dir", default="/tmp/deca_profile_resources", help="where the runs' outputs go")
@@ -72,20 +77,28 @@ def measure(out: Path, warmup: int) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     results = []
-    for method in args.methods:
-        train_args = ["--ds_config", args.ds_config, "--method", method, "--rounds", "1",
-                      "--steps-per-block", str(args.steps_per_block), "--eval-limit", "16",
-                      "--consensus-interval", "0", *args.train_args]
-        out = runs.train(train_args, args.ranks, Path(args.work_dir) / method, args.timeout, method)
-        results.append({"method": LABELS[method], **measure(out, args.warmup)})
+    for update in args.updates:
+        tag, label = UPDATES[update]
+        for method in args.methods:
+            train_args = ["--ds_config", args.ds_config, "--method", method, "--rounds", "1",
+                          "--steps-per-block", str(args.steps_per_block), "--eval-limit", "16",
+                          "--consensus-interval", "0", *(["--fused-update"] if update == "fused" else []),
+                          *args.train_args]
+            out = runs.train(train_args, args.ranks, Path(args.work_dir) / (method + tag), args.timeout, method + tag)
+            results.append({"method": LABELS[method] + label, "update": update, **measure(out, args.warmup)})
     by = {r["method"]: r for r in results}
     ratios = {}
-    if "DECA" in by:
-        deca = by["DECA"]
-        ratios["deca_agg_up_share_of_step"] = deca["agg_up_ms"] / deca["step_ms"]
+    for update in args.updates:
+        tag, label = UPDATES[update]
+        deca = by.get("DECA" + label)
+        if deca is None:
+            continue
+        ratios[f"deca{tag}_agg_up_share_of_step"] = deca["agg_up_ms"] / deca["step_ms"]
         for name in ("D-Adam", "Dec-LoRA", "Dec-Adapter", "DeCAF"):
-            if name in by:
-                ratios[f"deca_step_over_{name}"] = deca["step_ms"] / by[name]["step_ms"]
+            if name + label in by:
+                ratios[f"deca{tag}_step_over_{name}{tag}"] = deca["step_ms"] / by[name + label]["step_ms"]
+    if {"DECA", "DECA (fused)"} <= by.keys():
+        ratios["deca_fused_agg_up_over_eager"] = by["DECA (fused)"]["agg_up_ms"] / by["DECA"]["agg_up_ms"]
     cuda = torch.cuda.is_available()
     summary = {
         "command": " ".join(["python profiling/profile_resources.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -302,13 +302,15 @@ def pad_cat(a: dict, b: dict, pad_id: int) -> dict:
 
 def test_ranks_per_client_do_data_parallelism_inside_the_client(tmp_path):
     """2 clients × G=2 ranks: each client's step uses the mean gradient of two micro-batches, one
-    per rank, which is the simulator fed the two micro-batches as one batch."""
+    per rank, which is the simulator fed the two micro-batches as one batch. Both run the fused
+    update (the reference run above covers the eager one)."""
     out = tmp_path / "run"
     args = [*RUN, "--output-dir", str(out), "--ranks-per-client", "2", "--checkpoint-interval", "0",
-            "--rounds", "1"]
+            "--rounds", "1", "--fused-update"]
     procs = start_ranks(args, 4, tmp_path / "logs")
     assert wait_all(procs, timeout=300) == [0] * 4, (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
     opts, _ = parse_args(args)
+    assert json.loads((out / "run_config.json").read_text())["options"]["fused_update"] is True
     task = trainer.build_task(opts, 2)
     model = trainer.build_model(opts, len(task.tokenizer))
     pad = task.tokenizer.pad_token_id
@@ -337,7 +339,7 @@ def test_ranks_per_client_do_data_parallelism_inside_the_client(tmp_path):
 def test_bf16_working_weights_with_working_dtype_mixing(tmp_path):
     out = tmp_path / "run"
     args = [*RUN, "--output-dir", str(out), "--working-dtype", "bf16", "--mix-dtype", "working",
-            "--checkpoint-interval", "0", "--steps-per-block", "10", "--tensorboard"]
+            "--checkpoint-interval", "0", "--steps-per-block", "10", "--tensorboard", "--fused-update"]
     procs = start_ranks(args, 2, tmp_path / "logs")
     assert wait_all(procs, timeout=300) == [0, 0], (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
     consensus = AutoModelForCausalLM.from_pretrained(out / "consensus")
@@ -498,25 +500,31 @@ def test_offload_with_ranks_per_client_and_accumulation_equals_resident(tmp_path
 
 
 def test_profile_resources_tool(tmp_path):
-    """profiling/profile_resources.py trains each method on the same ranks and reports Table 9's columns."""
+    """profiling/profile_resources.py trains each method on the same ranks, with the eager and the
+    fused update, and reports Table 9's columns."""
     done = subprocess.run([sys.executable, str(ROOT / "profiling" / "profile_resources.py"), "--ranks", "2",
-                           "--methods", "deca", "dadam", "--steps-per-block", "2", "--warmup", "1",
-                           "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+                           "--methods", "deca", "dadam", "--updates", "eager", "fused", "--steps-per-block", "2",
+                           "--warmup", "1", "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
                            "--train-args", "--topology", "ring", "--micro-batch", "4", "--layers-per-block", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "profile_resources.json").read_text())
-    deca, dadam = summary["results"]
-    assert (deca["method"], dadam["method"]) == ("DECA", "D-Adam")
+    deca, dadam, deca_fused, dadam_fused = summary["results"]
+    assert [r["method"] for r in summary["results"]] == ["DECA", "D-Adam", "DECA (fused)", "D-Adam (fused)"]
     assert deca["trainable_params"] == dadam["trainable_params"]  # the same decoder layers, one block at a time
-    for r in (deca, dadam):
+    for r in summary["results"]:
         assert r["samples"] == 2 * (4 - 1)  # 2 blocks × 2 steps per client, first step left out
         assert 0 < r["agg_ms"] <= r["agg_up_ms"] < r["step_ms"]
         assert abs(r["step_ms"] - (r["fwd_ms"] + r["bkwd_ms"] + r["agg_up_ms"])) < 0.5 * r["step_ms"]
+    for run, fused in (("deca", False), ("deca_fused", True)):
+        assert json.loads((tmp_path / "runs" / run / "run_config.json").read_text())["options"]["fused_update"] is fused
     # ring of 2: one neighbour; DECA sends its active block, D-Adam every decoder layer (fp32)
     blocks = json.loads((tmp_path / "runs" / "deca" / "run_config.json").read_text())["blocks"]
-    assert deca["comm_mb"] * 1e6 == pytest.approx(4 * blocks[0]["numel"])
+    assert deca["comm_mb"] * 1e6 == deca_fused["comm_mb"] * 1e6 == pytest.approx(4 * blocks[0]["numel"])
     assert dadam["comm_mb"] * 1e6 == pytest.approx(4 * deca["trainable_params"])
-    assert summary["ratios"]["deca_step_over_D-Adam"] == pytest.approx(deca["step_ms"] / dadam["step_ms"])
+    ratios = summary["ratios"]
+    assert ratios["deca_step_over_D-Adam"] == pytest.approx(deca["step_ms"] / dadam["step_ms"])
+    assert ratios["deca_fused_step_over_D-Adam_fused"] == pytest.approx(deca_fused["step_ms"] / dadam_fused["step_ms"])
+    assert ratios["deca_fused_agg_up_over_eager"] == pytest.approx(deca_fused["agg_up_ms"] / deca["agg_up_ms"])
     assert summary["command"].startswith("python profiling/profile_resources.py --ranks 2")
     assert (tmp_path / "out" / "profile_resources.png").stat().st_size > 1000
