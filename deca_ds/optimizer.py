@@ -11,6 +11,9 @@ One step on the active block, with x its master vector (all the block's tensors 
                        no_bma:      m = m½                    v = v½
                        x = x⁺, and the working weights are refreshed from x.
 
+With `fused_update` the elementwise phases (fold the gradient, Adam step, carry the moments) run
+as torch.compile'd kernels (decentralized.fused), the same functions as the eager path.
+
 Only the active block has a master copy and moments, in `master_dtype`; they are created when the
 block is activated and dropped when it is left. With `state_bits=8` the moments are held in 8 bits
 (deca_ds.quantized) and every phase works on them one tensor at a time: dequantize that tensor's

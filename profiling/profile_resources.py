@@ -69,6 +69,8 @@ def measure(out: Path, warmup: int) -> dict:
         "bkwd_ms": median_ms(rows, "t_backward"),
         "agg_up_ms": median_ms(rows, "t_mix_update"),
         "agg_ms": median_ms(rows, "t_aggregate"),
+        "exchange_ms": median_ms(rows, "t_exchange"),
+        "update_ms": median_ms(rows, "t_local_update", "t_aggregate"),
         "step_ms": median_ms(rows, "t_forward", "t_backward", "t_mix_update"),
         "comm_mb": statistics.fmean(r["bytes_sent"] for r in rows) / 1e6,
     }
@@ -94,6 +96,7 @@ def main(argv=None) -> dict:
         if deca is None:
             continue
         ratios[f"deca{tag}_agg_up_share_of_step"] = deca["agg_up_ms"] / deca["step_ms"]
+        ratios[f"deca{tag}_update_and_combination_share_of_step"] = deca["update_ms"] / deca["step_ms"]
         for name in ("D-Adam", "Dec-LoRA", "Dec-Adapter", "DeCAF"):
             if name + label in by:
                 ratios[f"deca{tag}_step_over_{name}{tag}"] = deca["step_ms"] / by[name + label]["step_ms"]
@@ -117,16 +120,21 @@ def write(summary: dict, out: Path, name: str) -> None:
     md = [f"**Per-step cost per client, measured** on {summary['device']}, {summary['ranks']} ranks "
           f"(one client each); medians after {summary['warmup']} warm-up steps; "
           f"command: `{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}.", "",
-          "| method | trainable params | Fwd (ms) | Bkwd (ms) | Agg & Up (ms) | of which Agg (ms) | step (ms) "
-          "| Comm (MB/step) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+          "| method | trainable params | Fwd (ms) | Bkwd (ms) | Agg & Up (ms) | of which exchange (ms) "
+          "| of which Agg (ms) | update + Agg (ms) | step (ms) | Comm (MB/step) |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     md += [f"| {r['method']} | {r['trainable_params']:,} | {r['fwd_ms']:.2f} | {r['bkwd_ms']:.2f} | "
-           f"{r['agg_up_ms']:.2f} | {r['agg_ms']:.2f} | {r['step_ms']:.2f} | {r['comm_mb']:.3f} |" for r in rows]
+           f"{r['agg_up_ms']:.2f} | {r['exchange_ms']:.2f} | {r['agg_ms']:.2f} | {r['update_ms']:.2f} | "
+           f"{r['step_ms']:.2f} | {r['comm_mb']:.3f} |" for r in rows]
     if summary["ratios"]:
         md += ["", "| ratio | value |", "| --- | ---: |"]
         md += [f"| {k.replace('_', ' ')} | {v:.3f} |" for k, v in summary["ratios"].items()]
     md += ["", "Agg & Up is the optimizer step DeepSpeed calls: the local Adam update, the exchange with the "
            "neighbors and the combination (DECA: weighted sum and BMA correction; DeCAF: the truncated SVD). "
-           "'of which Agg' is the combination after the exchange. Comm is the bytes a client sends per step "
+           "'of which exchange' is the send and receive of x½, waiting for the neighbors included; 'of which "
+           "Agg' is the combination after it; 'update + Agg' is Agg & Up without the exchange: the local "
+           "update and the combination, the arithmetic a client does (medians of each, so the parts need not "
+           "add up exactly). Comm is the bytes a client sends per step "
            "(a baseline mixing every K-th step sends nothing in between). Times from CPU ranks share the "
            "machine's cores and are comparable with each other, not with a GPU."]
     write_results(out, name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)

@@ -515,6 +515,7 @@ def test_profile_resources_tool(tmp_path):
     for r in summary["results"]:
         assert r["samples"] == 2 * (4 - 1)  # 2 blocks × 2 steps per client, first step left out
         assert 0 < r["agg_ms"] <= r["agg_up_ms"] < r["step_ms"]
+        assert 0 < r["exchange_ms"] < r["agg_up_ms"] and r["agg_ms"] < r["update_ms"] < r["agg_up_ms"]
         assert abs(r["step_ms"] - (r["fwd_ms"] + r["bkwd_ms"] + r["agg_up_ms"])) < 0.5 * r["step_ms"]
     for run, fused in (("deca", False), ("deca_fused", True)):
         assert json.loads((tmp_path / "runs" / run / "run_config.json").read_text())["options"]["fused_update"] is fused
@@ -525,6 +526,7 @@ def test_profile_resources_tool(tmp_path):
     ratios = summary["ratios"]
     assert ratios["deca_step_over_D-Adam"] == pytest.approx(deca["step_ms"] / dadam["step_ms"])
     assert ratios["deca_fused_step_over_D-Adam_fused"] == pytest.approx(deca_fused["step_ms"] / dadam_fused["step_ms"])
+    assert ratios["deca_update_and_combination_share_of_step"] == pytest.approx(deca["update_ms"] / deca["step_ms"])
     assert ratios["deca_fused_agg_up_over_eager"] == pytest.approx(deca_fused["agg_up_ms"] / deca["agg_up_ms"])
     assert summary["command"].startswith("python profiling/profile_resources.py --ranks 2")
     assert (tmp_path / "out" / "profile_resources.png").stat().st_size > 1000
