@@ -66,9 +66,10 @@ def kernel(fn: Callable, use_fused: bool) -> Callable:
     return fused(fn) if use_fused else fn
 
 
-def _fold(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, a1: float, a2: float) -> None:
-    m.mul_(a1).add_(g, alpha=1 - a1)
-    v.mul_(a2).addcmul_(g, g, value=1 - a2)
+def _fold(ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor], a1: float, a2: float) -> None:
+    for m, v, g in zip(ms, vs, gs):
+        m.mul_(a1).add_(g, alpha=1 - a1)
+        v.mul_(a2).addcmul_(g, g, value=1 - a2)
 
 
 @torch.no_grad()
@@ -76,16 +77,20 @@ def fold_gradient(params: Sequence[nn.Parameter], m: torch.Tensor, v: torch.Tens
                   betas: tuple[float, float], scale: float = 1.0, *, use_fused: bool = False) -> None:
     """m = α1·m + (1−α1)·g, v = α2·v + (1−α2)·g⊙g in place, then drop the gradients.
 
-    The gradient is folded in tensor by tensor and widened inside the add: no full-size
-    master-dtype copy of it is ever held."""
+    Each gradient is widened inside the adds (scaled in place first, when clipped): no
+    master-dtype copy of it is ever held. One call for all tensors, so the fused kernel's
+    per-call cost is paid once per step, not once per tensor."""
     a1, a2 = betas
-    fold = kernel(_fold, use_fused)
+    folded = []
     for (p, m_p), (_, v_p) in zip(segments(params, m), segments(params, v)):
         if p.grad is None:
             m_p.mul_(a1)
             v_p.mul_(a2)
         else:
-            fold(m_p.view(-1), v_p.view(-1), (p.grad if scale == 1.0 else p.grad * scale).reshape(-1), a1, a2)
+            folded.append((m_p.view(-1), v_p.view(-1), (p.grad if scale == 1.0 else p.grad.mul_(scale)).reshape(-1)))
+    if folded:
+        kernel(_fold, use_fused)(*map(list, zip(*folded)), a1, a2)
+    for p in params:
         p.grad = None
 
 
