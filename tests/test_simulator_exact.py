@@ -80,12 +80,13 @@ def relative_update_error(init, got, want) -> float:
     return math.sqrt(num / den)
 
 
+@pytest.mark.parametrize("fused_update", [False, True])
 @pytest.mark.parametrize("topology", ["ring", "erdos_renyi"])
 @pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])
-def test_simulator_matches_float64_reference(topology, variant):
+def test_simulator_matches_float64_reference(topology, variant, fused_update):
     W = make_topology(topology, N, p=0.5, seed=3).W
-    cfg = DecaConfig(lr=1e-3, bma_betas=(0.3, 0.333), steps_per_block=R, rounds=T,
-                     layers_per_block=LPB, variant=variant, master_dtype=torch.float64)
+    cfg = DecaConfig(lr=1e-3, bma_betas=(0.3, 0.333), steps_per_block=R, rounds=T, layers_per_block=LPB,
+                     variant=variant, master_dtype=torch.float64, fused_update=fused_update)
     model = tiny_llama(LAYERS)
     batches = client_batches(N, steps=T * 2 * R)
     got = simulate(model, batches, W, cfg)
