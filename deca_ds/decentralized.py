@@ -95,10 +95,12 @@ def fold_gradient(params: Sequence[nn.Parameter], m: torch.Tensor, v: torch.Tens
 
 
 def _adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
-               eps: float, keep: torch.Tensor) -> torch.Tensor:
+               eps: float, keep: torch.Tensor | None) -> torch.Tensor:
     x_half = torch.div(v, bc2).sqrt_().add_(eps)  # √v̂ + ε, reused as x½
-    torch.div(m, x_half, out=x_half).mul_(neg_step)
-    return x_half.addcmul_(x, keep)
+    torch.div(m, x_half, out=x_half)
+    if keep is None:  # no weight decay: one pass less for the eager ops
+        return torch.addcmul(x, x_half, neg_step, out=x_half)
+    return x_half.mul_(neg_step).addcmul_(x, keep)
 
 
 @torch.no_grad()
@@ -106,7 +108,8 @@ def adam_update(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
                 eps: float, t: int, weight_decay: float = 0.0, use_fused: bool = False) -> torch.Tensor:
     """x½ = (1 − γ·λ)·x − γ/(1−α1^t) · m/(√(v/(1−α2^t)) + ε), in a new buffer."""
     scalar = lambda value: torch.full((), value, dtype=x.dtype, device=x.device)  # noqa: E731
-    neg_step, bc2, keep = scalar(-lr / (1 - betas[0] ** t)), scalar(1 - betas[1] ** t), scalar(1 - lr * weight_decay)
+    neg_step, bc2 = scalar(-lr / (1 - betas[0] ** t)), scalar(1 - betas[1] ** t)
+    keep = scalar(1 - lr * weight_decay) if weight_decay else None
     return kernel(_adam_step, use_fused)(x, m, v, neg_step, bc2, eps, keep)
 
 
