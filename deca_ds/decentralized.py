@@ -38,6 +38,7 @@ def clip_scale(params: Iterable[nn.Parameter], max_norm: float | None, dtype: to
     return min(1.0, max_norm / (total + 1e-6))
 
 
+@functools.cache
 def fused(fn: Callable) -> Callable:
     """`fn` compiled by torch.compile into fused kernels: one pass over its tensors where eager
     PyTorch makes one pass per op (profiling/update_cost.py counts them). Compiled on the first
@@ -49,7 +50,7 @@ def fused(fn: Callable) -> Callable:
     that changes every step (bias correction, a scheduled lr) therefore enters as a 0-d tensor;
     a run compiles each kernel once per dtype, and a process that trains under many
     hyperparameters (the tests) may hold more versions than dynamo's default limit of 8."""
-    compiled = _compile(fn)
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
 
     def call(*args):
         with torch._dynamo.config.patch(specialize_float=True, recompile_limit=64):
@@ -57,19 +58,20 @@ def fused(fn: Callable) -> Callable:
     return call
 
 
-@functools.cache
-def _compile(fn: Callable) -> Callable:
-    return torch.compile(fn, dynamic=True, fullgraph=True)
-
-
 def kernel(fn: Callable, use_fused: bool) -> Callable:
     return fused(fn) if use_fused else fn
 
 
+def moments_(m: torch.Tensor, v: torch.Tensor, u: torch.Tensor, c1: float, c2: float) -> None:
+    """m = c1·m + (1−c1)·u, v = c2·v + (1−c2)·u⊙u in place: the gradient's fold into Adam's
+    moments and DECA's BMA carry of h alike."""
+    m.mul_(c1).add_(u, alpha=1 - c1)
+    v.mul_(c2).addcmul_(u, u, value=1 - c2)
+
+
 def _fold(ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor], a1: float, a2: float) -> None:
     for m, v, g in zip(ms, vs, gs):
-        m.mul_(a1).add_(g, alpha=1 - a1)
-        v.mul_(a2).addcmul_(g, g, value=1 - a2)
+        moments_(m, v, g, a1, a2)
 
 
 @torch.no_grad()

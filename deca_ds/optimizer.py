@@ -32,7 +32,7 @@ from torch import nn
 from .blocks import Partition, block_order, partition_model
 from .config import DecaConfig
 from .decentralized import (DecentralizedOptimizer, adam_update, check_saved_config, clip_scale, fold_gradient,
-                            kernel, segments, write_params)
+                            kernel, moments_, segments, write_params)
 from .mixing import IdentityMixer, Mixer
 from .quantized import QuantizedVector
 
@@ -228,9 +228,10 @@ class DecaOptimizer(DecentralizedOptimizer):
         """Step 7 of deca / trivial_bma on 8-bit moments, tensor by tensor."""
         blk = self.active
         for i, (_, h_i) in enumerate(blk.segments(h)):
-            h_i = h_i.view(-1)
-            blk.m.put(i, blk.m.get(i).mul_(c1).add_(h_i, alpha=1 - c1))
-            blk.v.put(i, blk.v.get(i).mul_(c2).addcmul_(h_i, h_i, value=1 - c2))
+            m, v = blk.m.get(i), blk.v.get(i)
+            moments_(m, v, h_i.view(-1), c1, c2)
+            blk.m.put(i, m)
+            blk.v.put(i, v)
 
     def local_step(self) -> torch.Tensor:
         return self.adam_half_step()
@@ -277,9 +278,7 @@ def carry_moments_(x: torch.Tensor, x_plus: torch.Tensor, m: torch.Tensor, v: to
                    c1: float, c2: float) -> None:
     """m = c1·m + (1−c1)·h, v = c2·v + (1−c2)·h⊙h, then x = x⁺; x holds h meanwhile, so no
     block-sized buffer is allocated."""
-    h = discrepancy_(x, x_plus)
-    m.mul_(c1).add_(h, alpha=1 - c1)
-    v.mul_(c2).addcmul_(h, h, value=1 - c2)
+    moments_(m, v, discrepancy_(x, x_plus), c1, c2)
     x.copy_(x_plus)
 
 
