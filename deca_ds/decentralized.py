@@ -58,10 +58,6 @@ def fused(fn: Callable) -> Callable:
     return call
 
 
-def kernel(fn: Callable, use_fused: bool) -> Callable:
-    return fused(fn) if use_fused else fn
-
-
 def moments_(m: torch.Tensor, v: torch.Tensor, u: torch.Tensor, c1: float, c2: float) -> None:
     """m = c1·m + (1−c1)·u, v = c2·v + (1−c2)·u⊙u in place: the gradient's fold into Adam's
     moments and DECA's BMA carry of h alike."""
@@ -69,50 +65,59 @@ def moments_(m: torch.Tensor, v: torch.Tensor, u: torch.Tensor, c1: float, c2: f
     v.mul_(c2).addcmul_(u, u, value=1 - c2)
 
 
-def _fold(ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor], a1: float, a2: float) -> None:
-    for m, v, g in zip(ms, vs, gs):
+def _adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
+               eps: float, keep: torch.Tensor | None, out: torch.Tensor) -> None:
+    torch.div(v, bc2, out=out).sqrt_().add_(eps)  # √v̂ + ε, in the x½ buffer
+    torch.div(m, out, out=out)
+    if keep is None:  # no weight decay: one pass less for the eager ops
+        torch.addcmul(x, out, neg_step, out=out)
+    else:
+        out.mul_(neg_step).addcmul_(x, keep)
+
+
+def _fold_and_step(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
+                   outs: list[torch.Tensor], a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor,
+                   eps: float, keep: torch.Tensor | None) -> None:
+    for x, m, v, g, out in zip(xs, ms, vs, gs, outs):
         moments_(m, v, g, a1, a2)
+        _adam_step(x, m, v, neg_step, bc2, eps, keep, out)
 
 
 @torch.no_grad()
-def fold_gradient(params: Sequence[nn.Parameter], m: torch.Tensor, v: torch.Tensor,
-                  betas: tuple[float, float], scale: float = 1.0, *, use_fused: bool = False) -> None:
-    """m = α1·m + (1−α1)·g, v = α2·v + (1−α2)·g⊙g in place, then drop the gradients.
+def half_step(params: Sequence[nn.Parameter], x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
+              betas: tuple[float, float], eps: float, t: int, weight_decay: float = 0.0, scale: float = 1.0,
+              use_fused: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Adam's local step on `params`, whose master vector is x: fold each gradient into the moments
+    in place (m½ = α1·m + (1−α1)·g, v½ = α2·v + (1−α2)·g⊙g), drop the gradients, and return
 
-    Each gradient is widened inside the adds (scaled in place first, when clipped): no
-    master-dtype copy of it is ever held. One call for all tensors, so the fused kernel's
-    per-call cost is paid once per step, not once per tensor."""
+        x½ = (1 − γ·λ)·x − γ/(1−α1^t) · m½/(√(v½/(1−α2^t)) + ε)
+
+    in `out` (default: a new buffer). Each gradient is widened inside the adds (scaled in place
+    first, when clipped): no master-dtype copy of it is ever held; a tensor without a gradient
+    folds a zero. Eager, the fold runs tensor by tensor and the step as a few large ops over the
+    flat vectors. Fused, one compiled call does both tensor by tensor, reading and writing m and v
+    once; it holds the gradients and x½ together, where the eager path frees the gradients first."""
     a1, a2 = betas
-    folded = []
-    for (p, m_p), (_, v_p) in zip(segments(params, m), segments(params, v)):
-        if p.grad is None:
-            m_p.mul_(a1)
-            v_p.mul_(a2)
-        else:
-            folded.append((m_p.view(-1), v_p.view(-1), (p.grad if scale == 1.0 else p.grad.mul_(scale)).reshape(-1)))
-    if folded:
-        kernel(_fold, use_fused)(*map(list, zip(*folded)), a1, a2)
+    scalar = lambda value: torch.full((), value, dtype=x.dtype, device=x.device)  # noqa: E731
+    neg_step, bc2 = scalar(-lr / (1 - a1 ** t)), scalar(1 - a2 ** t)
+    keep = scalar(1 - lr * weight_decay) if weight_decay else None
+    zero = scalar(0.0)
+    grads = [zero if p.grad is None else (p.grad if scale == 1.0 else p.grad.mul_(scale)).reshape(-1) for p in params]
+    views = lambda flat: [view.view(-1) for _, view in segments(params, flat)]  # noqa: E731
+    if use_fused:
+        out = torch.empty_like(x) if out is None else out
+        fused(_fold_and_step)(views(x), views(m), views(v), grads, views(out), a1, a2, neg_step, bc2, eps, keep)
+    else:
+        for m_p, v_p, g in zip(views(m), views(v), grads):
+            moments_(m_p, v_p, g, a1, a2)
+    del grads
     for p in params:
         p.grad = None
-
-
-def _adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
-               eps: float, keep: torch.Tensor | None) -> torch.Tensor:
-    x_half = torch.div(v, bc2).sqrt_().add_(eps)  # √v̂ + ε, reused as x½
-    torch.div(m, x_half, out=x_half)
-    if keep is None:  # no weight decay: one pass less for the eager ops
-        return torch.addcmul(x, x_half, neg_step, out=x_half)
-    return x_half.mul_(neg_step).addcmul_(x, keep)
-
-
-@torch.no_grad()
-def adam_update(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, betas: tuple[float, float],
-                eps: float, t: int, weight_decay: float = 0.0, use_fused: bool = False) -> torch.Tensor:
-    """x½ = (1 − γ·λ)·x − γ/(1−α1^t) · m/(√(v/(1−α2^t)) + ε), in a new buffer."""
-    scalar = lambda value: torch.full((), value, dtype=x.dtype, device=x.device)  # noqa: E731
-    neg_step, bc2 = scalar(-lr / (1 - betas[0] ** t)), scalar(1 - betas[1] ** t)
-    keep = scalar(1 - lr * weight_decay) if weight_decay else None
-    return kernel(_adam_step, use_fused)(x, m, v, neg_step, bc2, eps, keep)
+    if out is None:  # eager: allocated once the gradients are gone
+        out = torch.empty_like(x)
+    if not use_fused:
+        _adam_step(x, m, v, neg_step, bc2, eps, keep, out)
+    return out
 
 
 @torch.no_grad()

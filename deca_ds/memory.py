@@ -27,10 +27,11 @@ Phase model of one inner step (what is alive at once; the peak is the largest ph
                    gone: autograd freed the graph at the end of backward)
     update         weights + optimizer_state + max(grad, x_half) + trivial_bma_extra
                    (adam_half_step folds .grad into m, v tensor by tensor and frees it, then
-                   allocates x_half; it never holds a full master-dtype gradient). With 8-bit
-                   moments (state_bits=8) x_half comes first, the gradient is freed tensor by
-                   tensor, and one tensor's fp32 m, v and Adam result exist at a time:
-                   grad + x_half + quant_transient
+                   allocates x_half; it never holds a full master-dtype gradient). The fused
+                   update (fused_update) folds and steps in one call, so it holds both:
+                   grad + x_half. With 8-bit moments (state_bits=8) x_half comes first, the
+                   gradient is freed tensor by tensor, and one tensor's fp32 m, v and Adam result
+                   exist at a time: grad + x_half + quant_transient
     mixing         weights + optimizer_state + x_half + send_copy + recv + x_plus
                    + trivial_bma_extra
                    (DistributedMixer.mix exchanges the block MIX_CHUNK elements at a time: per
@@ -298,6 +299,7 @@ class MemoryEstimate:
     offload: str  # "none" or "frozen"
     variant: str
     state_bits: int  # 32: fp32/fp64 m, v; 8: bitsandbytes block-wise codes (DecaConfig.state_bits)
+    fused_update: bool  # DecaConfig.fused_update: the gradient and x½ are held together
     attn_implementation: str
     inputs_require_grad: bool  # embedding output requires grad: layers below the active block keep a graph
     steps_per_block: int  # R, for the per-round communication
@@ -367,7 +369,8 @@ class MemoryEstimate:
             "prefix": base + self.prefix_cache + self.act_recompute,
             "backward": base + self.grad + self.activations,
             "grad_allreduce": base + self.grad + self.grad_allreduce,
-            "update": base + (self.grad + self.x_half if self.state_bits == 8 else max(self.grad, self.x_half))
+            "update": base + (self.grad + self.x_half if self.state_bits == 8 or self.fused_update
+                              else max(self.grad, self.x_half))
                       + self.quant_transient + self.trivial_bma_extra,
             "mixing": base + self.x_half + self.send_copy + self.recv + self.x_plus
                       + self.trivial_bma_extra,
@@ -455,7 +458,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
                    attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
                    deepspeed_allreduce: bool = False, inputs_require_grad: bool = False,
                    loss_positions: int | None = None, state_bits: int = 32, offload_keep: int = 0,
-                   grad_accum: int = 1) -> MemoryEstimate:
+                   grad_accum: int = 1, fused_update: bool = False) -> MemoryEstimate:
     """The estimate while block `block` of the default partition is active (see MemoryEstimate).
 
     deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets; the runtime runs
@@ -544,7 +547,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         num_layers=spec.num_layers, layers_per_block=layers_per_block, num_blocks=B, block=block, block_params=n,
         working_dtype=_short(working), master_dtype=_short(master), transfer_dtype=transfer_dtype,
         n_neighbors=n_neighbors, micro_batch=b, seq_len=s, checkpointing=checkpointing, offload=offload,
-        variant=variant, state_bits=state_bits, attn_implementation=attn_implementation,
+        variant=variant, state_bits=state_bits, fused_update=fused_update, attn_implementation=attn_implementation,
         inputs_require_grad=inputs_require_grad,
         steps_per_block=steps_per_block,
         weights=weights, master=n * mb, m=moment, v=moment, grad=n * w, grad_allreduce=grad_allreduce,

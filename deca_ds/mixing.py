@@ -25,7 +25,8 @@ class Mixer(Protocol):
     """What an optimizer's combine() needs from the network."""
 
     def mix(self, x_half: torch.Tensor) -> torch.Tensor:
-        """This client's x⁺ = Σ_j w_ij x½_j."""
+        """This client's x⁺ = Σ_j w_ij x½_j, in x½'s dtype, in a buffer the caller may keep as its
+        new x: x½ itself (summed over) or a new tensor, never one another client still reads."""
 
     def exchange(self, x_half: torch.Tensor) -> Terms:
         """(w_ij, x½_j) for every j in `mixing_order`, this client's own x½ included."""

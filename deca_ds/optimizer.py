@@ -11,8 +11,9 @@ One step on the active block, with x its master vector (all the block's tensors 
                        no_bma:      m = m½                    v = v½
                        x = x⁺, and the working weights are refreshed from x.
 
-With `fused_update` the elementwise phases (fold the gradient, Adam step, carry the moments) run
-as torch.compile'd kernels (decentralized.fused), the same functions as the eager path.
+With `fused_update` the update is two torch.compile'd calls (decentralized.fused): the fold of
+the gradient with the Adam step (half_step), and ‖x − x⁺‖ with the carried moments and the working
+weights (carry_and_write); m and v are then read and written twice per step, not four times.
 
 Only the active block has a master copy and moments, in `master_dtype`; they are created when the
 block is activated and dropped when it is left. With `state_bits=8` the moments are held in 8 bits
@@ -31,8 +32,8 @@ from torch import nn
 
 from .blocks import Partition, block_order, partition_model
 from .config import DecaConfig
-from .decentralized import (DecentralizedOptimizer, adam_update, check_saved_config, clip_scale, fold_gradient,
-                            kernel, moments_, segments, write_params)
+from .decentralized import (DecentralizedOptimizer, check_saved_config, clip_scale, fused, half_step, moments_,
+                            segments, write_params)
 from .mixing import IdentityMixer, Mixer
 from .quantized import QuantizedVector
 
@@ -182,22 +183,19 @@ class DecaOptimizer(DecentralizedOptimizer):
         scale = clip_scale(blk.params, cfg.grad_clip, cfg.master_dtype)
         # the bias corrections restart with every block (r + 1 steps)
         hyper = dict(lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps, t=self.step_in_block + 1,
-                     weight_decay=group["weight_decay"], use_fused=cfg.fused_update)
+                     weight_decay=group["weight_decay"], scale=scale, use_fused=cfg.fused_update)
         if cfg.state_bits == 8:
-            return self._quantized_half_step(scale, hyper)
-        fold_gradient(blk.params, blk.m, blk.v, cfg.adam_betas, scale, use_fused=cfg.fused_update)
-        # m, v now hold m½, v½
-        return adam_update(blk.master, blk.m, blk.v, **hyper)
+            return self._quantized_half_step(hyper)
+        return half_step(blk.params, blk.master, blk.m, blk.v, **hyper)  # m, v now hold m½, v½
 
-    def _quantized_half_step(self, scale: float, hyper: dict) -> torch.Tensor:
+    def _quantized_half_step(self, hyper: dict) -> torch.Tensor:
         """adam_half_step on 8-bit moments, tensor by tensor; x½ comes from the fp32 m½, v½ before
         they are rounded to 8 bits, so quantization error enters only through the carried moments."""
         blk = self.active
         x_half = torch.empty_like(blk.master)
         for i, ((p, x), (_, out)) in enumerate(zip(blk.segments(blk.master), blk.segments(x_half))):
             m, v = blk.m.get(i), blk.v.get(i)
-            fold_gradient([p], m, v, self.config.adam_betas, scale, use_fused=hyper["use_fused"])
-            out.view(-1).copy_(adam_update(x.view(-1), m, v, **hyper))
+            half_step([p], x.view(-1), m, v, out=out.view(-1), **hyper)
             blk.m.put(i, m)
             blk.v.put(i, v)
         return x_half
@@ -211,22 +209,30 @@ class DecaOptimizer(DecentralizedOptimizer):
             del self._m_prev, self._v_prev
         else:
             c1, c2 = cfg.bma_betas
-        if cfg.variant == "no_bma":
-            blk.master.copy_(x_plus)
-        elif cfg.state_bits == 8:
-            self._quantized_correct(discrepancy_(blk.master, x_plus), c1, c2)
-            blk.master.copy_(x_plus)
-        else:
-            kernel(carry_moments_, cfg.fused_update)(blk.master, x_plus, blk.m, blk.v, c1, c2)
-        write_params(blk.params, blk.master)
-        # Drop this frame's reference to the block's state first: at the end of a block _advance
+        # x = x⁺: the mixer's buffer (x½ summed over, or a new one) becomes the master, no copy;
+        # the old master is free to hold h.
+        x, blk.master = blk.master, x_plus
+        fused_carry = cfg.variant != "no_bma" and cfg.fused_update and cfg.state_bits == 32
+        if fused_carry:  # writes the working weights too
+            views = lambda flat: [view.view(-1) for _, view in blk.segments(flat)]  # noqa: E731
+            fused(carry_and_write)(views(x), views(x_plus), views(blk.m), views(blk.v),
+                                   [p.detach().view(-1) for p in blk.params], c1, c2)
+        elif cfg.variant != "no_bma":
+            self._carry(discrepancy_(x, x_plus), c1, c2)
+        if not fused_carry:
+            write_params(blk.params, x_plus)
+        # Drop this frame's references to the block's state first: at the end of a block _advance
         # allocates the next block's master, m, v, and the finished block's must be free by then.
-        del blk
+        del blk, x, x_plus
         self._advance()
 
-    def _quantized_correct(self, h: torch.Tensor, c1: float, c2: float) -> None:
-        """Step 7 of deca / trivial_bma on 8-bit moments, tensor by tensor."""
+    def _carry(self, h: torch.Tensor, c1: float, c2: float) -> None:
+        """Step 7 of deca / trivial_bma: m = c1·m + (1−c1)·h, v = c2·v + (1−c2)·h⊙h (8-bit moments:
+        tensor by tensor)."""
         blk = self.active
+        if self.config.state_bits == 32:
+            moments_(blk.m, blk.v, h, c1, c2)
+            return
         for i, (_, h_i) in enumerate(blk.segments(h)):
             m, v = blk.m.get(i), blk.v.get(i)
             moments_(m, v, h_i.view(-1), c1, c2)
@@ -274,12 +280,17 @@ def discrepancy_(x: torch.Tensor, x_plus: torch.Tensor) -> torch.Tensor:
     return d.div_(torch.linalg.vector_norm(d).clamp_min(torch.finfo(d.dtype).tiny))
 
 
-def carry_moments_(x: torch.Tensor, x_plus: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                   c1: float, c2: float) -> None:
-    """m = c1·m + (1−c1)·h, v = c2·v + (1−c2)·h⊙h, then x = x⁺; x holds h meanwhile, so no
-    block-sized buffer is allocated."""
-    moments_(m, v, discrepancy_(x, x_plus), c1, c2)
-    x.copy_(x_plus)
+def carry_and_write(xs: list[torch.Tensor], x_pluses: list[torch.Tensor], ms: list[torch.Tensor],
+                    vs: list[torch.Tensor], weights: list[torch.Tensor], c1: float, c2: float) -> None:
+    """Steps 6–8 in one compiled call, tensor by tensor: h = (x − x⁺)/‖x − x⁺‖ over the block,
+    m = c1·m + (1−c1)·h, v = c2·v + (1−c2)·h⊙h, and the working weights from x⁺. Written without
+    in-place ops on x (the eager path's discrepancy_ writes h into x), which would make the
+    compiled code store h back into x for nothing: one pass for the norm, one for the rest."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x - xp) for x, xp in zip(xs, x_pluses)]))
+    norm = norm.clamp_min(torch.finfo(norm.dtype).tiny)
+    for x, xp, m, v, w in zip(xs, x_pluses, ms, vs, weights):
+        moments_(m, v, (x - xp) / norm, c1, c2)
+        w.copy_(xp)
 
 
 def _copy(moment: torch.Tensor | QuantizedVector):

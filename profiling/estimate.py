@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "several values: a row each")
     p.add_argument("--state-bits", type=int, choices=[32, 8], default=32,
                    help="8: the active block's m, v as bitsandbytes block-wise codes (DecaConfig.state_bits)")
+    p.add_argument("--fused-update", action="store_true",
+                   help="DecaConfig.fused_update: the fused half step holds the gradient and x½ together")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation")
     p.add_argument("--steps-per-block", type=int, default=48, help="R, for the communication per round")
     p.add_argument("--h2d-gbps", type=float, default=55.2,
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     seq_len=args.seq_len, loss_positions=args.loss_positions, checkpointing=args.checkpointing,
                     grad_accum=args.grad_accum,
                     offload=offload, variant=args.variant, state_bits=args.state_bits, offload_keep=keep,
-                    attn_implementation=args.attn, steps_per_block=args.steps_per_block,
+                    fused_update=args.fused_update, attn_implementation=args.attn, steps_per_block=args.steps_per_block,
                     deepspeed_allreduce=args.deepspeed_allreduce)
                 est = max(blocks, key=lambda e: (e.peak, -e.block))  # estimate_memory: the round's peak
                 row = est.to_dict()

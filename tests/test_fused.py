@@ -15,7 +15,8 @@ import torch
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
 from deca_ds.decentralized import fused
 from deca_ds.methods import AdamConfig, DAdam
-from deca_ds.optimizer import carry_moments_
+from deca_ds.decentralized import moments_
+from deca_ds.optimizer import carry_and_write, discrepancy_
 from helpers import client_batches, tiny_llama
 
 
@@ -100,17 +101,21 @@ def test_fused_flag_must_be_a_bool(make):
 
 def test_fused_kernel_takes_each_call_s_constants():
     """torch 2.13 can compile a float that reaches `alpha=` as a stale constant (pytorch#194976):
-    the same kernel called with other betas must use them."""
+    the same kernel called with other betas must use them. Also: the compiled carry over a
+    block's tensors gives the eager flat one's m, v and writes x⁺ into the weights."""
     g = torch.Generator().manual_seed(0)
+    sizes = [60, 40]
     for c1, c2 in ((0.3, 0.333), (0.9, 0.999), (0.3, 0.333), (1.0, 1.0)):
-        x, x_plus, m, v = (torch.randn(100, generator=g) for _ in range(4))
+        x, x_plus, m, v = (torch.randn(sum(sizes), generator=g) for _ in range(4))
         v.abs_()
         want = [t.clone() for t in (x, x_plus, m, v)]
-        got = [t.clone() for t in (x, x_plus, m, v)]
-        carry_moments_(*want, c1, c2)
-        fused(carry_moments_)(*got, c1, c2)
-        for a, b in zip(got, want):
+        moments_(want[2], want[3], discrepancy_(want[0], want[1]), c1, c2)
+        weights = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
+        fused(carry_and_write)(*(list(t.split(sizes)) for t in (x, x_plus, m, v)), weights, c1, c2)
+        for a, b in zip((m, v), want[2:]):
             close(a, b)
+        assert torch.equal(torch.cat(weights), x_plus.bfloat16())
+        assert torch.equal(x_plus, want[1])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="the optional bnb extra is not installed")

@@ -162,6 +162,10 @@ def test_phase_model_and_orderings(specs):
         assert peaks[offload, 1] < peaks[offload, 2] < peaks[offload, 4]
     for lpb in (1, 2, 4):
         assert peaks["frozen", lpb] < peaks["none", lpb]
+    # The fused half step holds the gradient and x½ together; on this model the peak stays backward's.
+    eager, fused = estimate_memory(spec, 1), estimate_memory(spec, 1, fused_update=True)
+    assert fused.phases["update"] - eager.phases["update"] == min(eager.grad, eager.x_half) > 0
+    assert fused.peak == eager.peak and fused.peak_phase == "backward"
     trivial = estimate_memory(spec, 1, variant="trivial_bma")
     assert trivial.trivial_bma_extra == 2 * trivial.master and trivial.peak > peaks["none", 1]
     # The peak over a round is block 0 (largest block, deepest backward).

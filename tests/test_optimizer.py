@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, partition_model, simulate
+from deca_ds.mixing import ClientView
 from helpers import client_batches, tiny_llama
 
 
@@ -95,6 +96,27 @@ def test_bf16_working_weights_follow_fp32_master():
     assert blk.master.dtype == torch.float32
     for p, x in blk.segments(blk.master):
         assert p.dtype == torch.bfloat16
+        assert torch.equal(p, x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("variant", ["deca", "no_bma"])
+def test_x_plus_becomes_the_master_without_a_copy(variant):
+    """The mixer's x⁺ buffer is kept as the new x (Mixer.mix hands it over): no block-sized copy,
+    whether the mixer sums into a new buffer (the simulator's views) or returns x½ (the identity)."""
+    model = tiny_llama(layers=2, dtype=torch.bfloat16)
+    opt = DecaOptimizer(model, config(master_dtype=torch.float32, variant=variant))
+    model(**client_batches(1, steps=1)[0][0]).loss.backward()
+    x_half = opt.local_step()
+    view = ClientView([(1.0, x_half)], x_half)
+    returned = []
+    view.mix = lambda x: returned.append(ClientView.mix(view, x)) or returned[-1]  # a new buffer
+    opt.combine(view, x_half)
+    assert opt.active.master is returned[0] and returned[0] is not x_half
+    model(**client_batches(1, steps=1)[0][0]).loss.backward()
+    x_half = opt.local_step()
+    opt.combine(opt.mixer, x_half)  # the identity: x⁺ is x½ itself
+    assert opt.active.master is x_half
+    for p, x in opt.active.segments(x_half):
         assert torch.equal(p, x.to(torch.bfloat16))
 
 

@@ -19,8 +19,8 @@ from torch import nn
 
 from ..blocks import partition_model
 from ..config import check_betas, check_bool, check_master_dtype
-from ..decentralized import (DecentralizedOptimizer, adam_update, check_saved_config, clip_scale, fold_gradient,
-                             segments, write_params)
+from ..decentralized import (DecentralizedOptimizer, check_saved_config, clip_scale, half_step, segments,
+                             write_params)
 from ..mixing import IdentityMixer, Mixer
 from .base import Method
 
@@ -106,14 +106,14 @@ class MixedAdam(DecentralizedOptimizer):
         if self.done:
             raise RuntimeError(f"all {self.total_steps} steps are done")
         cfg, group = self.config, self.param_groups[0]
-        fold_gradient(self.params, self.m, self.v, cfg.adam_betas,
-                      clip_scale(self.params, cfg.grad_clip, cfg.master_dtype), use_fused=cfg.fused_update)
-        return adam_update(self.master, self.m, self.v, lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps,
-                           t=self.t + 1, weight_decay=group["weight_decay"], use_fused=cfg.fused_update)
+        return half_step(self.params, self.master, self.m, self.v, lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps,
+                         t=self.t + 1, weight_decay=group["weight_decay"],
+                         scale=clip_scale(self.params, cfg.grad_clip, cfg.master_dtype), use_fused=cfg.fused_update)
 
     @torch.no_grad()
     def combine(self, mixer: Mixer, payload: torch.Tensor) -> None:
-        self.master.copy_(self.aggregate(mixer, payload) if self.mixes_now() else payload)
+        # the mixer's buffer (or x½ itself) becomes the master: no copy
+        self.master = self.aggregate(mixer, payload) if self.mixes_now() else payload
         write_params(self.params, self.master)
         self.t += 1
 

@@ -273,8 +273,8 @@ def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: i
         n_neighbors=n_neighbors, micro_batch=options["micro_batch"], seq_len=options["max_seq_len"],
         checkpointing="activation_checkpointing" in ds_config, offload=options["offload"],
         offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
-        variant=options["variant"], state_bits=options["state_bits"], steps_per_block=options["steps_per_block"],
-        grad_accum=options["grad_accum"],
+        variant=options["variant"], state_bits=options["state_bits"], fused_update=options["fused_update"],
+        steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"],
         deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions)
 
 
