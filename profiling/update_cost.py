@@ -10,6 +10,12 @@ block-sized passes it makes, wherever it runs; the floor is what one fused pass 
 read g, x, m, v, write m, v, x½ (half step), read x, x⁺ (twice: ‖x − x⁺‖ first), m, v, write m, v,
 the weights (correction; x⁺ becomes x without a copy). Writes <out>/<name>.{md,csv,json}.
 
+On CPU glibc hands a freed buffer as large as x½ back to the OS, and the next step's x½ pays a
+page fault per 4 KiB (about 60 ms of a ~90 ms half step for Qwen2-1.5B's block); a GPU's caching
+allocator reuses the buffer. By default the tool therefore asks glibc to keep freed memory
+(mallopt: no mmap'd chunks, no trimming), so both devices time the same passes over the block;
+--system-allocator times the process as training runs it on CPU.
+
     python profiling/update_cost.py                       # Qwen2-1.5B's block (46.8 M parameters)
     python profiling/update_cost.py --config profiling/configs/llama-3.1-8b-instruct.json   # on a GPU
 """
@@ -17,6 +23,8 @@ the weights (correction; x⁺ becomes x without a copy). Writes <out>/<name>.{md
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import platform
 import statistics
 import subprocess
@@ -48,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant, after --warmup")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--system-allocator", action="store_true",
+                   help="CPU: leave glibc's malloc as it is (freed block-sized buffers go back to the OS)")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--name", default="update_cost")
     return p.parse_args(argv)
@@ -106,20 +116,33 @@ def commit() -> str:
         return "unknown"
 
 
+def keep_freed_memory() -> str:
+    """glibc: serve every allocation from the heap and never trim it, so a freed buffer is reused
+    without page faults, as a caching allocator does."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)):
+        raise RuntimeError("mallopt failed: not glibc? run with --system-allocator")
+    return "glibc malloc keeping freed memory (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1)"
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    allocator = ("the CUDA caching allocator" if cuda else
+                 "glibc malloc as is" if args.system_allocator else keep_freed_memory())
     args.working_dtype = args.working_dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     rows = [measure(args, v, u) for v in args.variants for u in args.updates]
-    cuda = args.device.startswith("cuda")
     summary = {
         "command": " ".join(["python profiling/update_cost.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
         "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
                                                              f"{torch.get_num_threads()} threads)",
-        "versions": {"torch": torch.__version__, "python": platform.python_version()}, "rows": rows,
+        "versions": {"torch": torch.__version__, "python": platform.python_version()}, "allocator": allocator,
+        "rows": rows,
     }
     md = [f"**DECA's update of one block, measured** on {summary['device']}, commit {summary['commit']}; "
-          f"command: `{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}.", "",
+          f"command: `{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}; {allocator}.", "",
           "| variant | update | block params | working | half step (ms) | correction (ms) | update (ms) | fp32 copy (ms) "
           "| update in copies | fused floor in copies | update / floor |",
           "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

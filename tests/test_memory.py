@@ -363,6 +363,7 @@ def test_update_cost_tool(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "update_cost.json").read_text())
     layer = sum(p.numel() for p in tiny_llama(layers=2).model.layers[0].parameters())
+    assert summary["allocator"].startswith("glibc malloc keeping freed memory")  # the CPU default
     runs = [(v, u) for v in ("deca", "no_bma") for u in ("eager", "fused")]
     assert [(row["variant"], row["update"]) for row in summary["rows"]] == runs
     for row in summary["rows"]:
