@@ -52,8 +52,9 @@ class DecaConfig:
     lr is γ, adam_betas (α1, α2), bma_betas (β1, β2), steps_per_block R, rounds T.
     state_bits: 32 (default) keeps the active block's m and v in master_dtype; 8 holds them in
     8 bits (deca_ds.quantized, the optional `bnb` extra), the master and the arithmetic stay fp32.
-    fused_update: run the update's elementwise math as torch.compile'd kernels, a few passes over
-    the block instead of one per op (compiled at the first step; deca_ds.decentralized.fused).
+    fused_update: run the update as two torch.compile'd calls that move only what the update
+    must read and write, instead of one pass per op (compiled at the first step;
+    deca_ds.decentralized.fused); the block's gradient and x½ are then held together.
     """
 
     lr: float = 5e-5
