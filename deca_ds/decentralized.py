@@ -29,6 +29,11 @@ def segments(params: Sequence[nn.Parameter], flat: torch.Tensor):
         offset += p.numel()
 
 
+def flat_segments(params: Sequence[nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor's 1-D slice of `flat`, in order: the lists the compiled kernels go through."""
+    return list(flat.split([p.numel() for p in params]))
+
+
 def clip_scale(params: Iterable[nn.Parameter], max_norm: float | None, dtype: torch.dtype) -> float:
     """Factor that clips the gradients of `params` to global norm `max_norm` (1.0 when None)."""
     if max_norm is None:
@@ -103,20 +108,20 @@ def half_step(params: Sequence[nn.Parameter], x: torch.Tensor, m: torch.Tensor, 
     keep = scalar(1 - lr * weight_decay) if weight_decay else None
     zero = scalar(0.0)
     grads = [zero if p.grad is None else (p.grad if scale == 1.0 else p.grad.mul_(scale)).reshape(-1) for p in params]
-    views = lambda flat: [view.view(-1) for _, view in segments(params, flat)]  # noqa: E731
     if use_fused:
         out = torch.empty_like(x) if out is None else out
-        fused(_fold_and_step)(views(x), views(m), views(v), grads, views(out), a1, a2, neg_step, bc2, eps, keep)
+        fused(_fold_and_step)(*(flat_segments(params, t) for t in (x, m, v)), grads, flat_segments(params, out),
+                              a1, a2, neg_step, bc2, eps, keep)
     else:
-        for m_p, v_p, g in zip(views(m), views(v), grads):
+        for m_p, v_p, g in zip(flat_segments(params, m), flat_segments(params, v), grads):
             moments_(m_p, v_p, g, a1, a2)
     del grads
     for p in params:
         p.grad = None
-    if out is None:  # eager: allocated once the gradients are gone
-        out = torch.empty_like(x)
-    if not use_fused:
-        _adam_step(x, m, v, neg_step, bc2, eps, keep, out)
+    if use_fused:
+        return out
+    out = torch.empty_like(x) if out is None else out  # allocated once the gradients are gone
+    _adam_step(x, m, v, neg_step, bc2, eps, keep, out)
     return out
 
 

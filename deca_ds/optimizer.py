@@ -32,8 +32,8 @@ from torch import nn
 
 from .blocks import Partition, block_order, partition_model
 from .config import DecaConfig
-from .decentralized import (DecentralizedOptimizer, check_saved_config, clip_scale, fused, half_step, moments_,
-                            segments, write_params)
+from .decentralized import (DecentralizedOptimizer, check_saved_config, clip_scale, flat_segments, fused, half_step,
+                            moments_, segments, write_params)
 from .mixing import IdentityMixer, Mixer
 from .quantized import QuantizedVector
 
@@ -214,8 +214,7 @@ class DecaOptimizer(DecentralizedOptimizer):
         x, blk.master = blk.master, x_plus
         fused_carry = cfg.variant != "no_bma" and cfg.fused_update and cfg.state_bits == 32
         if fused_carry:  # writes the working weights too
-            views = lambda flat: [view.view(-1) for _, view in blk.segments(flat)]  # noqa: E731
-            fused(carry_and_write)(views(x), views(x_plus), views(blk.m), views(blk.v),
+            fused(carry_and_write)(*(flat_segments(blk.params, t) for t in (x, x_plus, blk.m, blk.v)),
                                    [p.detach().view(-1) for p in blk.params], c1, c2)
         elif cfg.variant != "no_bma":
             self._carry(discrepancy_(x, x_plus), c1, c2)

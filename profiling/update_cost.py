@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
     cuda = args.device.startswith("cuda")
     allocator = ("the CUDA caching allocator" if cuda else
                  "glibc malloc as is" if args.system_allocator else keep_freed_memory())
-    args.working_dtype = args.working_dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    args.working_dtype = args.working_dtype or ("bf16" if cuda else "fp32")
     rows = [measure(args, v, u) for v in args.variants for u in args.updates]
     summary = {
         "command": " ".join(["python profiling/update_cost.py", *(sys.argv[1:] if argv is None else argv)]),
