@@ -46,7 +46,10 @@ def weighted_sum(terms: Sequence[tuple[float, torch.Tensor]], *, dtype: torch.dt
     (w0, x0), *rest = terms
     if out is None:
         out = torch.empty_like(x0, dtype=dtype or x0.dtype)
-    out.copy_(x0).mul_(w0)
+    if x0.dtype == out.dtype:
+        torch.mul(x0, w0, out=out)  # one pass, not a copy and then a scaling pass
+    else:  # a narrower x0 times w0 would be rounded to x0's dtype before it is widened into out
+        out.copy_(x0).mul_(w0)
     for w, x in rest:
         out.add_(x, alpha=w)
     return out

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deca_ds import make_topology
-from deca_ds.mixing import InProcessMixer
+from deca_ds.mixing import InProcessMixer, weighted_sum
 from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
 from helpers import free_port
 
@@ -60,3 +60,21 @@ def test_chunked_mix_in_working_dtype_sends_half_the_bytes():
     for i, (x_plus, _, sent) in enumerate(got):
         assert x_plus.dtype == torch.float32 and sent == 2 * SIZE * 2
         np.testing.assert_allclose(x_plus.double().numpy(), W[i] @ X, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_sum_scales_and_adds_in_the_output_dtype(dtype):
+    """Σ w·x left to right in fp32 whatever the terms' dtype: a bf16 term is widened before it is
+    scaled (a bf16 product would be rounded to 8 bits first)."""
+    xs = [payload(i, dtype) for i in range(3)]
+    w = [0.2, 0.3, 0.5]
+    want = xs[0].float() * w[0]
+    for wi, x in zip(w[1:], xs[1:]):
+        want = want + wi * x.float()
+    got = weighted_sum(list(zip(w, xs)), dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)  # a bf16 product is off by ~1e-3
+    if dtype == torch.float32:
+        own = xs[0].clone()
+        assert weighted_sum(list(zip(w, [own, *xs[1:]])), out=own) is own
+        assert torch.equal(own, got)
