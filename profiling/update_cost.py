@@ -63,6 +63,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def floor_bytes(working_bytes: int, master_bytes: int = 4) -> int:
+    """Bytes per block parameter one fused pass must move (module docstring): the half step reads
+    g, x, m, v and writes m, v, x½; the correction reads x, x⁺ twice (‖x − x⁺‖ first) and m, v, and
+    writes m, v and the working weights (x⁺ is kept as the new x)."""
+    half_step = working_bytes + 3 * master_bytes + 3 * master_bytes
+    correction = 6 * master_bytes + 2 * master_bytes + working_bytes
+    return half_step + correction
+
+
 def timed(fn, device: torch.device) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
@@ -96,10 +105,7 @@ def measure(args, variant: str, update: str) -> dict:
             half.append(t_half)
             correct.append(t_correct)
             copy.append(t_copy)
-    w = torch.finfo(dtype).bits // 8
-    # bytes per element of one fused pass (module docstring): half step g, x, m, v in and m, v, x½ out;
-    # correction x, x⁺ twice, m, v in and m, v, the weights out (x⁺ kept as the new x)
-    floor = (w + 3 * 4 + 3 * 4) + (6 * 4 + 2 * 4 + w)
+    floor = floor_bytes(torch.finfo(dtype).bits // 8)
     t_half, t_correct, t_copy = (1e3 * statistics.median(x) for x in (half, correct, copy))
     return {"variant": variant, "update": update, "block_params": n, "working_dtype": args.working_dtype,
             "half_step_ms": t_half, "correct_ms": t_correct, "update_ms": t_half + t_correct,

@@ -373,3 +373,41 @@ def test_update_cost_tool(tmp_path):
         assert row["floor_in_copies"] == (4 + 24 + 32 + 4) / 8  # fp32: g, x, m, v, x½ | x, x⁺ twice, m, v, weights
     md = (tmp_path / "out" / "update_cost.md").read_text()
     assert md.count("\n| deca | eager |") == 1 and md.count("\n| no_bma | fused |") == 1
+
+
+def test_update_share_tool(tmp_path):
+    """profiling/update_share.py swaps a measured eager update for the fused update's traffic at the
+    given bandwidth: DECA's resident rows only, every number from the formula it states."""
+    tiny_llama(layers=2).config.to_json_file(tmp_path / "config.json")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"deca": {"working_dtype": "bf16", "max_seq_len": 64}}))
+    common = {"device": "GPU X", "ds_config": str(ds), "train_args": ["--model", str(tmp_path / "config.json")]}
+    resources = tmp_path / "resources.json"
+    resources.write_text(json.dumps({**common, "results": [
+        {"method": "DECA", "step_ms": 100.0, "agg_up_ms": 10.0},
+        {"method": "Dec-LoRA", "step_ms": 300.0, "agg_up_ms": 30.0}]}))
+    memory = tmp_path / "memory.json"
+    memory.write_text(json.dumps({**common, "results": [
+        {"offload": "none", "layers_per_block": 2, "micro_batch": 8, "step_ms": 50.0, "update_ms": 20.0},
+        {"offload": "frozen", "layers_per_block": 2, "micro_batch": 8, "step_ms": 90.0, "update_ms": 20.0}]}))
+    tool = [sys.executable, str(ROOT / "profiling" / "update_share.py")]
+    done = subprocess.run([*tool, str(resources), str(memory), "--bandwidth", "1e-6", "--overhead-ms", "0.5",
+                           "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "update_share.json").read_text())["rows"]
+    layer = sum(p.numel() for p in tiny_llama(layers=2).model.layers[0].parameters())
+    bf16_floor = (2 + 3 * 4 + 3 * 4) + (2 * (4 + 4) + 2 * 4 + 2 * 4 + 2)  # g,x,m,v → m,v,x½ | x,x⁺ ×2, m,v → m,v,w
+    assert [(r["micro_batch"], r["layers_per_block"], r["seq_len"]) for r in rows] == [(1, 1, 64), (8, 2, 64)]
+    for r, params, step, eager in zip(rows, (layer, 2 * layer), (100.0, 50.0), (10.0, 20.0)):
+        fused = params * bf16_floor / 1e6 * 1e3 + 0.5
+        assert r["block_params"] == params and r["bytes_per_param"] == bf16_floor
+        assert r["fused_update_ms"] == pytest.approx(fused)
+        assert r["fused_share"] == pytest.approx(fused / (step - eager + fused))
+    md = (tmp_path / "out" / "update_share.md").read_text()
+    assert "estimated" in md and md.count("| met |") + md.count("| not met |") == 2
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**common, "results": [{"offload": "none", "step_ms": 50.0}]}))
+    done = subprocess.run([*tool, str(old), "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "has no update time" in done.stderr
