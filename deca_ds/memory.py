@@ -458,14 +458,15 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
                    attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
                    deepspeed_allreduce: bool = False, inputs_require_grad: bool = False,
                    loss_positions: int | None = None, state_bits: int = 32, offload_keep: int = 0,
-                   grad_accum: int = 1, fused_update: bool = False) -> MemoryEstimate:
+                   grad_accum: int = 1, fused_update: bool = False, loss_chunk: int = 0) -> MemoryEstimate:
     """The estimate while block `block` of the default partition is active (see MemoryEstimate).
 
     deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets; the runtime runs
     that all-reduce only with more than one rank per client.
     loss_positions: positions per micro-batch at which the LM head runs (models.causal_lm_loss:
     the union of those predicting a labelled token); default seq_len, every position (language
-    modelling; a classification answer needs one or two).
+    modelling; a classification answer needs one or two). loss_chunk > 0: the head and the loss
+    run over that many of them at a time (models.causal_lm_loss), so one chunk's logits are held.
     inputs_require_grad: whether the embedding output requires grad. transformers >= 5's
     checkpointing switch turns it on for every input_ids model; then the layers BELOW the active
     block also keep their checkpointed inputs and backward recomputes them, down to the embeddings.
@@ -486,11 +487,11 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
     if variant not in ("deca", "trivial_bma", "no_bma"):
         raise ValueError(f"variant must be deca, trivial_bma or no_bma, got {variant!r}")
-    for name, value in (("n_neighbors", n_neighbors), ("micro_batch", micro_batch), ("seq_len", seq_len),
-                        ("grad_accum", grad_accum),
-                        ("steps_per_block", steps_per_block), ("loss_positions", loss_positions or 1)):
-        if value < (0 if name == "n_neighbors" else 1):
-            raise ValueError(f"{name} must be >= {0 if name == 'n_neighbors' else 1}, got {value}")
+    for name, value, least in (("n_neighbors", n_neighbors, 0), ("loss_chunk", loss_chunk, 0),
+                               ("micro_batch", micro_batch, 1), ("seq_len", seq_len, 1), ("grad_accum", grad_accum, 1),
+                               ("steps_per_block", steps_per_block, 1), ("loss_positions", loss_positions or 1, 1)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
 
     partition = spec.partition(layers_per_block)
     B = partition.num_blocks
@@ -558,7 +559,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         offload_buffers=offload_buffers, host_weights=host_weights, offload_keep=offload_keep,
         offload_stream_block=stream_block, offload_stream=round(stream_block / steps_per_block),
         prefix_cache=prefix_cache,
-        act_saved=act_saved, act_recompute=act_recompute, act_logits=logits_bytes(spec, b, min(s, loss_positions or s), w),
+        act_saved=act_saved, act_recompute=act_recompute,
+        act_logits=logits_bytes(spec, b, min(s, loss_positions or s, loss_chunk or s), w),
         comm_per_step=n_neighbors * n * tb,
         comm_per_round=sum(steps_per_block * n_neighbors * blk.numel * tb for blk in partition.blocks),
         paper_deca=M + 10 * M // B if (10 * M) % B == 0 else round(M + 10 * M / B),

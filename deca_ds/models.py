@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -25,6 +28,10 @@ TINY_LLAMA = dict(
     num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
     initializer_range=0.1,
 )
+
+# Config keys of transformers models that transform the LM head's output before it becomes the
+# logits (Gemma 2/3's soft-capping, Cohere's scale): loss_chunk would skip that.
+RESCALED_LOGITS = ("final_logit_softcapping", "logit_scale")
 
 
 def tiny_llama(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:
@@ -140,9 +147,50 @@ def labelled_logits(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Ten
     return model(**inputs, logits_to_keep=keep).logits, targets[:, keep]
 
 
-def causal_lm_loss(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def causal_lm_loss(model, batch: Mapping[str, torch.Tensor], *, loss_chunk: int = 0) -> torch.Tensor:
     """Mean next-token cross-entropy over the labelled tokens (transformers' causal-LM loss), with
     the LM head applied only where a token is labelled. The loss the trainer and the simulator
-    minimize."""
-    logits, targets = labelled_logits(model, batch)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    minimize.
+
+    loss_chunk > 0: the LM head and the loss run over `loss_chunk` of those positions at a time,
+    and backward recomputes each chunk's logits (non-reentrant checkpoint). The (batch, positions,
+    vocab) logits and their fp32 copies, about 12 bytes per logit and the largest activation of a
+    real vocabulary, then exist for one chunk at a time; the price is one more LM-head matmul.
+    Same loss and gradients up to rounding (each row's are computed by the same ops)."""
+    if not loss_chunk:
+        logits, targets = labelled_logits(model, batch)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    with _lm_head_detached(model) as head:
+        hidden, targets = labelled_logits(model, batch)  # the final hidden states at those positions
+    total = sum(checkpoint(_summed_loss, head, h, t, use_reentrant=False)
+                for h, t in zip(hidden.split(loss_chunk, 1), targets.split(loss_chunk, 1)))
+    # Dividing the sum by the count gives each logit the gradient the mean gives it.
+    return total / (targets != -100).sum()
+
+
+def _summed_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+def check_plain_logits(config) -> None:
+    """loss_chunk needs logits that are the LM head's output as is."""
+    for name in RESCALED_LOGITS:
+        if getattr(config, name, None) not in (None, 0, 1):
+            raise ValueError(f"loss_chunk: {config.model_type} rescales its logits after the LM head ({name}="
+                             f"{getattr(config, name)}); run it with loss_chunk 0")
+
+
+@contextmanager
+def _lm_head_detached(model):
+    """The model (or the DeepSpeed engine / PEFT wrapper around it) with its LM head replaced by
+    the identity, so its forward returns the final hidden states where it would return logits;
+    yields the head. Only for models whose logits are the head's output as is."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine holds the model as .module
+    check_plain_logits(inner.config)
+    head = inner.get_output_embeddings()
+    inner.set_output_embeddings(nn.Identity())
+    try:
+        yield head
+    finally:
+        inner.set_output_embeddings(head)

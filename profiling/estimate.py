@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="micro-batches per step (with offload frozen, FrozenPrefix holds R × this many hidden states)")
     p.add_argument("--loss-positions", type=int, default=None,
                    help="positions per micro-batch the LM head runs at (labelled tokens; default: the whole sequence)")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="launch/train.py --loss-chunk: the head and the loss over this many positions at a time")
     p.add_argument("--neighbors", type=int, default=2, help="neighbors per client, itself excluded (ring: 2)")
     p.add_argument("--working-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--master-dtype", choices=["fp32", "fp64"], default="fp32")
@@ -102,7 +104,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 blocks = estimate_blocks(
                     spec, lpb, working_dtype=args.working_dtype, master_dtype=args.master_dtype,
                     transfer_dtype=args.transfer_dtype, n_neighbors=args.neighbors, micro_batch=args.micro_batch,
-                    seq_len=args.seq_len, loss_positions=args.loss_positions, checkpointing=args.checkpointing,
+                    seq_len=args.seq_len, loss_positions=args.loss_positions, loss_chunk=args.loss_chunk,
+                    checkpointing=args.checkpointing,
                     grad_accum=args.grad_accum,
                     offload=offload, variant=args.variant, state_bits=args.state_bits, offload_keep=keep,
                     fused_update=args.fused_update, attn_implementation=args.attn, steps_per_block=args.steps_per_block,
@@ -168,7 +171,8 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
               "- activations are APPROXIMATE: tensors autograd saves in a Llama-style layer (counted from "
               "transformers' LlamaDecoderLayer and checked against saved tensors on CPU), checkpointed layer "
               "inputs, one layer's recomputation and backward temporaries, or the loss's fp32 logits peak at "
-              f"{args.loss_positions or args.seq_len} positions (micro-batch {args.micro_batch}, sequence "
+              f"{args.loss_positions or args.seq_len} positions"
+              f"{f', {args.loss_chunk} at a time' if args.loss_chunk else ''} (micro-batch {args.micro_batch}, sequence "
               f"{args.seq_len}, {args.attn}, checkpointing "
               f"{'on' if args.checkpointing else 'off'}).",
               "- paper M+10M/B: Appendix B.2 with M = 2d bytes (d = all parameters); activations excluded. "

@@ -173,6 +173,13 @@ def test_phase_model_and_orderings(specs):
     assert estimate_memory(spec, 1).block == 0 and max(e.peak for e in blocks) == blocks[0].peak
     # Checkpointing keeps less than saving every layer's tensors.
     assert estimate_memory(spec, 1, checkpointing=False).activations > estimate_memory(spec, 1).activations
+    # loss_chunk: one chunk's logits (b · chunk · V · 12 bytes with bf16 logits), never more than all of them.
+    whole, chunked = (estimate_memory(spec, 1, micro_batch=8, loss_chunk=c) for c in (0, 64))
+    assert whole.act_logits == 8 * 512 * 128256 * 12 and chunked.act_logits == 8 * 64 * 128256 * 12
+    assert whole.peak - chunked.peak == whole.act_logits - max(chunked.act_logits, chunked.act_recompute) > 4 * 2**30
+    assert estimate_memory(spec, 1, loss_chunk=4096).act_logits == estimate_memory(spec, 1).act_logits
+    with pytest.raises(ValueError, match="loss_chunk must be >= 0"):
+        estimate_memory(spec, 1, loss_chunk=-1)
 
 
 def test_paper_formulas_llama_8b(specs):

@@ -178,3 +178,81 @@ def test_causal_lm_loss_is_the_transformers_loss_with_the_head_at_labelled_posit
     torch.testing.assert_close(ours, reference, rtol=1e-12, atol=0)
     for a, p in zip(grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-10, atol=1e-14)
+
+
+def _labelled_batch(vocab: int, rows: int = 3, length: int = 12) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = ids.clone()
+    labels[:, :3] = -100  # a prompt
+    labels[1, 9:] = -100  # padding
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 8, 100])
+def test_chunked_loss_equals_the_whole_loss(chunk):
+    """loss_chunk: the head and the loss over a few positions at a time, each chunk's logits
+    recomputed in backward; same loss and gradients (float64: to rounding), the head put back."""
+    from helpers import tiny_llama as tiny64
+    from deca_ds.models import causal_lm_loss
+
+    model = tiny64(layers=2)
+    batch = _labelled_batch(64)
+    whole = causal_lm_loss(model, batch)
+    whole.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    head = model.lm_head
+    widths = []
+    hook = head.register_forward_hook(lambda m, i, o: widths.append(i[0].shape[1]))
+    chunked = causal_lm_loss(model, batch, loss_chunk=chunk)
+    chunked.backward()
+    hook.remove()
+    assert model.lm_head is head
+    k = int((batch["labels"][:, 1:] != -100).any(0).sum())
+    forward = [min(chunk, k - i) for i in range(0, k, chunk)]
+    assert widths == forward + forward[::-1], "each chunk once forward, once recomputed in backward"
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=0)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-14)
+
+
+def test_chunked_loss_never_holds_the_whole_logits():
+    """What autograd keeps after the forward: the whole loss keeps (rows, positions, vocab) fp32
+    log-probabilities; the chunked one keeps no tensor with a vocabulary dimension at all."""
+    from deca_ds.models import causal_lm_loss
+
+    vocab = 5000  # the logits outweigh every other activation
+    model = tiny_llama(vocab).train()
+    batch = _labelled_batch(vocab)
+
+    def largest_saved(chunk: int) -> int:
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            causal_lm_loss(model, batch, loss_chunk=chunk)
+        weights = {p.numel() for p in model.parameters()}
+        return max(s for s in sizes if s not in weights)
+
+    k = int((batch["labels"][:, 1:] != -100).any(0).sum())
+    assert largest_saved(0) == 3 * k * vocab
+    assert largest_saved(4) < vocab
+
+
+def test_chunked_loss_refuses_models_that_rescale_their_logits():
+    from deca_ds.models import causal_lm_loss, check_plain_logits
+
+    model = tiny_llama(64)
+    head = model.lm_head
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="rescales its logits after the LM head .*final_logit_softcapping"):
+        causal_lm_loss(model, _labelled_batch(64), loss_chunk=4)
+    assert model.lm_head is head
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        check_plain_logits(model.config)

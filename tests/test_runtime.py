@@ -248,6 +248,7 @@ BAD_INPUTS = {
                                 "--offload-budget chooses --offload-keep"),
     "offload_budget_too_small": (lambda t: ["--offload", "frozen", "--offload-budget", "0.0001"],
                                  r"--offload-budget 0.0001 GB: even with every frozen decoder layer offloaded"),
+    "loss_chunk": (lambda t: ["--loss-chunk", "-1"], "loss_chunk must be >= 0"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),
     "lora_dropout": (lambda t: ["--method", "decaf", "--lora-dropout", "1.5"], "lora dropout"),
 }
@@ -346,7 +347,8 @@ def test_ranks_per_client_do_data_parallelism_inside_the_client(tmp_path):
 def test_bf16_working_weights_with_working_dtype_mixing(tmp_path):
     out = tmp_path / "run"
     args = [*RUN, "--output-dir", str(out), "--working-dtype", "bf16", "--mix-dtype", "working",
-            "--checkpoint-interval", "0", "--steps-per-block", "10", "--tensorboard", "--fused-update"]
+            "--checkpoint-interval", "0", "--steps-per-block", "10", "--tensorboard", "--fused-update",
+            "--loss-chunk", "7"]
     procs = start_ranks(args, 2, tmp_path / "logs")
     assert wait_all(procs, timeout=300) == [0, 0], (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
     consensus = AutoModelForCausalLM.from_pretrained(out / "consensus")

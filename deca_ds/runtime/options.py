@@ -100,6 +100,9 @@ class RunOptions:
                            "extra [bnb])", choices=(32, 8))
     fused_update: bool = _opt(False, "run the optimizer update (DECA's and the baselines' Adam) as torch.compile'd "
                               "fused kernels: fewer passes over the block; compiles at the first step")
+    loss_chunk: int = _opt(0, "run the LM head and the loss over this many positions at a time, recomputing "
+                           "each chunk's logits in backward: the full logits (about 12 bytes per position and "
+                           "vocabulary entry) never exist, for one more LM-head matmul (0 = off)")
     mix_dtype: str = _opt("master", "dtype exchanged between neighbors: 'master' (exact) or 'working'",
                           choices=("master", "working"))
     # batch (override the preset's DeepSpeed keys)
@@ -125,7 +128,7 @@ class RunOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval", "offload_keep",
-                     "offload_budget"):
+                     "offload_budget", "loss_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("micro_batch", "grad_accum", "clients", "steps"):
@@ -275,7 +278,8 @@ def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: i
         offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
         variant=options["variant"], state_bits=options["state_bits"], fused_update=options["fused_update"],
         steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"],
-        deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions)
+        deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions,
+        loss_chunk=options["loss_chunk"])
 
 
 def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_neighbors: int,

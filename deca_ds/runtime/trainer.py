@@ -30,7 +30,7 @@ from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..methods import Method
 from ..mixing import ClientView
-from ..models import causal_lm_loss, enable_activation_checkpointing, load_model
+from ..models import causal_lm_loss, check_plain_logits, enable_activation_checkpointing, load_model
 from ..offload import FrozenLayerOffload, check_keep
 from ..optimizer import block_schedule, model_partition
 from ..prefix import FrozenPrefix
@@ -49,9 +49,12 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 def build_model(opts: RunOptions, vocab_size: int):
     # A random initialisation is drawn on the rank's device (on the CPU an 8B model takes minutes),
     # except with offloading, whose point is that the device never holds every layer.
-    return load_model(opts.model, dtype=_DTYPES[opts.working_dtype], trust_remote_code=opts.trust_remote_code,
-                      from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
-                      init_device=local_device() if opts.offload == "none" else "cpu")
+    model = load_model(opts.model, dtype=_DTYPES[opts.working_dtype], trust_remote_code=opts.trust_remote_code,
+                       from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
+                       init_device=local_device() if opts.offload == "none" else "cpu")
+    if opts.loss_chunk:
+        check_plain_logits(model.config)
+    return model
 
 
 def next_shard(stream: ClientStream, layout: ClientLayout) -> dict:
@@ -304,7 +307,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                 if prefix is not None:
                     prefix.next(batch)
                 t0 = timer.now()
-                loss = causal_lm_loss(engine, batch)
+                loss = causal_lm_loss(engine, batch, loss_chunk=opts.loss_chunk)
                 t1 = timer.now()
                 engine.backward(loss)
                 t2 = timer.now()
