@@ -418,3 +418,19 @@ def test_update_share_tool(tmp_path):
     done = subprocess.run([*tool, str(old), "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0 and "has no update time" in done.stderr
+
+
+def test_loss_memory_tool(tmp_path):
+    """profiling/loss_memory.py measures a fresh process per loss chunk and sets the estimator's
+    term for the loss beside it."""
+    done = subprocess.run([sys.executable, str(ROOT / "profiling" / "loss_memory.py"), "--micro-batch", "2",
+                           "--seq-len", "16", "--vocab", "1000", "--chunks", "0", "4", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "loss_memory.json").read_text())
+    assert [r["loss_chunk"] for r in summary["rows"]] == [0, 4]
+    for row, positions in zip(summary["rows"], (15, 4)):  # every position but the last predicts a label
+        assert row["estimated_logits_gib"] * 2**30 == 2 * positions * 1000 * 12
+        assert row["measured_peak_gib"] > 0 and row["step_s"] > 0
+    with (tmp_path / "loss_memory.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
