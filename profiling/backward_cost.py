@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds import DecaConfig, DecaOptimizer
-from report import pyplot, write_results
+from report import pyplot, provenance, write_results
 
 
 def parse_args(argv=None):
@@ -79,10 +76,7 @@ def main(argv=None) -> dict:
     B = args.layers
     deca_total = sum(r["backward_ms"] for r in rows)
     summary = {
-        "device": f"CPU ({platform.processor() or platform.machine()}), {args.threads} thread(s)",
-        "command": "python profiling/backward_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__, "args": vars(args),
+        **provenance("backward_cost.py", argv, threads=args.threads), "args": vars(args),
         "full_forward_ms": 1e3 * full_fwd, "full_backward_ms": 1e3 * full_bwd,
         "lowest_block_backward_ms": rows[0]["backward_ms"], "highest_block_backward_ms": rows[-1]["backward_ms"],
         "deca_round_backward_ms": deca_total, "full_round_backward_ms": B * 1e3 * full_bwd,
@@ -97,7 +91,7 @@ def main(argv=None) -> dict:
 def write(summary: dict, out: Path) -> None:
     rows = summary["rows"]
     md = [f"**Backward cost per active block** — measured on {summary['device']}; command: "
-          f"`{summary['command']}`; {summary['date']}; torch {summary['torch']}.", "",
+          f"`{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}.", "",
           "| active block | layers traversed | forward (ms) | backward (ms) |", "| ---: | ---: | ---: | ---: |"]
     md += [f"| {r['block']} | {r['layers_traversed']} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} |" for r in rows]
     md += [f"| all layers trainable | {len(rows)} | {summary['full_forward_ms']:.1f} | {summary['full_backward_ms']:.1f} |",

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from report import write_results
+from report import provenance, write_results
 
 HERE = Path(__file__).resolve().parent
 SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
@@ -85,12 +83,9 @@ def main(argv=None) -> dict:
         rows.append({"loss_chunk": chunk, "measured_peak_gib": measured["peak_above_start"] / GiB,
                      "estimated_logits_gib": est.act_logits / GiB, "step_s": measured["step_s"]})
     whole = rows[0]["measured_peak_gib"] if args.chunks[0] == 0 else None
-    command = " ".join(["python profiling/loss_memory.py", *(sys.argv[1:] if argv is None else argv)])
-    summary = {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "device": f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-               "versions": {"torch": torch.__version__, "python": platform.python_version()},
+    summary = {**provenance("loss_memory.py", argv, threads=torch.get_num_threads()),
                "model": spec.name, "micro_batch": args.micro_batch, "seq_len": args.seq_len, "rows": rows}
-    md = [f"**Memory of the loss, measured** on {summary['device']}; command: `{command}`; {summary['date']}; "
+    md = [f"**Memory of the loss, measured** on {summary['device']}; command: `{summary['command']}`; {summary['date']}; "
           f"torch {torch.__version__}. {spec.name}: 2 layers of hidden 256, vocabulary {args.vocab:,}, fp32; "
           f"micro-batch {args.micro_batch} × {args.seq_len}, every position labelled.", "",
           "| loss chunk | peak above start, measured (GiB) | loss's logits, estimated (GiB) | forward + backward (s) |"

@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import runs
-from report import pyplot, setting, write_results
+from report import pyplot, setting, provenance, write_results
 from runs import ROOT
 
 from deca_ds.memory import GiB, OFFLOAD_MODES
@@ -124,10 +121,7 @@ def main(argv=None) -> dict:
         r["step_over_resident"] = resident and r["step_ms"] / resident["step_ms"]
     cuda = torch.cuda.is_available()
     summary = {
-        "command": " ".join(["python profiling/profile_memory.py", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        **provenance("profile_memory.py", argv, cuda=cuda),
         "ranks": args.ranks, "ds_config": args.ds_config, "train_args": args.train_args, "results": results,
     }
     write(summary, Path(args.out), args.name)

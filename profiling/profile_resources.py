@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 import runs
-from report import pyplot, write_results
+from report import pyplot, provenance, write_results
 from runs import ROOT
 
 METHODS = ("deca", "dadam", "dec_lora", "dec_adapter", "decaf")
@@ -104,10 +101,7 @@ def main(argv=None) -> dict:
         ratios["deca_fused_agg_up_over_eager"] = by["DECA (fused)"]["agg_up_ms"] / by["DECA"]["agg_up_ms"]
     cuda = torch.cuda.is_available()
     summary = {
-        "command": " ".join(["python profiling/profile_resources.py", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        **provenance("profile_resources.py", argv, cuda=cuda),
         "ranks": args.ranks, "ds_config": args.ds_config, "train_args": args.train_args,
         "warmup": args.warmup, "results": results, "ratios": ratios,
     }

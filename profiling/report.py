@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import platform
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 
@@ -16,6 +19,18 @@ def write_results(out: Path, name: str, *, markdown: str, rows: list[dict], payl
         writer.writeheader()
         writer.writerows(rows)
     (out / f"{name}.json").write_text(json.dumps(payload, indent=2))
+
+
+def provenance(tool: str, argv: list[str] | None, *, cuda: bool = False, threads: int | None = None) -> dict:
+    """What every result names: the command that made it (`argv`: the tool's arguments, default
+    sys.argv's), the UTC date, the device (CPU: with `threads` when given) and the versions."""
+    import torch
+
+    cpu = f"CPU ({platform.processor() or platform.machine()}" + (f", {threads} threads)" if threads else ")")
+    return {"command": " ".join([f"python profiling/{tool}", *(sys.argv[1:] if argv is None else argv)]),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": torch.cuda.get_device_name() if cuda else cpu,
+            "versions": {"torch": torch.__version__, "python": platform.python_version()}}
 
 
 def pyplot():

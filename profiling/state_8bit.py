@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ import torch
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
 from deca_ds.memory import ModelSpec
 from deca_ds.quantized import num_absmax
-from report import write_results
+from report import provenance, write_results
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -135,9 +133,7 @@ def main(argv=None) -> dict:
             rows.append(row)
             print(json.dumps(row))
     summary = {
-        "device": f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} thread(s)",
-        "command": " ".join(["python profiling/state_8bit.py", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__,
+        **provenance("state_8bit.py", argv, threads=torch.get_num_threads()),
         "bitsandbytes": __import__("bitsandbytes").__version__, "args": vars(args),
         "tiny_block_params": rows[0]["state_bytes_fp32"] // 12, "big_layer": big_layer(args.big_config), "rows": rows,
     }
@@ -149,7 +145,7 @@ def write(s: dict, out: Path) -> None:
     rows, big, a = s["rows"], s["big_layer"], s["args"]
     r0, MB = rows[0], 1e6
     md = [f"**8-bit moments vs fp32 (DecaConfig(state_bits=8))** — measured on {s['device']}; command: "
-          f"`{s['command']}`; {s['date']}; torch {s['torch']}, bitsandbytes {s['bitsandbytes']}.", "",
+          f"`{s['command']}`; {s['date']}; torch {s['versions']['torch']}, bitsandbytes {s['bitsandbytes']}.", "",
           "Optimizer state of the active block (master x + m + v); 8-bit m, v are uint8 codes plus one fp32 "
           "absmax per 256 elements of each tensor, the master stays fp32.", "",
           "| model, active block | params | fp32 state (bytes) | 8-bit state (bytes) | 8-bit / fp32 state | "

@@ -25,12 +25,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
-import platform
 import statistics
 import subprocess
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -38,7 +35,7 @@ import torch
 from deca_ds import DecaConfig, DecaOptimizer
 from deca_ds.config import parse_dtype
 from deca_ds.memory import load_config, meta_model
-from report import write_results
+from report import provenance, write_results
 
 HERE = Path(__file__).resolve().parent
 
@@ -140,11 +137,8 @@ def main(argv=None) -> dict:
     args.working_dtype = args.working_dtype or ("bf16" if cuda else "fp32")
     rows = [measure(args, v, u) for v in args.variants for u in args.updates]
     summary = {
-        "command": " ".join(["python profiling/update_cost.py", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
-        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
-                                                             f"{torch.get_num_threads()} threads)",
-        "versions": {"torch": torch.__version__, "python": platform.python_version()}, "allocator": allocator,
+        **provenance("update_cost.py", argv, cuda=cuda, threads=torch.get_num_threads()), "commit": commit(),
+        "allocator": allocator,
         "rows": rows,
     }
     md = [f"**DECA's update of one block, measured** on {summary['device']}, commit {summary['commit']}; "

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 from deca_ds.memory import ModelSpec
-from report import write_results
+from report import provenance, write_results
 from update_cost import floor_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -91,9 +89,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     measured = [row for path in args.results for row in measured_rows(Path(path))]
     rows = [estimate(row, bw, args.overhead_ms) for row in measured for bw in args.bandwidth]
-    command = " ".join(["python profiling/update_share.py", *(sys.argv[1:] if argv is None else argv)])
-    summary = {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "estimated": True, "target": args.target, "rows": rows}
+    made = provenance("update_share.py", argv)  # its device is not the one the steps were measured on
+    command = made["command"]
+    summary = {"command": command, "date": made["date"], "estimated": True, "target": args.target, "rows": rows}
     md = [f"**Fused update's share of the step, estimated** (not measured) from steps measured with the eager "
           f"update; command: `{command}`; {summary['date']}.", "",
           "| model | layers/block | tokens per step | measured on | step (ms) | eager update (ms) | block params "
