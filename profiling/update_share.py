@@ -22,13 +22,15 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
+from deca_ds.config import parse_dtype
 from deca_ds.memory import ModelSpec
 from report import provenance, write_results
 from update_cost import floor_bytes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-WORKING_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def parse_args(argv=None):
@@ -50,11 +52,14 @@ def _flag(args: list[str], name: str, default):
 
 
 def measured_rows(path: Path) -> list[dict]:
-    """DECA's resident rows of one result file: model, layers per block, micro-batch, step and update."""
+    """DECA's resident rows of one result file: model, layers per block and its largest block,
+    micro-batch, step and update."""
     run = json.loads(path.read_text())
     train_args = run["train_args"]
     ds_config = json.loads((ROOT / run["ds_config"]).read_text())
-    common = {"source": path.name, "device": run["device"], "model": _flag(train_args, "--model", ""),
+    model = _flag(train_args, "--model", "")
+    spec = ModelSpec.from_config(ROOT / model)  # one meta model per file, whatever its rows and bandwidths
+    common = {"source": path.name, "device": run["device"], "model": model,
               "working_dtype": ds_config["deca"]["working_dtype"]}
     rows = []
     for r in run["results"]:
@@ -63,8 +68,9 @@ def measured_rows(path: Path) -> list[dict]:
         update_ms = r.get("agg_up_ms", r.get("update_ms"))
         if update_ms is None:
             raise SystemExit(f"{path}: its DECA row has no update time (written before profile_memory timed it)")
-        rows.append({**common,
-                     "layers_per_block": r.get("layers_per_block", _flag(train_args, "--layers-per-block", 1)),
+        layers_per_block = r.get("layers_per_block", _flag(train_args, "--layers-per-block", 1))
+        rows.append({**common, "layers_per_block": layers_per_block,
+                     "block_params": max(b.numel for b in spec.partition(layers_per_block).blocks),
                      "micro_batch": r.get("micro_batch", _flag(train_args, "--micro-batch", 1)),
                      "seq_len": r.get("seq_len", ds_config["deca"].get("max_seq_len")),
                      "step_ms": r["step_ms"], "eager_update_ms": update_ms})
@@ -74,13 +80,10 @@ def measured_rows(path: Path) -> list[dict]:
 
 
 def estimate(row: dict, bandwidth_tbs: float, overhead_ms: float) -> dict:
-    spec = ModelSpec.from_config(ROOT / row["model"])
-    partition = spec.partition(row["layers_per_block"])
-    block_params = max(sum(spec.tensor_numels(partition, b)) for b in range(len(partition.blocks)))
-    per_param = floor_bytes(WORKING_BYTES[row["working_dtype"]])
-    fused_ms = block_params * per_param / (bandwidth_tbs * 1e12) * 1e3 + overhead_ms
+    per_param = floor_bytes(torch.finfo(parse_dtype(row["working_dtype"])).bits // 8)
+    fused_ms = row["block_params"] * per_param / (bandwidth_tbs * 1e12) * 1e3 + overhead_ms
     rest_ms = row["step_ms"] - row["eager_update_ms"]
-    return {**row, "block_params": block_params, "bytes_per_param": per_param, "bandwidth_tbs": bandwidth_tbs,
+    return {**row, "bytes_per_param": per_param, "bandwidth_tbs": bandwidth_tbs,
             "overhead_ms": overhead_ms, "fused_update_ms": fused_ms, "step_with_fused_ms": rest_ms + fused_ms,
             "eager_share": row["eager_update_ms"] / row["step_ms"], "fused_share": fused_ms / (rest_ms + fused_ms)}
 
