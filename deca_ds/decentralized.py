@@ -70,6 +70,12 @@ def moments_(m: torch.Tensor, v: torch.Tensor, u: torch.Tensor, c1: float, c2: f
     v.mul_(c2).addcmul_(u, u, value=1 - c2)
 
 
+def moments(m: torch.Tensor, v: torch.Tensor, u: torch.Tensor, c1: float, c2: float):
+    """moments_ out of place, for compiled kernels that keep the results in registers (the same
+    ops, so the same arithmetic)."""
+    return torch.add(m * c1, u, alpha=1 - c1), torch.addcmul(v * c2, u, u, value=1 - c2)
+
+
 def _adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
                eps: float, keep: torch.Tensor | None, out: torch.Tensor) -> None:
     torch.div(v, bc2, out=out).sqrt_().add_(eps)  # √v̂ + ε, in the x½ buffer
@@ -80,12 +86,34 @@ def _adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torc
         out.mul_(neg_step).addcmul_(x, keep)
 
 
+def adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
+              eps: float, keep: torch.Tensor | None) -> torch.Tensor:
+    """x½ from m½, v½ out of place (the ops of _adam_step), for compiled kernels."""
+    u = m / ((v / bc2).sqrt() + eps)
+    return torch.addcmul(x, u, neg_step) if keep is None else torch.addcmul(u * neg_step, x, keep)
+
+
 def _fold_and_step(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
                    outs: list[torch.Tensor], a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor,
                    eps: float, keep: torch.Tensor | None) -> None:
     for x, m, v, g, out in zip(xs, ms, vs, gs, outs):
         moments_(m, v, g, a1, a2)
         _adam_step(x, m, v, neg_step, bc2, eps, keep, out)
+
+
+def step_inputs(params: Sequence[nn.Parameter], x: torch.Tensor, *, lr: float, betas: tuple[float, float], t: int,
+                weight_decay: float, scale: float):
+    """What Adam's step at t on `params` (master vector x) reads besides x, m, v: the flat
+    gradients, scaled in place first when clipped (a lower-precision one is widened inside the
+    ops that read it; a zero of x's dtype where a tensor got none), and the step's scalars as 0-d
+    tensors (compiled kernels take them without recompiling): −γ/(1−α1^t), 1−α2^t and 1−γλ
+    (None without weight decay)."""
+    scalar = lambda value: torch.full((), value, dtype=x.dtype, device=x.device)  # noqa: E731
+    neg_step, bc2 = scalar(-lr / (1 - betas[0] ** t)), scalar(1 - betas[1] ** t)
+    keep = scalar(1 - lr * weight_decay) if weight_decay else None
+    zero = scalar(0.0)
+    grads = [zero if p.grad is None else (p.grad if scale == 1.0 else p.grad.mul_(scale)).reshape(-1) for p in params]
+    return grads, neg_step, bc2, keep
 
 
 @torch.no_grad()
@@ -103,11 +131,8 @@ def half_step(params: Sequence[nn.Parameter], x: torch.Tensor, m: torch.Tensor, 
     flat vectors. Fused, one compiled call does both tensor by tensor, reading and writing m and v
     once; it holds the gradients and x½ together, where the eager path frees the gradients first."""
     a1, a2 = betas
-    scalar = lambda value: torch.full((), value, dtype=x.dtype, device=x.device)  # noqa: E731
-    neg_step, bc2 = scalar(-lr / (1 - a1 ** t)), scalar(1 - a2 ** t)
-    keep = scalar(1 - lr * weight_decay) if weight_decay else None
-    zero = scalar(0.0)
-    grads = [zero if p.grad is None else (p.grad if scale == 1.0 else p.grad.mul_(scale)).reshape(-1) for p in params]
+    grads, neg_step, bc2, keep = step_inputs(params, x, lr=lr, betas=betas, t=t, weight_decay=weight_decay,
+                                             scale=scale)
     if use_fused:
         out = torch.empty_like(x) if out is None else out
         fused(_fold_and_step)(*(flat_segments(params, t) for t in (x, m, v)), grads, flat_segments(params, out),

@@ -32,12 +32,15 @@ Phase model of one inner step (what is alive at once; the peak is the largest ph
                    grad + x_half. With 8-bit moments (state_bits=8) x_half comes first, the
                    gradient is freed tensor by tensor, and one tensor's fp32 m, v and Adam result
                    exist at a time: grad + x_half + quant_transient
-    mixing         weights + optimizer_state + x_half + send_copy + recv + x_plus
+    mixing         weights + optimizer_state + x_half + grad_kept + send_copy + recv + x_plus
                    + trivial_bma_extra
                    (DistributedMixer.mix exchanges the block MIX_CHUNK elements at a time: per
                    chunk one receive buffer per neighbor, a cast send copy if the transfer dtype
                    is not the master's, and x⁺ summed into the first term's buffer (a new
-                   master-dtype chunk when cast), then written over x½; bma_correct works in place)
+                   master-dtype chunk when cast), then written over x½; bma_correct works in
+                   place. A client without neighbors exchanges nothing, and with the fused update
+                   it stores no x½ at all: x_half = 0, and the gradient is kept until
+                   bma_correct writes x⁺ over x: grad_kept = grad)
 
 With offload "frozen", `weights` counts only the resident layers and every phase also holds two
 streaming buffers; `offload_stream` is what a step copies from host memory. One more phase:
@@ -315,10 +318,12 @@ class MemoryEstimate:
     grad_allreduce: int  # DeepSpeed stage-0 all-reduce: largest bucket × (working + 4 if the
     #                      working dtype is not fp32: flat copy, then its fp32 communication copy)
     x_half: int  # active block × master bytes: x½, allocated by adam_half_step, the send buffer
+    #              (0 in place: fused_update without neighbors)
     send_copy: int  # one mixing chunk × transfer bytes when the transfer dtype differs from the master's
     recv: int  # n_neighbors × one mixing chunk (min(block, MIX_CHUNK)) × transfer bytes
     x_plus: int  # x⁺ chunk = Σ w_ij x½_j: 0 when summed into an existing master-dtype buffer, else chunk × master bytes
-    trivial_bma_extra: int  # variant trivial_bma: m_prev, v_prev (2 × the bytes of m)
+    grad_kept: int  # fused, no neighbors: the .grad tensors until bma_correct, which updates in place
+    trivial_bma_extra: int  # variant trivial_bma: m_prev, v_prev (2 × the bytes of m), except in place
     quant_transient: int  # state_bits=8: fp32 m, v and Adam result of the block's largest tensor
     offload_buffers: int  # offload "frozen": two streaming buffers of the largest streamed layer (one if only
     #                       one layer streams), working dtype
@@ -372,7 +377,7 @@ class MemoryEstimate:
             "update": base + (self.grad + self.x_half if self.state_bits == 8 or self.fused_update
                               else max(self.grad, self.x_half))
                       + self.quant_transient + self.trivial_bma_extra,
-            "mixing": base + self.x_half + self.send_copy + self.recv + self.x_plus
+            "mixing": base + self.x_half + self.grad_kept + self.send_copy + self.recv + self.x_plus
                       + self.trivial_bma_extra,
         }
 
@@ -543,6 +548,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         grad_allreduce = _largest_bucket(spec.tensor_numels(partition, block)) * (w + (4 if w != 4 else 0))
 
     d, M = spec.total_params, 2 * spec.total_params
+    in_place = fused_update and state_bits == 32 and n_neighbors == 0  # DecaOptimizer._alone
     return MemoryEstimate(
         model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,
         num_layers=spec.num_layers, layers_per_block=layers_per_block, num_blocks=B, block=block, block_params=n,
@@ -552,9 +558,10 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         inputs_require_grad=inputs_require_grad,
         steps_per_block=steps_per_block,
         weights=weights, master=n * mb, m=moment, v=moment, grad=n * w, grad_allreduce=grad_allreduce,
-        x_half=n * mb, send_copy=chunk * tb if cast else 0, recv=n_neighbors * chunk * tb,
-        x_plus=chunk * mb if cast else 0,
-        trivial_bma_extra=2 * moment if variant == "trivial_bma" else 0,
+        x_half=0 if in_place else n * mb, send_copy=chunk * tb if cast and n_neighbors else 0,
+        recv=n_neighbors * chunk * tb, x_plus=chunk * mb if cast and n_neighbors else 0,
+        grad_kept=n * w if in_place else 0,
+        trivial_bma_extra=2 * moment if variant == "trivial_bma" and not in_place else 0,
         quant_transient=3 * max(numels) * mb if state_bits == 8 else 0,
         offload_buffers=offload_buffers, host_weights=host_weights, offload_keep=offload_keep,
         offload_stream_block=stream_block, offload_stream=round(stream_block / steps_per_block),

@@ -24,6 +24,9 @@ Terms = list[tuple[float, torch.Tensor]]
 class Mixer(Protocol):
     """What an optimizer's combine() needs from the network."""
 
+    # True for a client without neighbors (W = [1]): mix returns x½ itself, as it was.
+    alone: bool
+
     def mix(self, x_half: torch.Tensor) -> torch.Tensor:
         """This client's x⁺ = Σ_j w_ij x½_j, in x½'s dtype, in a buffer the caller may keep as its
         new x: x½ itself (summed over) or a new tensor, never one another client still reads."""
@@ -65,6 +68,8 @@ def mixing_order(W: np.ndarray, i: int) -> list[int]:
 class IdentityMixer:
     """A single client (W = [1]): x⁺ = x½. Makes N = 1 plain block-wise Adam."""
 
+    alone = True
+
     def mix(self, x_half: torch.Tensor) -> torch.Tensor:
         return x_half
 
@@ -73,10 +78,11 @@ class IdentityMixer:
 
 
 class ClientView:
-    """Client i's mixer in the simulator: every client's payload is already known."""
+    """A client's mixer over payloads already known: (w_ij, x½_j) in mixing order and its own x½."""
 
     def __init__(self, terms: Terms, own: torch.Tensor) -> None:
         self.terms, self.own = terms, own
+        self.alone = len(terms) == 1  # then its weight is 1: W is doubly stochastic
 
     def exchange(self, x_half: torch.Tensor) -> Terms:
         if x_half is not self.own:
@@ -84,22 +90,54 @@ class ClientView:
         return self.terms
 
     def mix(self, x_half: torch.Tensor) -> torch.Tensor:
-        return weighted_sum(self.exchange(x_half))
+        terms = self.exchange(x_half)
+        return x_half if self.alone else weighted_sum(terms)
 
 
 class InProcessMixer:
-    """Mixes the x½ of all N clients held in one process (the simulator)."""
+    """Mixes the x½ of all N clients held in one process (the simulator): client(i) is client i's
+    mixer, and post() hands it every client's x½ of the step."""
 
     def __init__(self, mixing_matrix) -> None:
         self.W = validate_mixing_matrix(mixing_matrix)
+        self.x_halves: list[torch.Tensor] | None = None
 
     @property
     def n(self) -> int:
         return self.W.shape[0]
 
-    def views(self, x_halves: Sequence[torch.Tensor]) -> list[ClientView]:
-        """One mixer per client over all clients' payloads (which combine() must not modify)."""
+    def post(self, x_halves: Sequence[torch.Tensor]) -> None:
+        """This step's payload of every client (which combine() must not modify)."""
         if len(x_halves) != self.n:
             raise ValueError(f"expected {self.n} client vectors, got {len(x_halves)}")
-        return [ClientView([(float(self.W[i, j]), x_halves[j]) for j in mixing_order(self.W, i)], x_halves[i])
-                for i in range(self.n)]
+        self.x_halves = list(x_halves)
+
+    def client(self, i: int) -> "InProcessClient":
+        return InProcessClient(self, i)
+
+    def views(self, x_halves: Sequence[torch.Tensor]) -> list["InProcessClient"]:
+        """post(x_halves), then every client's mixer."""
+        self.post(x_halves)
+        return [self.client(i) for i in range(self.n)]
+
+
+class InProcessClient:
+    """Client i's mixer in the simulator, over the payloads last posted to its InProcessMixer.
+    It exists before the first step, so an optimizer made with it knows whether it has neighbors."""
+
+    def __init__(self, mixer: InProcessMixer, i: int) -> None:
+        self.mixer, self.i = mixer, i
+        self.order = mixing_order(mixer.W, i)
+        self.alone = len(self.order) == 1
+
+    def view(self) -> ClientView:
+        xs = self.mixer.x_halves
+        if xs is None:
+            raise RuntimeError("no payloads posted to the in-process mixer yet")
+        return ClientView([(float(self.mixer.W[self.i, j]), xs[j]) for j in self.order], xs[self.i])
+
+    def exchange(self, x_half: torch.Tensor) -> Terms:
+        return self.view().exchange(x_half)
+
+    def mix(self, x_half: torch.Tensor) -> torch.Tensor:
+        return self.view().mix(x_half)

@@ -14,6 +14,10 @@ One step on the active block, with x its master vector (all the block's tensors 
 With `fused_update` the update is two torch.compile'd calls (decentralized.fused): the fold of
 the gradient with the Adam step (half_step), and ‖x − x⁺‖ with the carried moments and the working
 weights (carry_and_write); m and v are then read and written twice per step, not four times.
+A client without neighbors (its mixer `alone`: N = 1) has x⁺ = x½, so no x½ need be stored: the
+fused local step only measures ‖x − x½‖ (distance_alone, reading g, x, m, v), and bma_correct
+forms x½ again and writes it over x with the carried m, v and the working weights (update_alone);
+the gradients live until then.
 
 Only the active block has a master copy and moments, in `master_dtype`; they are created when the
 block is activated and dropped when it is left. With `state_bits=8` the moments are held in 8 bits
@@ -32,8 +36,8 @@ from torch import nn
 
 from .blocks import Partition, block_order, partition_model
 from .config import DecaConfig
-from .decentralized import (DecentralizedOptimizer, check_saved_config, clip_scale, flat_segments, fused, half_step,
-                            moments_, segments, write_params)
+from .decentralized import (DecentralizedOptimizer, adam_step, check_saved_config, clip_scale, flat_segments, fused,
+                            half_step, moments, moments_, segments, step_inputs, write_params)
 from .mixing import IdentityMixer, Mixer
 from .quantized import QuantizedVector
 
@@ -90,6 +94,7 @@ class DecaOptimizer(DecentralizedOptimizer):
         self.position = 0  # index into this round's block order
         self.step_in_block = 0  # r
         self.active: ActiveBlock | None = None
+        self._alone_step: tuple | None = None  # what the in-place update reads (_local_step_alone)
         # Called with a block's index before the block's parameters are read (offload makes
         # them resident there).
         self.before_activate: Callable[[int], None] | None = None
@@ -173,20 +178,44 @@ class DecaOptimizer(DecentralizedOptimizer):
     # ---- Algorithm 1 ----------------------------------------------------------------------
     @torch.no_grad()
     def adam_half_step(self) -> torch.Tensor:
-        """Steps 1–4: fold the gradient into m½, v½ (in place of m, v) and return x½."""
+        """Steps 1–4: fold the gradient into m½, v½ (in place of m, v) and return x½ (a client
+        without neighbors, fused: see _local_step_alone)."""
         if self.done:
             raise RuntimeError(f"all {self.config.rounds} rounds are done; no block is active")
         blk, cfg = self.active, self.config
         group = self.param_groups[blk.index]
-        if cfg.variant == "trivial_bma":
-            self._m_prev, self._v_prev = blk.m.clone(), blk.v.clone()
         scale = clip_scale(blk.params, cfg.grad_clip, cfg.master_dtype)
         # the bias corrections restart with every block (r + 1 steps)
         hyper = dict(lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps, t=self.step_in_block + 1,
-                     weight_decay=group["weight_decay"], scale=scale, use_fused=cfg.fused_update)
+                     weight_decay=group["weight_decay"], scale=scale)
+        if self._alone:
+            return self._local_step_alone(**hyper)
+        if cfg.variant == "trivial_bma":
+            self._m_prev, self._v_prev = blk.m.clone(), blk.v.clone()
+        hyper["use_fused"] = cfg.fused_update
         if cfg.state_bits == 8:
             return self._quantized_half_step(hyper)
         return half_step(blk.params, blk.master, blk.m, blk.v, **hyper)  # m, v now hold m½, v½
+
+    @property
+    def _alone(self) -> bool:
+        """Whether the fused update runs in place: a client without neighbors, 32-bit moments."""
+        cfg = self.config
+        return cfg.fused_update and cfg.state_bits == 32 and self.mixer.alone
+
+    def _local_step_alone(self, *, eps: float, **step) -> torch.Tensor:
+        """The local step of a client without neighbors: ‖x − x½‖ (deca, trivial_bma) with x½
+        formed in registers only; m, v and the gradients stay for bma_correct. Returns x as the
+        payload, which the mixer hands back untouched: x⁺ = x½ is formed in place."""
+        blk, cfg = self.active, self.config
+        grads, neg_step, bc2, keep = step_inputs(blk.params, blk.master, **step)
+        scalars = (*cfg.adam_betas, neg_step, bc2, eps, keep)
+        distance = None
+        if cfg.variant != "no_bma":
+            distance = fused(distance_alone)(*(flat_segments(blk.params, t) for t in (blk.master, blk.m, blk.v)),
+                                             grads, *scalars)
+        self._alone_step = grads, scalars, distance
+        return blk.master
 
     def _quantized_half_step(self, hyper: dict) -> torch.Tensor:
         """adam_half_step on 8-bit moments, tensor by tensor; x½ comes from the fp32 m½, v½ before
@@ -204,11 +233,21 @@ class DecaOptimizer(DecentralizedOptimizer):
     def bma_correct(self, x_plus: torch.Tensor) -> None:
         """Steps 6–8: discrepancy h, carried moments by variant, x = x⁺; then the next step."""
         blk, cfg = self.active, self.config
-        if cfg.variant == "trivial_bma":  # from the moments before this step's gradient
-            (c1, c2), blk.m, blk.v = cfg.adam_betas, self._m_prev, self._v_prev
-            del self._m_prev, self._v_prev
+        c1, c2 = cfg.adam_betas if cfg.variant == "trivial_bma" else cfg.bma_betas
+        if self._alone_step is not None:
+            self._update_alone(x_plus, c1, c2)
         else:
-            c1, c2 = cfg.bma_betas
+            self._correct(x_plus, c1, c2)
+        # Drop this frame's references to the block's state first: at the end of a block _advance
+        # allocates the next block's master, m, v, and the finished block's must be free by then.
+        del blk, x_plus
+        self._advance()
+
+    def _correct(self, x_plus: torch.Tensor, c1: float, c2: float) -> None:
+        blk, cfg = self.active, self.config
+        if cfg.variant == "trivial_bma":  # from the moments before this step's gradient
+            blk.m, blk.v = self._m_prev, self._v_prev
+            del self._m_prev, self._v_prev
         # x = x⁺: the mixer's buffer (x½ summed over, or a new one) becomes the master, no copy;
         # the old master is free to hold h.
         x, blk.master = blk.master, x_plus
@@ -220,10 +259,17 @@ class DecaOptimizer(DecentralizedOptimizer):
             self._carry(discrepancy_(x, x_plus), c1, c2)
         if not fused_carry:
             write_params(blk.params, x_plus)
-        # Drop this frame's references to the block's state first: at the end of a block _advance
-        # allocates the next block's master, m, v, and the finished block's must be free by then.
-        del blk, x, x_plus
-        self._advance()
+
+    def _update_alone(self, x_plus: torch.Tensor, c1: float, c2: float) -> None:
+        blk, cfg = self.active, self.config
+        if x_plus is not blk.master:
+            raise RuntimeError("this client's mixer has no neighbors, so its local step formed no x½ to send: "
+                               "combine it through that mixer (the optimizer's own, or the one it was made with)")
+        (grads, scalars, distance), self._alone_step = self._alone_step, None
+        fused(update_alone)(*(flat_segments(blk.params, t) for t in (blk.master, blk.m, blk.v)), grads,
+                            [p.detach().view(-1) for p in blk.params], *scalars, distance, cfg.variant, c1, c2)
+        for p in blk.params:
+            p.grad = None
 
     def _carry(self, h: torch.Tensor, c1: float, c2: float) -> None:
         """Step 7 of deca / trivial_bma: m = c1·m + (1−c1)·h, v = c2·v + (1−c2)·h⊙h (8-bit moments:
@@ -290,6 +336,40 @@ def carry_and_write(xs: list[torch.Tensor], x_pluses: list[torch.Tensor], ms: li
     for x, xp, m, v, w in zip(xs, x_pluses, ms, vs, weights):
         moments_(m, v, (x - xp) / norm, c1, c2)
         w.copy_(xp)
+
+
+def distance_alone(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
+                   a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor, eps: float,
+                   keep: torch.Tensor | None) -> torch.Tensor:
+    """‖x − x½‖ over the block, x½ formed tensor by tensor in registers and never stored: for a
+    client without neighbors this is step 6's ‖x − x⁺‖ before any x⁺ exists."""
+    norms = [torch.linalg.vector_norm(x - adam_step(x, *moments(m, v, g, a1, a2), neg_step, bc2, eps, keep))
+             for x, m, v, g in zip(xs, ms, vs, gs)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def update_alone(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
+                 weights: list[torch.Tensor], a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor,
+                 eps: float, keep: torch.Tensor | None, distance: torch.Tensor | None, variant: str, c1: float,
+                 c2: float) -> None:
+    """Steps 2–8 of a client without neighbors in one compiled call, tensor by tensor and in
+    place: m½, v½ and x½ = x⁺ again (the same ops as distance_alone), h = (x − x½)/distance,
+    m, v carried by variant, then x and the working weights from x½. Reads g, x, m, v and writes
+    x, m, v and the weights once."""
+    if distance is not None:
+        distance = distance.clamp_min(torch.finfo(distance.dtype).tiny)
+    for x, m, v, g, w in zip(xs, ms, vs, gs, weights):
+        m_half, v_half = moments(m, v, g, a1, a2)
+        x_half = adam_step(x, m_half, v_half, neg_step, bc2, eps, keep)
+        if variant == "no_bma":
+            m_new, v_new = m_half, v_half
+        else:  # deca carries from m½, v½; trivial_bma from the moments before this step
+            carried = (m_half, v_half) if variant == "deca" else (m, v)
+            m_new, v_new = moments(*carried, (x - x_half) / distance, c1, c2)
+        m.copy_(m_new)
+        v.copy_(v_new)
+        x.copy_(x_half)
+        w.copy_(x_half)
 
 
 def _copy(moment: torch.Tensor | QuantizedVector):

@@ -49,7 +49,7 @@ def simulate(
                          "clients' batches were given")
     method = Deca(config) if isinstance(config, DecaConfig) else config
     clients = [method.prepare(copy.deepcopy(model)).train() for _ in range(mixer.n)]
-    optimizers = [method.optimizer(c) for c in clients]
+    optimizers = [method.optimizer(c, mixer.client(i)) for i, c in enumerate(clients)]
     streams = [iter(b) for b in client_batches]
     lead = optimizers[0]
     while not lead.done:
@@ -66,8 +66,9 @@ def simulate(
             loss.backward()
             losses.append(loss.item())
             payloads.append(opt.local_step())
-        for opt, view, payload in zip(optimizers, mixer.views(payloads), payloads):
-            opt.combine(view, payload)
+        mixer.post(payloads)
+        for opt, payload in zip(optimizers, payloads):
+            opt.combine(opt.mixer, payload)
         if on_step is not None:
             on_step(StepInfo(losses=losses, **info))
     return [{name: p.detach().clone() for name, p in c.named_parameters()} for c in clients]

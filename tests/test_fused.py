@@ -24,11 +24,53 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-6, atol=8 * torch.finfo(torch.float32).eps * want.abs().max().item())
 
 
+class GivenMix:
+    """A mixer with neighbors whose x⁺ the test sets."""
+
+    alone = False
+    x_plus: torch.Tensor
+
+    def mix(self, x_half: torch.Tensor) -> torch.Tensor:
+        return self.x_plus
+
+
 @pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])
 def test_fused_step_equals_eager_in_fp32_with_bf16_weights(variant):
     """Each phase from identical inputs: the same gradients, state and x⁺ every step. (Otherwise
     d = x − x⁺, a difference of nearly equal numbers, turns the paths' last-bit differences into
     relative differences of h, and bf16 weights one rounding apart give different gradients.)"""
+    base = tiny_llama(layers=2, dtype=torch.bfloat16)
+    cfg = dict(lr=1e-3, steps_per_block=3, rounds=1, layers_per_block=1, variant=variant,
+               weight_decay=0.01, grad_clip=0.5)
+    eager, fused = copy.deepcopy(base), copy.deepcopy(base)
+    given = GivenMix()
+    opts = DecaOptimizer(eager, DecaConfig(**cfg)), DecaOptimizer(fused, DecaConfig(**cfg, fused_update=True),
+                                                                   mixer=given)
+    state = lambda opt: [getattr(opt.active, k) for k in ("master", "m", "v")]  # noqa: E731
+    for batch in client_batches(1, steps=6)[0]:
+        eager(**batch).loss.backward()
+        for p, q in zip(opts[0].active.params, opts[1].active.params):
+            q.grad = p.grad.clone()
+        want, got = (opt.local_step() for opt in opts)
+        for g, w in zip([got, *state(opts[1])[1:]], [want, *state(opts[0])[1:]]):  # x½, m½, v½
+            close(g, w)
+        opts[0].combine(opts[0].mixer, want)
+        given.x_plus = want.clone()
+        opts[1].combine(given, got)
+        if not opts[0].done:
+            for g, w in zip(state(opts[1]), state(opts[0])):  # x = x⁺, carried m, v
+                close(g, w)
+                g.copy_(w)
+    for (n, a), b, c in zip(eager.named_parameters(), fused.parameters(), base.parameters()):
+        assert torch.equal(b, a), n
+        assert torch.equal(a, c) != n.startswith("model.layers."), n  # both blocks moved, nothing else
+
+
+@pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])
+def test_a_client_without_neighbors_updates_in_place(variant):
+    """N = 1, fused: the local step stores no x½ (its payload is x itself, the gradients stay),
+    and the correction writes x⁺ = x½ over x. Against the eager path from identical state each
+    step: x, m, v agree to rounding. (Exactness in float64: test_simulator_exact, N = 1.)"""
     base = tiny_llama(layers=2, dtype=torch.bfloat16)
     cfg = dict(lr=1e-3, steps_per_block=3, rounds=1, layers_per_block=1, variant=variant,
                weight_decay=0.01, grad_clip=0.5)
@@ -39,18 +81,38 @@ def test_fused_step_equals_eager_in_fp32_with_bf16_weights(variant):
         eager(**batch).loss.backward()
         for p, q in zip(opts[0].active.params, opts[1].active.params):
             q.grad = p.grad.clone()
-        want, got = (opt.local_step() for opt in opts)
-        for g, w in zip([got, *state(opts[1])[1:]], [want, *state(opts[0])[1:]]):  # x½, m½, v½
-            close(g, w)
+        before = [t.clone() for t in state(opts[1])]
+        x = opts[1].active.master
+        payload = opts[1].local_step()
+        assert payload is x and all(torch.equal(a, b) for a, b in zip(state(opts[1]), before))
+        assert all(p.grad is not None for p in opts[1].active.params)
+        want = opts[0].local_step()
         opts[0].combine(opts[0].mixer, want)
-        opts[1].combine(opts[1].mixer, want.clone())
-        if not opts[0].done:
-            for g, w in zip(state(opts[1]), state(opts[0])):  # x = x⁺, carried m, v
-                close(g, w)
+        opts[1].combine(opts[1].mixer, payload)
+        if opts[1].step_in_block:  # still the same block: compare its state
+            assert opts[1].active.master is x and all(p.grad is None for p in opts[1].active.params)
+            # x⁺ from x, m, v and g alike to a few roundings; h = (x − x⁺)/‖x − x⁺‖ inherits
+            # one rounding of x⁺ relative to |x − x⁺| ≈ γ, so the moments get a looser bound.
+            close(opts[1].active.master, opts[0].active.master)
+            for g, w in zip(state(opts[1])[1:], state(opts[0])[1:]):
+                torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3 * w.abs().max().item())
+            for g, w in zip(state(opts[1]), state(opts[0])):
                 g.copy_(w)
-    for (n, a), b, c in zip(eager.named_parameters(), fused.parameters(), base.parameters()):
-        assert torch.equal(b, a), n
-        assert torch.equal(a, c) != n.startswith("model.layers."), n  # both blocks moved, nothing else
+            for p, x_p in opts[1].active.segments(opts[1].active.master):
+                p.detach().copy_(x_p)
+    for (n, a), b in zip(eager.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=2 * torch.finfo(torch.bfloat16).eps * a.abs().max().item())
+
+
+def test_the_in_place_update_refuses_a_mix_with_neighbors():
+    model = tiny_llama(layers=2, dtype=torch.float32)
+    opt = DecaOptimizer(model, DecaConfig(lr=1e-3, steps_per_block=3, rounds=1, fused_update=True))
+    model(**client_batches(1, steps=1)[0][0]).loss.backward()
+    payload = opt.local_step()
+    given = GivenMix()
+    given.x_plus = payload.clone()
+    with pytest.raises(RuntimeError, match="no neighbors"):
+        opt.combine(given, payload)
 
 
 def test_fused_kernels_compile_once_whatever_t_lr_and_sizes():

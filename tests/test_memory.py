@@ -168,6 +168,23 @@ def test_phase_model_and_orderings(specs):
     assert fused.peak == eager.peak and fused.peak_phase == "backward"
     trivial = estimate_memory(spec, 1, variant="trivial_bma")
     assert trivial.trivial_bma_extra == 2 * trivial.master and trivial.peak > peaks["none", 1]
+    # Fused, one client: no x½ is stored (bma_correct writes x⁺ = x½ over x), the gradient stays
+    # until then, and trivial_bma copies no moments. With neighbors, or eager, x½ is stored.
+    for v in ("deca", "trivial_bma", "no_bma"):
+        one = estimate_memory(spec, 1, variant=v, fused_update=True, n_neighbors=0, loss_positions=2)
+        assert one.x_half == one.trivial_bma_extra == 0 and one.grad_kept == one.grad == 2 * one.block_params
+        base = one.weights + one.optimizer_state
+        assert one.phases["update"] == one.phases["mixing"] == base + one.grad
+        for other in (dict(fused_update=True, n_neighbors=2), dict(fused_update=False, n_neighbors=0)):
+            est = estimate_memory(spec, 1, variant=v, loss_positions=2, **other)
+            assert est.x_half == 4 * est.block_params and est.grad_kept == 0
+        # The H100 run's configuration (two labelled positions): the update no longer peaks.
+        eager_one = estimate_memory(spec, 1, variant=v, n_neighbors=0, loss_positions=2)
+        assert one.peak_phase == "backward" and one.peak == eager_one.phases["backward"]
+    # Without neighbors the mixer returns x½ as it is: no cast copy, no receive or sum buffers.
+    alone = estimate_memory(spec, 1, transfer_dtype="working", n_neighbors=0)
+    assert alone.send_copy == alone.recv == alone.x_plus == 0
+    assert estimate_memory(spec, 1, transfer_dtype="working", n_neighbors=1).send_copy > 0
     # The peak over a round is block 0 (largest block, deepest backward).
     blocks = estimate_blocks(spec, 1)
     assert estimate_memory(spec, 1).block == 0 and max(e.peak for e in blocks) == blocks[0].peak

@@ -107,7 +107,7 @@ def test_x_plus_becomes_the_master_without_a_copy(variant):
     opt = DecaOptimizer(model, config(master_dtype=torch.float32, variant=variant))
     model(**client_batches(1, steps=1)[0][0]).loss.backward()
     x_half = opt.local_step()
-    view = ClientView([(1.0, x_half)], x_half)
+    view = ClientView([(0.5, x_half), (0.5, x_half.clone())], x_half)
     returned = []
     view.mix = lambda x: returned.append(ClientView.mix(view, x)) or returned[-1]  # a new buffer
     opt.combine(view, x_half)

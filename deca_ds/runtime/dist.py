@@ -175,6 +175,7 @@ class DistributedMixer:
         self.W, self.layout, self.groups, self.chunk = W, layout, groups, chunk
         self.order = mixing_order(W, layout.client)
         self.neighbors = [j for j in self.order if j != layout.client]
+        self.alone = not self.neighbors  # W = [1]: x⁺ = x½, nothing to exchange or sum
         self.timeout = timedelta(seconds=timeout_s)
         self.transfer_dtype = transfer_dtype
         self.total_bytes_sent = 0
@@ -215,6 +216,8 @@ class DistributedMixer:
     def mix(self, x_half: torch.Tensor) -> torch.Tensor:
         """x⁺, written over x½, exchanged `chunk` elements at a time: the receive buffers are
         chunk-sized, not block-sized (each element is summed exactly as in one piece)."""
+        if self.alone:  # 1 · x½ is x½ bit for bit: no pass over the block
+            return x_half
         for chunk in x_half.split(self.chunk):
             terms = self.exchange(chunk)
             # Every send of this chunk has completed, so its x½ and receive buffers are free:
