@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--state-bits", type=int, choices=[32, 8], default=32,
                    help="8: the active block's m, v as bitsandbytes block-wise codes (DecaConfig.state_bits)")
     p.add_argument("--fused-update", action="store_true",
-                   help="DecaConfig.fused_update: the fused half step holds the gradient and x½ together")
+                   help="DecaConfig.fused_update: the fused half step holds the gradient and x½ together "
+                        "(with --neighbors 0: the update runs in place and holds no x½)")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation")
     p.add_argument("--steps-per-block", type=int, default=48, help="R, for the communication per round")
     p.add_argument("--h2d-gbps", type=float, default=55.2,

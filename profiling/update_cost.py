@@ -1,14 +1,21 @@
 """What DECA's update of one active block costs, against the memory traffic it cannot avoid.
 
-One client (x⁺ = x½ through the identity mixer, so no network), one block of a model built from
-its config: each step gets a fresh random gradient in the working dtype, then adam_half_step() and
-bma_correct() run and are timed, with PyTorch's eager ops and with the fused kernels of
-`fused_update` (torch.compile; compiled in the warm-up steps) (the device synchronized around each). In the same run a copy of
-an fp32 vector of the block's size is timed: one read and one write of 4 bytes per element, the
-yardstick. The update is a memory-bound stream over the block, so its time in copies says how many
-block-sized passes it makes, wherever it runs; the floor is what one fused pass must move:
-read g, x, m, v, write m, v, x½ (half step), read x, x⁺ (twice: ‖x − x⁺‖ first), m, v, write m, v,
-the weights (correction; x⁺ becomes x without a copy). Writes <out>/<name>.{md,csv,json}.
+One client, one block of a model built from its config: each step gets a fresh random gradient in
+the working dtype, then adam_half_step() and bma_correct() run and are timed (the device
+synchronized around each), with PyTorch's eager ops (`eager`) and with the fused kernels of
+`fused_update` (torch.compile; compiled in the warm-up steps) in its two data flows: `fused`, the
+path of a client with neighbors (here handed its own x½ back as x⁺ by a mixer that says it is not
+alone, so no network), and `fused_alone`, a client without neighbors, which updates in place. In
+the same run a copy of an fp32 vector of the block's size is timed: one read and one write of 4
+bytes per element, the yardstick. The update is a memory-bound stream over the block, so its time
+in copies says how many block-sized passes it makes, wherever it runs. The floor is what the
+fused kernels must move (floor_bytes):
+- fused: read g, x, m, v, write m, v, x½ (half step); read x, x⁺ (twice: ‖x − x⁺‖ first), m, v,
+  write m, v, the weights (correction; x⁺ becomes x without a copy). no_bma: the correction only
+  reads x⁺ and writes the weights.
+- fused_alone: read g, x, m, v (‖x − x½‖, x½ in registers); read g, x, m, v again, write x, m, v,
+  the weights. no_bma: the second pass only.
+Writes <out>/<name>.{md,csv,json}.
 
 On CPU glibc hands a freed buffer as large as x½ back to the OS, and the next step's x½ pays a
 page fault per 4 KiB (about 60 ms of a ~90 ms half step for Qwen2-1.5B's block); a GPU's caching
@@ -48,8 +55,9 @@ def parse_args(argv=None):
                    help="default: bf16 on a GPU, fp32 on CPU (where bf16-to-fp32 arithmetic is not vectorized "
                         "and would dominate)")
     p.add_argument("--variants", nargs="+", default=["deca", "no_bma"], choices=["deca", "trivial_bma", "no_bma"])
-    p.add_argument("--updates", nargs="+", default=["eager", "fused"], choices=["eager", "fused"],
-                   help="eager PyTorch ops, or DecaConfig(fused_update=True)")
+    p.add_argument("--updates", nargs="+", default=["eager", "fused", "fused_alone"],
+                   choices=["eager", "fused", "fused_alone"],
+                   help="eager PyTorch ops, or DecaConfig(fused_update=True) with neighbors or without")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant, after --warmup")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -60,13 +68,26 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def floor_bytes(working_bytes: int, master_bytes: int = 4) -> int:
-    """Bytes per block parameter one fused pass must move (module docstring): the half step reads
-    g, x, m, v and writes m, v, x½; the correction reads x, x⁺ twice (‖x − x⁺‖ first) and m, v, and
-    writes m, v and the working weights (x⁺ is kept as the new x)."""
-    half_step = working_bytes + 3 * master_bytes + 3 * master_bytes
-    correction = 6 * master_bytes + 2 * master_bytes + working_bytes
-    return half_step + correction
+def floor_bytes(working_bytes: int, master_bytes: int = 4, *, variant: str = "deca", alone: bool = False) -> int:
+    """Bytes per block parameter the fused update must move (module docstring)."""
+    g_x_m_v = working_bytes + 3 * master_bytes
+    if alone:  # ‖x − x½‖, then x, m, v and the weights written in place
+        update = g_x_m_v + 3 * master_bytes + working_bytes
+        return update if variant == "no_bma" else g_x_m_v + update
+    half_step = g_x_m_v + 3 * master_bytes
+    if variant == "no_bma":
+        return half_step + master_bytes + working_bytes
+    return half_step + 4 * master_bytes + 2 * master_bytes + 2 * master_bytes + working_bytes
+
+
+class NotAlone:
+    """A mixer that hands x½ back as x⁺ but has neighbors as far as the optimizer knows: the fused
+    path of a client in a graph, timed without a network."""
+
+    alone = False
+
+    def mix(self, x_half: torch.Tensor) -> torch.Tensor:
+        return x_half
 
 
 def timed(fn, device: torch.device) -> float:
@@ -87,7 +108,8 @@ def measure(args, variant: str, update: str) -> dict:
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=10**6, rounds=1, variant=variant,
-                                          master_dtype=torch.float32, fused_update=update == "fused"))
+                                          master_dtype=torch.float32, fused_update=update != "eager"),
+                        mixer=NotAlone() if update == "fused" else None)
     params, n = opt.active.params, opt.active.master.numel()
     gen = torch.Generator(device).manual_seed(0)
     half, correct, copy = [], [], []
@@ -102,7 +124,7 @@ def measure(args, variant: str, update: str) -> dict:
             half.append(t_half)
             correct.append(t_correct)
             copy.append(t_copy)
-    floor = floor_bytes(torch.finfo(dtype).bits // 8)
+    floor = floor_bytes(torch.finfo(dtype).bits // 8, variant=variant, alone=update == "fused_alone")
     t_half, t_correct, t_copy = (1e3 * statistics.median(x) for x in (half, correct, copy))
     return {"variant": variant, "update": update, "block_params": n, "working_dtype": args.working_dtype,
             "half_step_ms": t_half, "correct_ms": t_correct, "update_ms": t_half + t_correct,
@@ -150,8 +172,9 @@ def main(argv=None) -> dict:
            f"{r['correct_ms']:.2f} | {r['update_ms']:.2f} | {r['copy_ms']:.3f} | {r['update_in_copies']:.1f} | "
            f"{r['floor_in_copies']:.1f} | {r['over_floor']:.2f} |" for r in rows]
     md += ["", "A copy reads and writes 4 bytes per element of the block (fp32); 'in copies' is a time divided "
-           "by the copy's, so it counts block-sized passes whatever the device. The floor is one fused pass "
-           "over what the update must read and write (module docstring). Medians of the timed steps."]
+           "by the copy's, so it counts block-sized passes whatever the device. The floor is what the fused "
+           "kernels must read and write (module docstring), in copies. fused: a client with neighbors (its "
+           "exchange not timed); fused_alone: one without, updating in place. Medians of the timed steps."]
     write_results(Path(args.out), args.name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
     print("\n".join(md))
     return summary

@@ -5,12 +5,14 @@ reads results measured on a GPU (profile_resources / profile_memory JSON; DECA's
 takes out the measured eager update and puts in the fused update's memory traffic at an assumed
 bandwidth:
 
-    fused (ms) = block parameters × update_cost.floor_bytes(working) / bandwidth + call overhead
+    fused (ms) = block parameters × update_cost.floor_bytes(working, alone=True) / bandwidth + call overhead
     share      = fused / (step − measured update + fused)
 
-The floor is exact for the fused kernels (their generated code moves those bytes and no others);
-the bandwidth a GPU reaches on these streams and the cost of launching them are the assumptions,
-and both are in the output. One client (the runs measured on one GPU): no exchange, no weighted sum.
+The runs were measured on one GPU, so one client: no exchange, no weighted sum, and the fused
+update is the in-place one of a client without neighbors (42 bytes per parameter with bf16
+weights). The floor is exact for the fused kernels (their generated code moves those bytes and no
+others); the bandwidth a GPU reaches on these streams and the cost of launching them are the
+assumptions, and both are in the output.
 
     python profiling/update_share.py profiling/results/gpu_h100/profile_resources_*.json \\
         profiling/results/gpu_h100/profile_memory_mb8.json
@@ -80,7 +82,7 @@ def measured_rows(path: Path) -> list[dict]:
 
 
 def estimate(row: dict, bandwidth_tbs: float, overhead_ms: float) -> dict:
-    per_param = floor_bytes(torch.finfo(parse_dtype(row["working_dtype"])).bits // 8)
+    per_param = floor_bytes(torch.finfo(parse_dtype(row["working_dtype"])).bits // 8, alone=True)
     fused_ms = row["block_params"] * per_param / (bandwidth_tbs * 1e12) * 1e3 + overhead_ms
     rest_ms = row["step_ms"] - row["eager_update_ms"]
     return {**row, "bytes_per_param": per_param, "bandwidth_tbs": bandwidth_tbs,
@@ -106,8 +108,8 @@ def main(argv=None) -> dict:
            f"{r['fused_share']:.1%} | {'met' if r['fused_share'] <= args.target else 'not met'} |" for r in rows]
     md += ["", f"fused = block params × B/param ÷ bandwidth + {args.overhead_ms:g} ms for launching the kernels; "
            "share fused = fused ÷ (step − eager update + fused). B/param is the fused update's exact traffic "
-           "(`update_cost.floor_bytes`); the bandwidth and the launch cost are assumptions. One client: no "
-           f"exchange and no weighted sum. Target: ≤ {args.target:.0%} of the step."]
+           "(`update_cost.floor_bytes`, one client: the in-place update, no exchange, no weighted sum); the "
+           f"bandwidth and the launch cost are assumptions. Target: ≤ {args.target:.0%} of the step."]
     write_results(Path(args.out), args.name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
     print("\n".join(md))
     return summary

@@ -388,15 +388,20 @@ def test_update_cost_tool(tmp_path):
     summary = json.loads((tmp_path / "out" / "update_cost.json").read_text())
     layer = sum(p.numel() for p in tiny_llama(layers=2).model.layers[0].parameters())
     assert summary["allocator"].startswith("glibc malloc keeping freed memory")  # the CPU default
-    runs = [(v, u) for v in ("deca", "no_bma") for u in ("eager", "fused")]
+    runs = [(v, u) for v in ("deca", "no_bma") for u in ("eager", "fused", "fused_alone")]
     assert [(row["variant"], row["update"]) for row in summary["rows"]] == runs
+    # fp32 bytes per parameter. fused: g, x, m, v → m, v, x½ | x, x⁺ twice, m, v → m, v, weights
+    # (no_bma: x⁺ → weights); in place: g, x, m, v | g, x, m, v → x, m, v, weights (no_bma: the second).
+    floors = {("deca", "eager"): 4 + 24 + 32 + 4, ("deca", "fused"): 4 + 24 + 32 + 4,
+              ("deca", "fused_alone"): 16 + 16 + 16, ("no_bma", "eager"): 4 + 24 + 4 + 4,
+              ("no_bma", "fused"): 4 + 24 + 4 + 4, ("no_bma", "fused_alone"): 16 + 16}
     for row in summary["rows"]:
         assert row["block_params"] == layer and row["working_dtype"] == "fp32"
         assert row["update_ms"] == pytest.approx(row["half_step_ms"] + row["correct_ms"]) and row["copy_ms"] > 0
         assert row["update_in_copies"] == pytest.approx(row["update_ms"] / row["copy_ms"])
-        assert row["floor_in_copies"] == (4 + 24 + 32 + 4) / 8  # fp32: g, x, m, v, x½ | x, x⁺ twice, m, v, weights
+        assert row["floor_in_copies"] == floors[row["variant"], row["update"]] / 8
     md = (tmp_path / "out" / "update_cost.md").read_text()
-    assert md.count("\n| deca | eager |") == 1 and md.count("\n| no_bma | fused |") == 1
+    assert md.count("\n| deca | eager |") == 1 and md.count("\n| no_bma | fused_alone |") == 1
 
 
 def test_update_share_tool(tmp_path):
@@ -420,7 +425,7 @@ def test_update_share_tool(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "update_share.json").read_text())["rows"]
     layer = sum(p.numel() for p in tiny_llama(layers=2).model.layers[0].parameters())
-    bf16_floor = (2 + 3 * 4 + 3 * 4) + (2 * (4 + 4) + 2 * 4 + 2 * 4 + 2)  # g,x,m,v → m,v,x½ | x,x⁺ ×2, m,v → m,v,w
+    bf16_floor = (2 + 3 * 4) + (2 + 3 * 4 + 3 * 4 + 2)  # one client, in place: g,x,m,v | g,x,m,v → x,m,v,w
     assert [(r["micro_batch"], r["layers_per_block"], r["seq_len"]) for r in rows] == [(1, 1, 64), (8, 2, 64)]
     for r, params, step, eager in zip(rows, (layer, 2 * layer), (100.0, 50.0), (10.0, 20.0)):
         fused = params * bf16_floor / 1e6 * 1e3 + 0.5
