@@ -171,8 +171,8 @@ def dirichlet_partition(
             return [sorted(p) for p in parts]
     raise ValueError(
         f"dirichlet_partition: could not give each of {n_clients} clients at least {min_size} of "
-        f"{len(labels)} examples in {max_tries} tries at alpha={alpha}; use fewer clients, a smaller "
-        "min_size, more data or a larger alpha"
+        f"{len(labels)} examples in {max_tries} tries at alpha={alpha}; use fewer clients, a larger alpha "
+        "(--dirichlet-alpha), an IID split (--iid) or more data"
     )
 
 
@@ -197,7 +197,8 @@ def collate(features: Sequence[dict[str, list[int]]], pad_id: int) -> dict[str, 
     def pad(key: str, value: int) -> torch.Tensor:
         return torch.tensor([f[key] + [value] * (length - len(f[key])) for f in features], dtype=torch.long)
 
-    return {"input_ids": pad("input_ids", pad_id), "labels": pad("labels", -100), "attention_mask": pad("attention_mask", 0)}
+    return {"input_ids": pad("input_ids", pad_id), "labels": pad("labels", -100),
+            "attention_mask": pad("attention_mask", 0)}
 
 
 class ClientStream:

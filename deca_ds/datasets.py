@@ -1,4 +1,5 @@
-"""The paper's tasks by name or from local files, their prompts, client partitions and generation evaluation.
+"""The paper's tasks by name or from local files, their prompts and client partitions (evaluation:
+`deca_ds.evaluation`).
 
 Tasks (`TASKS`): `nwgi`, `agnews`, `tfns`, `mnli` (classification) and `alpaca` (generation). `load_task`
 reads one from the Hugging Face hub (or the local `datasets` cache; `HF_DATASETS_OFFLINE=1` /
@@ -14,16 +15,14 @@ instruction, `text_pair_column` the optional input and `response_column` the out
 
 from __future__ import annotations
 
+import codecs
 import contextlib
-import http.client
 import inspect
 import json
 import logging
 import math
 import os
 import re
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,7 +30,6 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import torch
 
 from .data import dirichlet_partition, encode, iid_partition, label_histogram
 
@@ -273,7 +271,29 @@ def _check_file(split: str, path: str) -> str:
                          f"supported: {', '.join(_LOADERS)}")
     if not p.is_file():
         raise ValueError(f"data file for split {split!r} not found: {path}")
+    if p.stat().st_size == 0:
+        raise ValueError(f"data file for split {split!r} is empty: {path}")
+    if suffix != ".parquet":
+        _check_utf8(split, p)
     return str(p)
+
+
+def _check_utf8(split: str, p: Path, chunk: int = 1 << 20) -> None:
+    """Text data files are read as UTF-8; say so (and where) instead of the loader's generic failure."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(p, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"data file for split {split!r} is not UTF-8 text (encoding error at byte "
+                                 f"{offset + e.start}): {p}; re-save it with UTF-8 encoding (from Latin-1, say: "
+                                 f"iconv -f latin1 -t utf-8)") from None
+            if not data:
+                return
+            offset += len(data)
 
 
 def load_task(
@@ -310,7 +330,8 @@ def load_task(
     if data_files:
         unknown = set(data_files) - set(_SPLITS)
         if unknown or "train" not in data_files:
-            raise ValueError(f"data_files must map 'train' (and optionally 'test') to a file, got keys {sorted(data_files)}")
+            raise ValueError("data_files must map 'train' (and optionally 'test') to a file, "
+                             f"got keys {sorted(data_files)}")
         for split, path in data_files.items():
             path = _check_file(split, path)
             loader = _LOADERS[Path(path).suffix.lower()]
@@ -384,7 +405,8 @@ def _label_index(value, names: Sequence[str], row: int, where: str, column: str)
 def _records(spec: TaskSpec, ds, where: str, explicit_pair: bool) -> list[Record]:
     if spec.kind == "generation":
         instructions = _column(ds, spec.text_columns[0], where)
-        inputs = _column(ds, spec.text_columns[1], where, optional=not explicit_pair) if len(spec.text_columns) > 1 else None
+        inputs = (_column(ds, spec.text_columns[1], where, optional=not explicit_pair)
+                  if len(spec.text_columns) > 1 else None)
         outputs = _column(ds, spec.response_column, where)
         inputs = inputs if inputs is not None else [""] * len(instructions)
         return [Record(alpaca_prompt(_text(i), _text(x)), _text(o), None, _text(i))
@@ -550,7 +572,7 @@ def write_partition_report(out_dir: str | os.PathLike, labels: Sequence[int], pa
         "n_clients": len(partition), "label_names": names, "sizes": [len(p) for p in partition],
         "label_histogram": hist.tolist(), "mean_tv_distance": round(label_skew(labels, partition, len(names)), 6),
         "partition": [[int(i) for i in p] for p in partition],
-    }, indent=1) + "\n")
+    }, indent=1, allow_nan=False) + "\n")
 
     def cell(s: str) -> str:
         return s.replace(",", " ").replace("|", "/")
@@ -578,251 +600,3 @@ def write_partition_report(out_dir: str | os.PathLike, labels: Sequence[int], pa
     fig.tight_layout()
     fig.savefig(paths["png"], format="png", metadata={"Software": None})
     return paths
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation: classification records, ROUGE-L, answer generation, LLM judge
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate_records(model, tokenizer, records: Sequence[Record], label_names: Sequence[str], *, max_length: int,
-                     use_chat_template: bool = False, batch_size: int = 32, limit: int | None = None) -> dict:
-    """Classification by answer likelihood, with prompts and answers laid out exactly as
-    `to_features` trains them: each label's answer is scored by log p(answer + eos | prompt),
-    the argmax is the prediction. Returns accuracy, macro-F1, n, chance."""
-    from .evaluation import classification_metrics, score_answers
-
-    records = list(records)[:limit]
-    candidates = [Record(r.prompt, verbalize(name)) for r in records for name in label_names]
-    pairs = to_features(tokenizer, candidates, max_length=max_length, use_chat_template=use_chat_template)
-    scores = score_answers(model, pairs, tokenizer.pad_token_id, batch_size=batch_size)
-    y_pred = scores.view(len(records), len(label_names)).argmax(-1).numpy()
-    metrics = classification_metrics([r.label for r in records], y_pred, len(label_names))
-    return {**metrics, "n": len(records), "chance": 1 / len(label_names)}
-
-
-def rouge_l(prediction: str, reference: str, *, beta: float = 1.0) -> float:
-    """ROUGE-L F-measure on whitespace tokens (case-sensitive, no stemming):
-    P = LCS/len(prediction), R = LCS/len(reference), F = (1+β²)PR / (R + β²P); 0 if either is empty."""
-    pred, ref = prediction.split(), reference.split()
-    if not pred or not ref:
-        return 0.0
-    prev = [0] * (len(ref) + 1)  # LCS table, one row at a time
-    for p in pred:
-        row = [0]
-        for j, r in enumerate(ref):
-            row.append(prev[j] + 1 if p == r else max(prev[j + 1], row[j]))
-        prev = row
-    lcs = prev[-1]
-    if lcs == 0:
-        return 0.0
-    precision, recall = lcs / len(pred), lcs / len(ref)
-    return (1 + beta**2) * precision * recall / (recall + beta**2 * precision)
-
-
-def read_questions(path: str | os.PathLike) -> list[dict]:
-    """Vicuna-80 / MT-Bench style questions: one JSON object a line with "question_id" and
-    "turns": [str, ...] (MT-Bench) or "text": str (Vicuna); "category" is kept where present."""
-    questions = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                q = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON: {e}") from e
-            turns = q.get("turns", [q["text"]] if "text" in q else None)
-            if "question_id" not in q or not turns or not all(isinstance(t, str) for t in turns):
-                raise ValueError(f"{path}:{n}: a question needs 'question_id' and 'turns' (list of str) or 'text'")
-            reference = q.get("reference")
-            if isinstance(reference, str):
-                reference = [reference]
-            if reference is not None and (len(reference) > len(turns) or not all(isinstance(r, str) for r in reference)):
-                raise ValueError(f"{path}:{n}: 'reference' must be a string or one string per turn")
-            questions.append({"question_id": q["question_id"], "turns": list(turns),
-                              **({"category": q["category"]} if "category" in q else {}),
-                              **({"reference": list(reference)} if reference is not None else {})})
-    return questions
-
-
-def conversation_prompt(tokenizer, turns: Sequence[str], answers: Sequence[str], *, use_chat_template: bool) -> str:
-    """The prompt for the next answer: with a chat template, the conversation as messages; without,
-    the Alpaca prompt of the first turn followed by "### Instruction:/### Response:" exchanges."""
-    if use_chat_template:
-        messages = []
-        for k, turn in enumerate(turns):
-            messages.append({"role": "user", "content": turn})
-            if k < len(answers):
-                messages.append({"role": "assistant", "content": answers[k]})
-        return render_chat(tokenizer, messages)
-    text = alpaca_prompt(turns[0])
-    for k in range(1, len(turns)):
-        text += f"{answers[k - 1]}\n\n### Instruction:\n{turns[k]}\n\n### Response:\n"
-    return text
-
-
-@torch.no_grad()
-def generate_answers(model, tokenizer, questions_jsonl_path: str | os.PathLike, out_jsonl_path: str | os.PathLike, *,
-                     max_new_tokens: int = 512, batch_size: int = 8, use_chat_template: bool | None = None) -> list[dict]:
-    """Greedy answers to every turn of every question; turn k sees the earlier turns and the
-    model's own earlier answers. Writes {"question_id", "turns", "answers"} (and "category") per
-    line to `out_jsonl_path` and returns the rows. `use_chat_template=None`: use the tokenizer's
-    chat template where it has one."""
-    questions = read_questions(questions_jsonl_path)
-    if use_chat_template is None:
-        use_chat_template = bool(getattr(tokenizer, "chat_template", None))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError("generate_answers: the tokenizer has neither a pad nor an eos token")
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    device = next(model.parameters()).device
-    answers: list[list[str]] = [[] for _ in questions]
-    was_training = model.training
-    model.eval()
-    try:
-        for turn in range(max(len(q["turns"]) for q in questions)):
-            todo = [i for i, q in enumerate(questions) if len(q["turns"]) > turn]
-            for start in range(0, len(todo), batch_size):
-                chunk = todo[start:start + batch_size]
-                ids = []
-                for i in chunk:
-                    prompt = conversation_prompt(tokenizer, questions[i]["turns"][:turn + 1], answers[i],
-                                                 use_chat_template=use_chat_template)
-                    body = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                    if limit is not None:  # keep the end of a long conversation
-                        body = body[max(len(body) - (limit - max_new_tokens - len(bos)), 0):]
-                    ids.append(bos + body)
-                length = max(map(len, ids))  # left padding: every prompt ends where generation starts
-                input_ids = torch.tensor([[pad] * (length - len(x)) + x for x in ids], device=device)
-                mask = torch.tensor([[0] * (length - len(x)) + [1] * len(x) for x in ids], device=device)
-                out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                     do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-                for i, row in zip(chunk, out[:, length:].tolist()):
-                    answers[i].append(tokenizer.decode(row, skip_special_tokens=True).strip())
-    finally:
-        model.train(was_training)
-    rows = [{"question_id": q["question_id"], "turns": q["turns"], "answers": a,
-             **{k: q[k] for k in ("category", "reference") if k in q}} for q, a in zip(questions, answers)]
-    out_path = Path(out_jsonl_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return rows
-
-
-def rouge_l_of_answers(rows: Sequence[dict]) -> dict | None:
-    """Mean ROUGE-L F over every answered turn that has a reference answer (offline, no judge);
-    None when no question carries a "reference"."""
-    scores = [rouge_l(answer, reference) for row in rows
-              for answer, reference in zip(row["answers"], row.get("reference", []))]
-    return {"rouge_l": sum(scores) / len(scores), "n": len(scores)} if scores else None
-
-
-JUDGE_SYSTEM = "You are a helpful assistant."
-JUDGE_PROMPT = (
-    "[Instruction]\nPlease act as an impartial judge and evaluate the quality of the response an AI assistant "
-    "gave to the user question below. Consider helpfulness, relevance, accuracy, depth, creativity and level "
-    "of detail. {focus}Begin with a short explanation and be as objective as possible. Then rate the response "
-    "on a scale of 1 to 10, strictly in this format: \"Rating: [[5]]\".\n\n{conversation}"
-)
-_RATING = re.compile(r"\[\[\s*(\d+(?:\.\d+)?)\s*\]\]")
-_RATING_LOOSE = re.compile(r"Rating:\s*\[?\s*(\d+(?:\.\d+)?)")
-
-
-def parse_rating(judgment: str) -> float | None:
-    """The score of an MT-Bench style judgment: the last "[[x]]", else "Rating: x"; None if absent."""
-    for pattern in (_RATING, _RATING_LOOSE):
-        found = pattern.findall(judgment)
-        if found:
-            return float(found[-1])
-    return None
-
-
-def judge_prompt(turns: Sequence[str], answers: Sequence[str], turn: int) -> str:
-    """The judge's prompt for answer `turn` (0-based); later turns show the conversation before it."""
-    if turn == 0:
-        conversation = (f"[Question]\n{turns[0]}\n\n[The Start of Assistant's Answer]\n{answers[0]}\n"
-                        "[The End of Assistant's Answer]")
-        return JUDGE_PROMPT.format(focus="", conversation=conversation)
-    lines = ["<|The Start of Assistant's Conversation with User|>"]
-    for k in range(turn + 1):
-        lines += [f"\n### User:\n{turns[k]}", f"\n### Assistant:\n{answers[k]}"]
-    lines.append("\n<|The End of Assistant's Conversation with User|>")
-    focus = f"Focus on the assistant's answer to turn {turn + 1} of the conversation. "
-    return JUDGE_PROMPT.format(focus=focus, conversation="\n".join(lines))
-
-
-def judge_answers(
-    answers_path: str | os.PathLike,
-    *,
-    endpoint_url: str,
-    model: str,
-    api_key_env: str | None = "OPENAI_API_KEY",
-    out_path: str | os.PathLike | None = None,
-    timeout: float = 120.0,
-    max_tokens: int = 1024,
-    temperature: float = 0.0,
-) -> dict:
-    """Score every answer of `generate_answers`' output with an LLM judge behind an
-    OpenAI-compatible chat-completions endpoint (`endpoint_url` is the server's base URL, e.g.
-    "https://api.openai.com", or the full …/chat/completions URL). Nothing calls this unless asked.
-
-    The API key is read from the environment variable `api_key_env` (None: send no key, for a
-    local server) and sent only in the Authorization header; it is never logged, returned or
-    written. Writes {"question_id", "turn", "score", "judgment"} per answer to `out_path`
-    (default: <answers>.judgments.jsonl) and returns {"mean", "n", "n_unparsed", "per_turn", "out_path"}.
-    """
-    key = None
-    if api_key_env is not None:
-        key = os.environ.get(api_key_env)
-        if not key:
-            raise ValueError(f"judge_answers: the environment variable {api_key_env} holding the API key is not set "
-                             "(pass api_key_env=None for an endpoint without authentication)")
-    url = endpoint_url.rstrip("/")
-    if not url.endswith("/chat/completions"):
-        url += "/chat/completions" if url.endswith("/v1") else "/v1/chat/completions"
-    answers_path = Path(answers_path)
-    out_path = Path(out_path) if out_path is not None else answers_path.with_suffix(".judgments.jsonl")
-    rows = [json.loads(line) for line in answers_path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-    def scrub(text: str) -> str:
-        return text.replace(key, "***") if key else text
-
-    results = []
-    for row in rows:
-        for turn in range(len(row["answers"])):
-            body = {"model": model, "temperature": temperature, "max_tokens": max_tokens,
-                    "messages": [{"role": "system", "content": JUDGE_SYSTEM},
-                                 {"role": "user", "content": judge_prompt(row["turns"], row["answers"], turn)}]}
-            headers = {"Content-Type": "application/json"}
-            if key:
-                headers["Authorization"] = f"Bearer {key}"
-            request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
-            try:
-                with urllib.request.urlopen(request, timeout=timeout) as response:
-                    reply = json.loads(response.read().decode("utf-8"))
-                judgment = reply["choices"][0]["message"]["content"] or ""
-            except urllib.error.HTTPError as e:
-                detail = e.read().decode("utf-8", "replace")[:500]
-                raise ValueError(scrub(f"judge endpoint {url} answered HTTP {e.code} for question "
-                                       f"{row['question_id']} turn {turn + 1}: {detail}")) from None
-            except (urllib.error.URLError, http.client.HTTPException, OSError, KeyError, IndexError,
-                    json.JSONDecodeError) as e:
-                raise ValueError(scrub(f"judge endpoint {url} failed for question {row['question_id']} "
-                                       f"turn {turn + 1}: {type(e).__name__}: {e}")) from None
-            score = parse_rating(judgment)
-            if score is None:
-                log.warning("judge: no rating in the judgment of question %s turn %d", row["question_id"], turn + 1)
-            results.append({"question_id": row["question_id"], "turn": turn + 1, "score": score,
-                            "judgment": scrub(judgment)})
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results), encoding="utf-8")
-    scored = [r for r in results if r["score"] is not None]
-    per_turn = {}
-    for t in sorted({r["turn"] for r in scored}):
-        s = [r["score"] for r in scored if r["turn"] == t]
-        per_turn[t] = sum(s) / len(s)
-    return {"mean": sum(r["score"] for r in scored) / len(scored) if scored else None, "n": len(scored),
-            "n_unparsed": len(results) - len(scored), "per_turn": per_turn, "out_path": str(out_path)}

@@ -50,6 +50,19 @@ streaming buffers; `offload_stream` is what a step copies from host memory. One 
                    micro-batches of the block, layer by layer, with their hidden states on the device,
                    then keeps them in host memory; one layer's recomputation bounds a no-grad forward)
 
+Setup, before the first step (`setup_phases`; the process's peak is `process_peak`, the larger of
+`setup_peak` and the training `peak`), in the runtime's order (deca_ds.runtime.trainer.train):
+
+    init           weights + offload_buffers + init_transient
+                   (the model drawn in the working dtype on the device - on the host with offload
+                   "frozen", whose frozen layers the device never holds - or a checkpoint copied in
+                   one tensor at a time: one extra tensor the size of the largest, the embedding)
+    optimizer      weights + offload_buffers + optimizer_state
+                   (the first block's master, m, v; DeepSpeed's stage-0 engine adds no copy)
+    evaluate       weights + offload_buffers + optimizer_state + eval_forward
+                   (the evaluation before training, eval_batch sequences per no-grad forward;
+                   eval_batch 0: none)
+
 Not modelled: the CUDA context, cuBLAS workspaces and NCCL buffers (covered by the `reserve` of
 `fits`), allocator fragmentation, per-tensor temporaries (a single parameter tensor's worth,
 e.g. p.grad * clip_scale), the model's non-parameter buffers (rotary tables), the batch itself.
@@ -275,6 +288,36 @@ def logits_bytes(spec: ModelSpec, micro_batch: int, positions: int, working_byte
     return micro_batch * positions * spec.vocab * max(working_bytes + 8, 12)
 
 
+def eval_forward_bytes(spec: ModelSpec, batch: int, seq_len: int, working_bytes: int, *, positions: int = 2,
+                       kv_cache: bool = False) -> int:
+    """APPROXIMATE peak of one no-grad scoring forward (evaluation.score_answers through
+    models.labelled_logits) of `batch` sequences of `seq_len` tokens, above the weights.
+
+    Inside one layer, per token, w working bytes: the residual stream, the normalised input and
+    the fp32 RMSNorm temporary (2·w·h + 4h), plus the larger of attention's q, the keys and values
+    repeated to every head (the padding mask makes transformers expand GQA) and its output
+    (4·w·q), and the MLP's SiLU output, up output and their product (3·w·i). Nothing else
+    survives a layer without autograd. Then the LM head at `positions` positions: the logits,
+    their fp32 copy and log-softmax, b·k·V·(w + 8). kv_cache: the KV cache an eval-mode forward
+    keeps when use_cache is on (every layer's keys and values, GQA-sized; labelled_logits turns
+    it off): the old path, for comparison."""
+    h, i, q, w = spec.hidden, spec.intermediate, spec.heads * spec.head_dim, working_bytes
+    tokens = batch * seq_len
+    layer = tokens * (2 * w * h + 4 * h + max(4 * w * q, 3 * w * i))
+    head = batch * positions * spec.vocab * (w + 8) + tokens * w * h
+    cache = spec.num_layers * 2 * tokens * spec.kv_heads * spec.head_dim * w if kv_cache else 0
+    return cache + max(layer, head)
+
+
+def _setup_terms(spec: ModelSpec, working_bytes: int, *, offload: str, seq_len: int, eval_batch: int,
+                 eval_positions: int, eval_kv_cache: bool) -> dict:
+    """MemoryEstimate's setup fields (module docstring, setup phases)."""
+    largest = max(p.numel() for p in spec.model.parameters())
+    return {"init_transient": 0 if offload == "frozen" else largest * working_bytes, "eval_batch": eval_batch,
+            "eval_forward": eval_forward_bytes(spec, eval_batch, seq_len, working_bytes, positions=eval_positions,
+                                               kv_cache=eval_kv_cache) if eval_batch else 0}
+
+
 # ---- the estimate ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -355,6 +398,11 @@ class MemoryEstimate:
     dadam_runtime: int  # full-parameter Adam as this runtime would hold it: all weights (working)
     #                     + master, m, v (master dtype) + .grad (working) of every decoder-layer param
 
+    # ---- setup, before the first step (bytes; see setup_phases)
+    init_transient: int = 0  # APPROXIMATE: the largest tensor once more while the model is drawn or loaded
+    eval_batch: int = 0  # sequences per forward of the evaluation before training (0: none)
+    eval_forward: int = 0  # APPROXIMATE: eval_forward_bytes at eval_batch × seq_len
+
     # ---- derived -----------------------------------------------------------------------------
     @property
     def optimizer_state(self) -> int:
@@ -386,23 +434,46 @@ class MemoryEstimate:
         return max(self.phases.values())
 
     @property
+    def setup_phases(self) -> dict[str, int]:
+        """What the device holds before the first step (module docstring), per setup phase."""
+        base = self.weights + self.offload_buffers
+        return {"init": base + self.init_transient,
+                "optimizer": base + self.optimizer_state,
+                "evaluate": base + self.optimizer_state + self.eval_forward}
+
+    @property
+    def setup_peak(self) -> int:
+        return max(self.setup_phases.values())
+
+    @property
+    def process_peak(self) -> int:
+        """The whole process's peak: setup or training, whichever is larger."""
+        return max(self.setup_peak, self.peak)
+
+    @property
     def peak_phase(self) -> str:
         phases = self.phases
         return max(phases, key=phases.get)
 
-    def headroom(self, gpu: str | int, reserve: int = DEFAULT_RESERVE) -> int:
-        """Bytes left on `gpu` (a GPUS name or a capacity in bytes) after the peak and `reserve`."""
+    def headroom(self, gpu: str | int, reserve: int = DEFAULT_RESERVE, clients: int = 1) -> int:
+        """Bytes left on `gpu` (a GPUS name or a capacity in bytes) after the peak and `reserve` of
+        each of `clients` clients sharing it (each is its own process with its own CUDA context, and
+        their peaks can coincide: nothing synchronises the phases of clients on one GPU)."""
+        if clients < 1:
+            raise ValueError(f"clients per GPU must be >= 1, got {clients}")
         capacity = GPUS[gpu] if isinstance(gpu, str) else int(gpu)
-        return capacity - reserve - self.peak
+        return capacity - clients * (reserve + self.peak)
 
-    def fits(self, gpu: str | int, reserve: int = DEFAULT_RESERVE) -> bool:
-        return self.headroom(gpu, reserve) >= 0
+    def fits(self, gpu: str | int, reserve: int = DEFAULT_RESERVE, clients: int = 1) -> bool:
+        return self.headroom(gpu, reserve, clients) >= 0
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(optimizer_state=self.optimizer_state, activations=self.activations,
                    peak=self.peak, peak_phase=self.peak_phase,
-                   **{f"phase_{k}": v for k, v in self.phases.items()})
+                   **{f"phase_{k}": v for k, v in self.phases.items()},
+                   setup_peak=self.setup_peak, process_peak=self.process_peak,
+                   **{f"setup_{k}": v for k, v in self.setup_phases.items()})
         return out
 
     def describe(self) -> str:
@@ -417,7 +488,7 @@ class MemoryEstimate:
 
 
 _COUNTS = {"total_params", "decoder_params", "non_layer_params", "num_layers", "layers_per_block", "num_blocks",
-           "block", "block_params", "n_neighbors", "micro_batch", "seq_len", "steps_per_block"}
+           "block", "block_params", "n_neighbors", "micro_batch", "seq_len", "steps_per_block", "eval_batch"}
 
 
 def _largest_bucket(numels: list[int], limit: int = DEEPSPEED_ALLREDUCE_BUCKET) -> int:
@@ -463,7 +534,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
                    attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
                    deepspeed_allreduce: bool = False, inputs_require_grad: bool = False,
                    loss_positions: int | None = None, state_bits: int = 32, offload_keep: int = 0,
-                   grad_accum: int = 1, fused_update: bool = False, loss_chunk: int = 0) -> MemoryEstimate:
+                   grad_accum: int = 1, fused_update: bool = False, loss_chunk: int = 0, eval_batch: int = 0,
+                   eval_positions: int = 2, eval_kv_cache: bool = False) -> MemoryEstimate:
     """The estimate while block `block` of the default partition is active (see MemoryEstimate).
 
     deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets; the runtime runs
@@ -476,6 +548,9 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     checkpointing switch turns it on for every input_ids model; then the layers BELOW the active
     block also keep their checkpointed inputs and backward recomputes them, down to the embeddings.
     The runtime undoes it (models.enable_activation_checkpointing), hence the default False.
+    eval_batch > 0: the evaluation before training scores eval_batch sequences of seq_len tokens
+    per forward, the LM head at eval_positions of them (eval_forward_bytes; eval_kv_cache: with
+    the KV cache the scoring forward kept before use_cache=False).
     """
     spec = ModelSpec.from_config(spec)
     working = _dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
@@ -494,6 +569,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         raise ValueError(f"variant must be deca, trivial_bma or no_bma, got {variant!r}")
     for name, value, least in (("n_neighbors", n_neighbors, 0), ("loss_chunk", loss_chunk, 0),
                                ("micro_batch", micro_batch, 1), ("seq_len", seq_len, 1), ("grad_accum", grad_accum, 1),
+                               ("eval_batch", eval_batch, 0), ("eval_positions", eval_positions, 1),
                                ("steps_per_block", steps_per_block, 1), ("loss_positions", loss_positions or 1, 1)):
         if value < least:
             raise ValueError(f"{name} must be >= {least}, got {value}")
@@ -573,6 +649,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         paper_deca=M + 10 * M // B if (10 * M) % B == 0 else round(M + 10 * M / B),
         paper_dadam_9m=9 * M, paper_dadam_11m=11 * M,
         dadam_runtime=d * w + spec.decoder_params * (3 * mb + w),
+        **_setup_terms(spec, w, offload=offload, seq_len=s, eval_batch=eval_batch, eval_positions=eval_positions,
+                       eval_kv_cache=eval_kv_cache),
     )
 
 
@@ -602,11 +680,11 @@ def communication(spec, layers_per_block: int = 1, *, n_neighbors: int = 2, tran
 
 
 def to_json(estimates: list[MemoryEstimate]) -> str:
-    return json.dumps([e.to_dict() for e in estimates], indent=2)
+    return json.dumps([e.to_dict() for e in estimates], indent=2, allow_nan=False)
 
 
 __all__ = [
-    "DEFAULT_RESERVE", "GPUS", "GiB", "MB", "MemoryEstimate", "ModelSpec", "communication", "estimate_block",
-    "estimate_blocks", "estimate_memory", "layer_activation_bytes", "load_config", "logits_bytes", "meta_model",
-    "offload_block_stream",
+    "DEFAULT_RESERVE", "GPUS", "MB", "GiB", "MemoryEstimate", "ModelSpec", "communication", "estimate_block",
+    "estimate_blocks", "estimate_memory", "eval_forward_bytes", "layer_activation_bytes", "load_config",
+    "logits_bytes", "meta_model", "offload_block_stream",
 ]

@@ -17,7 +17,6 @@ import torch
 
 from .topology import validate_mixing_matrix
 
-
 Terms = list[tuple[float, torch.Tensor]]
 
 

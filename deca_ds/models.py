@@ -140,11 +140,16 @@ def labelled_logits(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Ten
     no label there. The LM head runs at those k positions only (transformers' logits_to_keep):
     the full (batch, length, vocab) logits and their fp32 copies are the largest activation of a
     real vocabulary (about 1 GiB for Llama-3's at 512 tokens), while a classification answer is
-    one or two tokens."""
+    one or two tokens.
+
+    use_cache=False: a model in eval mode (evaluation, under no_grad) would otherwise keep every
+    layer's keys and values in a KV cache until the forward returns, which nothing here reads
+    (2 GiB for Llama-3.1-8B at 32 × 512, the first evaluation's batch, held on top of the weights
+    and the first block's optimizer state before training starts)."""
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
     keep = (targets != -100).any(0).nonzero().squeeze(1)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    return model(**inputs, logits_to_keep=keep).logits, targets[:, keep]
+    return model(**inputs, logits_to_keep=keep, use_cache=False).logits, targets[:, keep]
 
 
 def causal_lm_loss(model, batch: Mapping[str, torch.Tensor], *, loss_chunk: int = 0) -> torch.Tensor:

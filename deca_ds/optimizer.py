@@ -36,8 +36,20 @@ from torch import nn
 
 from .blocks import Partition, block_order, partition_model
 from .config import DecaConfig
-from .decentralized import (DecentralizedOptimizer, adam_step, check_saved_config, clip_scale, flat_segments, fused,
-                            half_step, moments, moments_, segments, step_inputs, write_params)
+from .decentralized import (
+    DecentralizedOptimizer,
+    adam_step,
+    check_saved_config,
+    clip_scale,
+    flat_segments,
+    fused,
+    half_step,
+    moments,
+    moments_,
+    segments,
+    step_inputs,
+    write_params,
+)
 from .mixing import IdentityMixer, Mixer
 from .quantized import QuantizedVector
 

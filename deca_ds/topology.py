@@ -151,7 +151,8 @@ def validate_mixing_matrix(W, atol: float = 1e-9) -> np.ndarray:
     i, j = np.unravel_index(np.argmax(np.abs(W - W.T)), W.shape)
     if abs(W[i, j] - W[j, i]) > atol:
         raise ValueError(
-            f"mixing matrix must be symmetric (atol={atol}): W[{i}, {j}] = {float(W[i, j])} but W[{j}, {i}] = {float(W[j, i])}"
+            f"mixing matrix must be symmetric (atol={atol}): "
+            f"W[{i}, {j}] = {float(W[i, j])} but W[{j}, {i}] = {float(W[j, i])}"
         )
 
     for axis, what in ((1, "row"), (0, "column")):

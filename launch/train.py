@@ -1,7 +1,8 @@
 """Decentralized fine-tuning with DECA: `deepspeed [--num_gpus K | --hostfile H] launch/train.py
---ds_config ds_configs/<preset>.json [options]` (or under torchrun). `--help` lists the options."""
+--config run.yaml` (or --preset NAME, or --ds_config ds_configs/<preset>.json; also under torchrun).
+The same as the deca-train command; `--help` lists the options."""
 
-from deca_ds.runtime.trainer import main
+from deca_ds.train import main
 
 if __name__ == "__main__":
     main()

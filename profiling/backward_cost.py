@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds import DecaConfig, DecaOptimizer
-from report import pyplot, provenance, write_results
+from report import provenance, pyplot, write_results
 
 
 def parse_args(argv=None):
@@ -68,7 +68,8 @@ def main(argv=None) -> dict:
     for k in range(args.layers):
         DecaOptimizer(model, DecaConfig(custom_blocks=[f"model.layers.{k}"]))  # block k trainable, rest frozen
         fwd, bwd = timed_step(model, batch, args.reps)
-        rows.append({"block": k, "layers_traversed": args.layers - k, "forward_ms": 1e3 * fwd, "backward_ms": 1e3 * bwd})
+        rows.append({"block": k, "layers_traversed": args.layers - k,
+                     "forward_ms": 1e3 * fwd, "backward_ms": 1e3 * bwd})
     for name, p in model.named_parameters():
         p.requires_grad_(".layers." in name)  # full-parameter fine-tuning of the decoder layers
     full_fwd, full_bwd = timed_step(model, batch, args.reps)
@@ -94,9 +95,11 @@ def write(summary: dict, out: Path) -> None:
           f"`{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}.", "",
           "| active block | layers traversed | forward (ms) | backward (ms) |", "| ---: | ---: | ---: | ---: |"]
     md += [f"| {r['block']} | {r['layers_traversed']} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} |" for r in rows]
-    md += [f"| all layers trainable | {len(rows)} | {summary['full_forward_ms']:.1f} | {summary['full_backward_ms']:.1f} |",
+    md += [f"| all layers trainable | {len(rows)} | {summary['full_forward_ms']:.1f} | "
+           f"{summary['full_backward_ms']:.1f} |",
            "",
-           f"One round with R steps per block: DECA's backward Σ_k bwd(k) = {summary['deca_round_backward_ms']:.1f}·R ms "
+           "One round with R steps per block: DECA's backward "
+           f"Σ_k bwd(k) = {summary['deca_round_backward_ms']:.1f}·R ms "
            f"vs full-parameter B·bwd = {summary['full_round_backward_ms']:.1f}·R ms: measured ratio "
            f"**{summary['measured_ratio']:.3f}**; the paper's block count ½RB(B+1)/RB² = (B+1)/(2B) = "
            f"{summary['paper_ratio_block_count']:.3f} (its further saving from frozen layers computing input "
@@ -117,4 +120,4 @@ def write(summary: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps({k: v for k, v in main().items() if k != "rows"}, indent=2))
+    print(json.dumps({k: v for k, v in main().items() if k != "rows"}, indent=2, allow_nan=False))

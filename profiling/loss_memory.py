@@ -66,10 +66,11 @@ def child(args) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.child is not None:
-        print(json.dumps(child(args)))
+        print(json.dumps(child(args), allow_nan=False))
         return {}
-    from deca_ds.memory import GiB, ModelSpec, estimate_memory
     from transformers import LlamaConfig
+
+    from deca_ds.memory import GiB, ModelSpec, estimate_memory
 
     spec = ModelSpec.from_config(LlamaConfig(**{**SHAPE, "vocab_size": args.vocab}), name="llama-2x256-v128k")
     rows = []
@@ -85,7 +86,8 @@ def main(argv=None) -> dict:
     whole = rows[0]["measured_peak_gib"] if args.chunks[0] == 0 else None
     summary = {**provenance("loss_memory.py", argv, threads=torch.get_num_threads()),
                "model": spec.name, "micro_batch": args.micro_batch, "seq_len": args.seq_len, "rows": rows}
-    md = [f"**Memory of the loss, measured** on {summary['device']}; command: `{summary['command']}`; {summary['date']}; "
+    md = [f"**Memory of the loss, measured** on {summary['device']}; command: `{summary['command']}`; "
+          f"{summary['date']}; "
           f"torch {torch.__version__}. {spec.name}: 2 layers of hidden 256, vocabulary {args.vocab:,}, fp32; "
           f"micro-batch {args.micro_batch} × {args.seq_len}, every position labelled.", "",
           "| loss chunk | peak above start, measured (GiB) | loss's logits, estimated (GiB) | forward + backward (s) |"

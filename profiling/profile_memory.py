@@ -27,11 +27,10 @@ import numpy as np
 import torch
 
 import runs
-from report import pyplot, setting, provenance, write_results
-from runs import ROOT
-
-from deca_ds.memory import GiB, OFFLOAD_MODES
+from deca_ds.memory import OFFLOAD_MODES, GiB
 from deca_ds.runtime.options import estimate_run
+from report import provenance, pyplot, setting, write_results
+from runs import ROOT
 
 
 def parse_args(argv=None):
@@ -137,11 +136,14 @@ def write(summary: dict, out: Path, name: str) -> None:
     md = [f"**Memory per granularity, measured** ({rows[0]['kind']}, per client) on {summary['device']}, "
           f"{summary['ranks']} ranks; command: `{summary['command']}`; {summary['date']}; "
           f"torch {summary['versions']['torch']}.", "",
-          "| layers per block | offload | micro-batch × max tokens | blocks | steps | peak (GiB) | peak (GB) | estimate (GiB) "
-          "| measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms) | of which layers below, once "
-          "per block (ms) | mixing + update (ms) | streamed (GB per step) | step / resident |",
-          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    md += [f"| {r['layers_per_block']} | {setting(r)} | {r['micro_batch']} × {r['seq_len']} | {r['blocks']} | {r['steps']} | {r['peak_gib']:.2f} | "
+          "| layers per block | offload | micro-batch × max tokens | blocks | steps | peak (GiB) | peak (GB) "
+          "| estimate (GiB) | measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms) "
+          "| of which layers below, once per block (ms) | mixing + update (ms) | streamed (GB per step) "
+          "| step / resident |",
+          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    md += [f"| {r['layers_per_block']} | {setting(r)} | {r['micro_batch']} × {r['seq_len']} | {r['blocks']} | "
+           f"{r['steps']} | {r['peak_gib']:.2f} | "
            f"{r['peak_gb']:.2f} | {_f(r['estimate_gib'], '.2f')} | {_f(r['measured_over_estimate'], '.3f')} | "
            f"{r['mean_gib']:.2f} | {r['setup_peak_gib']:.2f} | {r['step_ms']:.1f} | {r['prefix_ms']:.1f} | "
            f"{r['update_ms']:.1f} | {r['streamed_gb']:.3f} | {_f(r['step_over_resident'], '.2f')} |" for r in rows]
@@ -176,4 +178,4 @@ def write(summary: dict, out: Path, name: str) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()["results"], indent=2))
+    print(json.dumps(main()["results"], indent=2, allow_nan=False))

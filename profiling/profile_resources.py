@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import runs
-from report import pyplot, provenance, write_results
+from report import provenance, pyplot, write_results
 from runs import ROOT
 
 METHODS = ("deca", "dadam", "dec_lora", "dec_adapter", "decaf")
@@ -149,4 +149,4 @@ def write(summary: dict, out: Path, name: str) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()["results"], indent=2))
+    print(json.dumps(main()["results"], indent=2, allow_nan=False))

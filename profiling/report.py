@@ -1,48 +1,53 @@
-"""What every profiling tool writes: <name>.md, .csv and .json side by side, and an Agg pyplot."""
+"""What every profiling tool writes: provenance here; the result files and the plot backend from
+deca_ds.reporting."""
 
 from __future__ import annotations
 
-import csv
 import json
 import platform
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from deca_ds.reporting import pyplot, setting, write_results
 
-def write_results(out: Path, name: str, *, markdown: str, rows: list[dict], payload: dict) -> None:
-    """<out>/<name>.md (the table), .csv (one line per row) and .json (`payload`, rows included)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.md").write_text(markdown)
-    with (out / f"{name}.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / f"{name}.json").write_text(json.dumps(payload, indent=2))
+__all__ = ["emit", "provenance", "pyplot", "setting", "write_results"]
 
 
 def provenance(tool: str, argv: list[str] | None, *, cuda: bool = False, threads: int | None = None) -> dict:
     """What every result names: the command that made it (`argv`: the tool's arguments, default
-    sys.argv's), the UTC date, the device (CPU: with `threads` when given) and the versions."""
+    sys.argv's), the UTC date, the commit of the code (check_results.py compares it with the
+    code's last change), the device (CPU: with `threads` when given) and the versions."""
     import torch
 
     cpu = f"CPU ({platform.processor() or platform.machine()}" + (f", {threads} threads)" if threads else ")")
     return {"command": " ".join([f"python profiling/{tool}", *(sys.argv[1:] if argv is None else argv)]),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
             "device": torch.cuda.get_device_name() if cuda else cpu,
             "versions": {"torch": torch.__version__, "python": platform.python_version()}}
 
 
-def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
+def commit() -> str:
+    """HEAD's short hash, "+dirty" when tracked files differ from it; "unknown" outside a checkout."""
+    root = Path(__file__).resolve().parents[1]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
 
-    return plt
+    try:
+        head = git("rev-parse", "--short=7", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
-def setting(row: dict) -> str:
-    """A result row's offload mode, with the decoder layers it keeps resident."""
-    return row["offload"] + (f", keep {row['offload_keep']}" if row.get("offload_keep") else "")
+
+def emit(result: dict, out: str | None, *, indent: int = 2) -> None:
+    """Print `result` as JSON, and write it to the file `out` when one is named."""
+    text = json.dumps(result, indent=indent, allow_nan=False)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    print(text)

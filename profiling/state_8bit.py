@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
             row["state_ratio"] = row["state_bytes_8bit"] / row["state_bytes_fp32"]
             row["moments_ratio"] = (row["state_bytes_8bit"] - fp32_part) / (2 * fp32_part)
             rows.append(row)
-            print(json.dumps(row))
+            print(json.dumps(row, allow_nan=False))
     summary = {
         **provenance("state_8bit.py", argv, threads=torch.get_num_threads()),
         "bitsandbytes": __import__("bitsandbytes").__version__, "args": vars(args),
@@ -151,14 +151,16 @@ def write(s: dict, out: Path) -> None:
           "| model, active block | params | fp32 state (bytes) | 8-bit state (bytes) | 8-bit / fp32 state | "
           "8-bit / fp32 moments |", "| --- | ---: | ---: | ---: | ---: | ---: |",
           f"| tiny Llama (h=32), 1 layer, measured state_bytes() | {s['tiny_block_params']:,} | "
-          f"{r0['state_bytes_fp32']:,} | {r0['state_bytes_8bit']:,} | {r0['state_ratio']:.3f} | {r0['moments_ratio']:.3f} |",
+          f"{r0['state_bytes_fp32']:,} | {r0['state_bytes_8bit']:,} | {r0['state_ratio']:.3f} | "
+          f"{r0['moments_ratio']:.3f} |",
           f"| {big['model']}, 1 layer, computed | {big['block_params']:,} | {big['state_bytes_fp32']:,} | "
           f"{big['state_bytes_8bit']:,} | {big['state_bytes_8bit'] / big['state_bytes_fp32']:.3f} | "
           f"{(big['state_bytes_8bit'] - 4 * big['block_params']) / (8 * big['block_params']):.3f} |", "",
           f"Saved per active {big['model']} layer: {(big['state_bytes_fp32'] - big['state_bytes_8bit']) / MB:,.0f} MB; "
           f"while a step runs, the 8-bit path also holds one tensor's fp32 m, v and Adam temporary "
           f"({big['step_transient_8bit'] / MB:,.0f} MB for its largest tensor), freed before the next tensor.", "",
-          f"Drift: {a['clients']} clients, {a['topology']}, {a['layers']} layers (one per block), R = {a['steps_per_block']}, "
+          f"Drift: {a['clients']} clients, {a['topology']}, {a['layers']} layers (one per block), "
+          f"R = {a['steps_per_block']}, "
           f"T = {a['rounds']}; x̄ = client average, norms over every parameter (frozen ones included); "
           "update error from one client fed identical x, g, x⁺.", "",
           "| lr | variant | update error mean / max | ‖x̄8 − x̄32‖ / ‖x̄32 − x0‖ | ‖x̄8 − x̄32‖ / ‖x̄32‖ | "

@@ -165,10 +165,11 @@ def main(argv=None) -> dict:
     }
     md = [f"**DECA's update of one block, measured** on {summary['device']}, commit {summary['commit']}; "
           f"command: `{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}; {allocator}.", "",
-          "| variant | update | block params | working | half step (ms) | correction (ms) | update (ms) | fp32 copy (ms) "
-          "| update in copies | fused floor in copies | update / floor |",
+          "| variant | update | block params | working | half step (ms) | correction (ms) | update (ms) "
+          "| fp32 copy (ms) | update in copies | fused floor in copies | update / floor |",
           "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    md += [f"| {r['variant']} | {r['update']} | {r['block_params']:,} | {r['working_dtype']} | {r['half_step_ms']:.2f} | "
+    md += [f"| {r['variant']} | {r['update']} | {r['block_params']:,} | {r['working_dtype']} | "
+           f"{r['half_step_ms']:.2f} | "
            f"{r['correct_ms']:.2f} | {r['update_ms']:.2f} | {r['copy_ms']:.3f} | {r['update_in_copies']:.1f} | "
            f"{r['floor_in_copies']:.1f} | {r['over_floor']:.2f} |" for r in rows]
     md += ["", "A copy reads and writes 4 bytes per element of the block (fp32); 'in copies' is a time divided "

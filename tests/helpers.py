@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 VOCAB = 64
+# Torch threads of every rank a test starts (DECA_RANK_THREADS) and of the simulator it is compared
+# with: CPU matmuls round differently at another count, and Adam amplifies that past the 1e-6 bounds.
+RANK_THREADS = 1
+
+
+@contextlib.contextmanager
+def torch_threads(n: int = RANK_THREADS):
+    """Run the body at `n` torch threads, then restore the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_llama(layers: int = 3, hidden: int = 32, dtype: torch.dtype = torch.float64, seed: int = 0):
@@ -32,7 +47,11 @@ def client_batches(n_clients: int, steps: int, batch: int = 2, seq: int = 8, see
     return out
 
 
+PORTS: list[int] = []  # every port handed to a job in this session (conftest checks /dev/shm for them)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        PORTS.append(s.getsockname()[1])
+        return PORTS[-1]

@@ -27,7 +27,8 @@ def test_graph_starts_at_the_active_block(block):
     needs_grad = {}
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_hook(
-            lambda mod, args, out, i=i: needs_grad.__setitem__(i, (out[0] if isinstance(out, tuple) else out).requires_grad))
+            lambda mod, args, out, i=i: needs_grad.__setitem__(
+                i, (out[0] if isinstance(out, tuple) else out).requires_grad))
     model(**client_batches(1, steps=1)[0][0]).loss.backward()
     assert needs_grad == {i: i >= block for i in range(LAYERS)}
     active = {id(p) for p in opt.active.params}
@@ -78,7 +79,8 @@ def test_backward_cost_benchmark_runs(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, str(root / "profiling" / "backward_cost.py"), "--layers", "2", "--hidden", "64",
-                    "--seq-len", "16", "--reps", "1", "--out", str(tmp_path)], check=True, capture_output=True, cwd=root)
+                    "--seq-len", "16", "--reps", "1", "--out", str(tmp_path)],
+                   check=True, capture_output=True, cwd=root)
     summary = json.loads((tmp_path / "backward_cost.json").read_text())
     assert [r["block"] for r in summary["rows"]] == [0, 1] and summary["paper_ratio_block_count"] == 0.75
     assert (tmp_path / "backward_cost.png").stat().st_size > 1000 and (tmp_path / "backward_cost.md").exists()

@@ -13,7 +13,8 @@ NUM_LAYERS = 5
 
 
 def _config(arch: str, num_layers: int = NUM_LAYERS):
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4, vocab_size=97)
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+                  vocab_size=97)
     if arch == "llama":
         return transformers.LlamaConfig(num_key_value_heads=2, **common)
     if arch == "qwen2":
@@ -110,7 +111,8 @@ def test_extra_groups_are_own_blocks_in_order(arch_model):
     part = partition_model(model, 2, train_embeddings=True, train_final_norm=True, train_lm_head=untied)
     _check_covering(model, part)
 
-    expected = ["embeddings", "layers[0:2]", "layers[2:4]", "layers[4:5]", "final_norm"] + (["lm_head"] if untied else [])
+    expected = ["embeddings", "layers[0:2]", "layers[2:4]", "layers[4:5]", "final_norm"]
+    expected += ["lm_head"] if untied else []
     assert [b.name for b in part.blocks] == expected
     by_name = {b.name: list(b.param_names) for b in part.blocks}
     assert by_name["embeddings"] == embeddings

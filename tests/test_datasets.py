@@ -1,16 +1,12 @@
-"""Tasks by name and from local files, prompts and features, client partitions, generation evaluation.
+"""Tasks by name and from local files, prompts and features, client partitions (generation
+evaluation and the judge: test_evaluation.py).
 
-Offline: every fixture is written here under tmp_path, hub access is switched off, and the
-judge talks to a fake server on 127.0.0.1.
+Offline: every fixture is written here under tmp_path and hub access is switched off.
 """
 
 import csv
 import json
-import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import ClassVar
 
 import datasets  # noqa: F401 - imported before the offline variables are set: load_task must honour them anyway
 import numpy as np
@@ -22,20 +18,16 @@ from deca_ds.datasets import (
     TASKS,
     Record,
     alpaca_prompt,
-    evaluate_records,
     fits_max_length,
-    generate_answers,
-    judge_answers,
     label_skew,
     load_task,
-    parse_rating,
     partition_keys,
     partition_records,
-    rouge_l,
     to_features,
     vocabulary,
     write_partition_report,
 )
+from deca_ds.evaluation import evaluate_records
 from deca_ds.models import tiny_llama
 
 SENTIMENT = ("negative", "neutral", "positive")
@@ -89,8 +81,9 @@ def _load(tmp_path, **kwargs):
 
 @pytest.mark.parametrize("suffix,strings", [(".jsonl", True), (".json", False), (".csv", False), (".parquet", True)])
 def test_each_format_loads(tmp_path, suffix, strings):
-    train = _write(_classification_rows(30), tmp_path / f"train{suffix}", string_labels=SENTIMENT if strings else None)
-    test = _write(_classification_rows(9, seed=1), tmp_path / f"test{suffix}", string_labels=SENTIMENT if strings else None)
+    labels = SENTIMENT if strings else None
+    train = _write(_classification_rows(30), tmp_path / f"train{suffix}", string_labels=labels)
+    test = _write(_classification_rows(9, seed=1), tmp_path / f"test{suffix}", string_labels=labels)
     task = _load(tmp_path, data_files={"train": train, "test": test}, label_names=SENTIMENT)
     assert len(task.train) == 30 and len(task.test) == 9
     rows = _classification_rows(30)
@@ -313,123 +306,3 @@ def test_partition_report(tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     other = write_partition_report(tmp_path / "c", labels, partition_records(records, 4, alpha=0.25, seed=4), names)
     assert other["json"].read_bytes() != paths["json"].read_bytes()
-
-
-# ---- generation evaluation ------------------------------------------------------------------
-
-
-def test_rouge_l_hand_computed():
-    # LCS "the cat on the mat" = 5 of 6 tokens each way: P = R = F = 5/6
-    assert rouge_l("the cat sat on the mat", "the cat is on the mat") == pytest.approx(5 / 6)
-    # LCS "a c" = 2: P = 2/4, R = 2/3, F = 2PR/(P+R) = 4/7
-    assert rouge_l("a b c d", "a c e") == pytest.approx(4 / 7)
-    assert rouge_l("b a", "a b") == pytest.approx(0.5)
-    assert rouge_l("same words here", "same words here") == 1.0
-    assert rouge_l("x y", "z") == 0.0 and rouge_l("", "a") == 0.0 and rouge_l("a", "  ") == 0.0
-    assert rouge_l("The cat", "the cat") == pytest.approx(0.5)  # case-sensitive
-
-
-def test_generate_answers_multi_turn(tmp_path):
-    questions = tmp_path / "questions.jsonl"
-    questions.write_text(
-        json.dumps({"question_id": 81, "category": "writing", "turns": ["Write about w1", "Now list w2"]}) + "\n"
-        + json.dumps({"question_id": "v2", "text": "Explain w3"}) + "\n")
-    words = vocabulary([Record(alpaca_prompt("Write about w1 Now list w2 Explain w3"), "")]) + WORDS
-    tok = build_word_tokenizer(words)
-    model = tiny_llama(len(tok), seed=0)
-    out = tmp_path / "answers" / "model.jsonl"
-    rows = generate_answers(model, tok, questions, out, max_new_tokens=4, batch_size=2)
-    written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert written == rows
-    assert [r["question_id"] for r in rows] == [81, "v2"]
-    assert rows[0]["turns"] == ["Write about w1", "Now list w2"] and rows[1]["turns"] == ["Explain w3"]
-    assert [len(r["answers"]) for r in rows] == [2, 1] and rows[0]["category"] == "writing"
-    assert all(isinstance(a, str) and len(a.split()) <= 4 for r in rows for a in r["answers"])
-    assert model.training  # the model's mode is restored
-
-
-class _FakeJudge(BaseHTTPRequestHandler):
-    seen: ClassVar[list] = []
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-        n = len(type(self).seen)
-        content = "Clear and correct. Rating: [[7]]" if n % 2 else "Too short. Rating: [[4.5]]"
-        reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def fake_judge(monkeypatch):
-    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    _FakeJudge.seen = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeJudge)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-def test_judge_against_fake_server(tmp_path, fake_judge, monkeypatch, caplog, capsys):
-    key = "sk-test-SECRET-1234567890"
-    monkeypatch.setenv("JUDGE_KEY", key)
-    answers = tmp_path / "answers.jsonl"
-    answers.write_text(json.dumps({"question_id": 1, "turns": ["q1", "q2"], "answers": ["a1", "a2"]}) + "\n"
-                       + json.dumps({"question_id": 2, "turns": ["q3"], "answers": ["a3"]}) + "\n")
-    caplog.set_level(logging.DEBUG)
-    result = judge_answers(answers, endpoint_url=fake_judge, model="judge-model", api_key_env="JUDGE_KEY")
-    seen = _FakeJudge.seen
-    assert len(seen) == 3
-    assert all(s["auth"] == f"Bearer {key}" and s["path"] == "/v1/chat/completions" for s in seen)
-    assert seen[0]["body"]["model"] == "judge-model"
-    assert "[Question]\nq1" in seen[0]["body"]["messages"][1]["content"]
-    second = seen[1]["body"]["messages"][1]["content"]
-    assert "### User:\nq2" in second and "### Assistant:\na1" in second and "turn 2" in second
-    assert result["n"] == 3 and result["n_unparsed"] == 0
-    assert result["mean"] == pytest.approx((7 + 4.5 + 7) / 3) and result["per_turn"] == {1: 7.0, 2: 4.5}
-    judgments = [json.loads(line) for line in (tmp_path / "answers.judgments.jsonl").read_text().splitlines()]
-    assert [(j["question_id"], j["turn"], j["score"]) for j in judgments] == [(1, 1, 7.0), (1, 2, 4.5), (2, 1, 7.0)]
-    captured = capsys.readouterr()
-    for text in [*(p.read_text() for p in tmp_path.rglob("*") if p.is_file()), caplog.text, captured.out,
-                 captured.err, json.dumps(result)]:
-        assert key not in text
-    monkeypatch.delenv("JUDGE_KEY")
-    with pytest.raises(ValueError, match="environment variable JUDGE_KEY"):
-        judge_answers(answers, endpoint_url=fake_judge, model="m", api_key_env="JUDGE_KEY")
-    assert len(_FakeJudge.seen) == 3  # nothing was sent without a key
-
-
-def test_parse_rating():
-    assert parse_rating("Fine.\nRating: [[8]]") == 8.0
-    assert parse_rating("[[3]] then finally Rating: [[9.5]]") == 9.5
-    assert parse_rating("Rating: 6") == 6.0
-    assert parse_rating("no score") is None
-
-
-def test_rouge_of_answers_uses_references_only(tmp_path):
-    from deca_ds.datasets import read_questions, rouge_l_of_answers
-
-    path = tmp_path / "q.jsonl"
-    path.write_text('{"question_id": 1, "turns": ["x", "y"], "reference": ["a c", "b"]}\n'
-                    '{"question_id": 2, "text": "z", "reference": "d"}\n{"question_id": 3, "text": "w"}\n')
-    questions = read_questions(path)
-    assert [q.get("reference") for q in questions] == [["a c", "b"], ["d"], None]
-    rows = [{"answers": ["a b c", "b"], "reference": ["a c", "b"]}, {"answers": ["e"], "reference": ["d"]},
-            {"answers": ["w"]}]
-    # LCS("a b c", "a c") = 2: P = 2/3, R = 1, F = 0.8; then 1.0 and 0.0
-    assert rouge_l_of_answers(rows) == {"rouge_l": pytest.approx((0.8 + 1.0 + 0.0) / 3), "n": 3}
-    assert rouge_l_of_answers([{"answers": ["w"]}]) is None
-    path.write_text('{"question_id": 1, "turns": ["x"], "reference": ["a", "b"]}\n')
-    with pytest.raises(ValueError, match="one string per turn"):
-        read_questions(path)

@@ -17,8 +17,6 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from deca_ds import DecaConfig, DecaOptimizer
-from deca_ds.mixing import MIX_CHUNK
-from deca_ds.models import enable_activation_checkpointing
 from deca_ds.memory import (
     GPUS,
     ModelSpec,
@@ -29,6 +27,8 @@ from deca_ds.memory import (
     load_config,
     offload_block_stream,
 )
+from deca_ds.mixing import MIX_CHUNK
+from deca_ds.models import enable_activation_checkpointing
 from helpers import tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,10 +224,12 @@ def test_deepspeed_allreduce_bucket(specs):
     spec = specs["llama-3.1-8b-instruct"]
     one = estimate_memory(spec, 1, deepspeed_allreduce=True)
     assert one.grad_allreduce == one.block_params * (2 + 4)  # bf16 flat copy + its fp32 communication copy
-    four = estimate_memory(spec, 4, deepspeed_allreduce=True)  # 872 M elements: the first bucket closes once it passes 5e8
+    # 872 M elements: the first bucket closes once it passes 5e8
+    four = estimate_memory(spec, 4, deepspeed_allreduce=True)
     assert 5e8 < four.grad_allreduce / 6 < four.block_params
     assert estimate_memory(spec, 1).grad_allreduce == 0  # one rank per client: no all-reduce
-    assert estimate_memory(spec, 1, working_dtype="fp32", deepspeed_allreduce=True).grad_allreduce == one.block_params * 4
+    fp32 = estimate_memory(spec, 1, working_dtype="fp32", deepspeed_allreduce=True)
+    assert fp32.grad_allreduce == one.block_params * 4
 
 
 def test_gpu_fit(specs):
@@ -382,7 +384,8 @@ def test_update_cost_tool(tmp_path):
     and writes its tables."""
     tiny_llama(layers=2).config.to_json_file(tmp_path / "config.json")
     done = subprocess.run([sys.executable, str(ROOT / "profiling" / "update_cost.py"), "--config", str(tmp_path),
-                           "--steps", "2", "--warmup", "1", "--variants", "deca", "no_bma", "--out", str(tmp_path / "out")],
+                           "--steps", "2", "--warmup", "1", "--variants", "deca", "no_bma",
+                           "--out", str(tmp_path / "out")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "update_cost.json").read_text())

@@ -13,7 +13,7 @@ import torch
 
 from deca_ds import DecaConfig, make_topology, simulate
 from deca_ds.decentralized import segments
-from deca_ds.methods import METHODS, AdamConfig, DAdam, DeCAF, Deca, DecAdapter, DecLoRA, truncated_factors
+from deca_ds.methods import METHODS, AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA, truncated_factors
 from deca_ds.mixing import InProcessMixer
 from deca_ds.models import tiny_llama
 from helpers import VOCAB, client_batches
@@ -152,9 +152,9 @@ def test_complete_uniform_graph_makes_every_client_identical_after_each_mix(name
 
 
 def test_trainable_parameter_counts_equal_exact_arithmetic():
-    h, I, kv, L, r, s = HIDDEN, INTER, KV, LAYERS, RANK, SIZE
-    layer = 2 * h * h + 2 * h * kv + 3 * h * I + 2 * h  # q, o; k, v; gate, up, down; two norms
-    lora_layer = r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + I) + (I + h))  # r·(d_in + d_out) per linear
+    h, inter, kv, L, r, s = HIDDEN, INTER, KV, LAYERS, RANK, SIZE
+    layer = 2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h  # q, o; k, v; gate, up, down; two norms
+    lora_layer = r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + inter) + (inter + h))  # r·(d_in + d_out) per linear
     adapter_layer = 2 * (h * s + s + s * h + h)  # after attention and after the MLP
     expected = {"deca": L * layer, "dadam": L * layer, "dec_lora": L * lora_layer, "decaf": L * lora_layer,
                 "dec_adapter": L * adapter_layer}
@@ -215,3 +215,28 @@ def test_state_dict_round_trip_continues_identically(name):
         assert np.array_equal(trainable_flat(method, a), trainable_flat(method, b))
     with pytest.raises(ValueError, match="different config"):
         make(name, steps=5).optimizer(clients(method, 1)[0][0]).load_state_dict(saved[0][1])
+
+
+@pytest.mark.parametrize("name", ["dadam", "dec_lora", "dec_adapter", "decaf"])
+def test_a_client_export_is_a_plain_model_that_computes_what_the_client_computes(name, tmp_path):
+    """clients/client_NNN/ as the runtime writes it (plain_state + save_extras) and deca-eval loads
+    it; the client model itself is left as it was (training goes on after the export)."""
+    from deca_ds.runtime.checkpoint import save_hf_model
+    from deca_ds.runtime.evaluate import load_export
+
+    method = make(name)
+    client = method.prepare(base_model()).eval()
+    with torch.no_grad():  # B = 0 and U = 0 at the start: give every trained tensor a value
+        for p in method.trainable(client):
+            p.normal_(std=0.05, generator=torch.Generator().manual_seed(p.numel()))
+    ids = torch.arange(12)[None] % VOCAB
+    with torch.no_grad():
+        before = client(input_ids=ids).logits
+    save_hf_model(client, tmp_path, state=method.plain_state(client))
+    method.save_extras(client, tmp_path)
+    plain = load_export(str(tmp_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        after = client(input_ids=ids).logits
+        torch.testing.assert_close(plain(input_ids=ids).logits, before, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after, before) and type(plain).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in n for n in plain.state_dict())

@@ -32,7 +32,8 @@ def test_tiny_llama_is_deterministic_and_leaves_the_global_rng_alone():
     assert not _same_weights(a, tiny_llama(50, seed=4))
     assert a.config.vocab_size == 50 and a.config._attn_implementation == "eager"
     assert a.lm_head.weight is not a.model.embed_tokens.weight
-    assert tiny_llama(50, dtype=torch.bfloat16, num_hidden_layers=2).model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    bf16 = tiny_llama(50, dtype=torch.bfloat16, num_hidden_layers=2)
+    assert bf16.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
 
 
 def test_load_tiny(tokenizer):
@@ -152,8 +153,8 @@ def test_deca_on_non_iid_clients_beats_chance():
 
 
 def test_causal_lm_loss_is_the_transformers_loss_with_the_head_at_labelled_positions_only():
-    from helpers import tiny_llama as tiny64
     from deca_ds.models import causal_lm_loss
+    from helpers import tiny_llama as tiny64
 
     model = tiny64(layers=2)  # float64: the two losses agree to rounding
     g = torch.Generator().manual_seed(0)
@@ -195,8 +196,8 @@ def _labelled_batch(vocab: int, rows: int = 3, length: int = 12) -> dict:
 def test_chunked_loss_equals_the_whole_loss(chunk):
     """loss_chunk: the head and the loss over a few positions at a time, each chunk's logits
     recomputed in backward; same loss and gradients (float64: to rounding), the head put back."""
-    from helpers import tiny_llama as tiny64
     from deca_ds.models import causal_lm_loss
+    from helpers import tiny_llama as tiny64
 
     model = tiny64(layers=2)
     batch = _labelled_batch(64)

@@ -47,7 +47,7 @@ def test_single_client_no_bma_is_block_adam_with_resets():
 
     ref = copy.deepcopy(model)
     stream = iter(batches[0])
-    blocks = [[f"model.layers.{l}." for l in ls] for ls in ([0, 1], [2])]
+    blocks = [[f"model.layers.{i}." for i in ls] for ls in ([0, 1], [2])]
     for _ in range(cfg.rounds):
         for prefixes in blocks:
             params = [p for n, p in ref.named_parameters() if n.startswith(tuple(prefixes))]

@@ -105,7 +105,8 @@ def test_estimator_counts_the_cached_hidden_states():
     est = estimate_block(spec, 1, 2, offload="frozen", micro_batch=3, seq_len=16, steps_per_block=5, grad_accum=2)
     assert est.prefix_cache == 5 * 2 * 3 * 16 * spec.hidden * 2  # bf16 hidden states of 5 steps × 2 micro-batches
     # on the device while the layers below run, not in the steps
-    assert est.phases["prefix"] - est.phases["backward"] == est.prefix_cache + est.act_recompute - est.grad - est.activations
+    assert (est.phases["prefix"] - est.phases["backward"]
+            == est.prefix_cache + est.act_recompute - est.grad - est.activations)
     assert estimate_block(spec, 1, 0, offload="frozen").prefix_cache == 0  # nothing below block 0
     assert estimate_block(spec, 1, 2, offload="none").prefix_cache == 0
 

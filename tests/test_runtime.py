@@ -28,7 +28,8 @@ from deca_ds.memory import offload_block_stream
 from deca_ds.models import tiny_llama
 from deca_ds.runtime import trainer
 from deca_ds.runtime.options import parse_args
-from helpers import free_port
+from deca_ds.train import main as train_main
+from helpers import RANK_THREADS, free_port, torch_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = str(ROOT / "launch" / "train.py")
@@ -47,7 +48,8 @@ def start_ranks(args: list[str], world: int, logs: Path) -> list[subprocess.Pope
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "DECA_RANK_THREADS": str(RANK_THREADS)}
         procs.append(subprocess.Popen([sys.executable, LAUNCH, *args], env=env, cwd=ROOT,
                                       stdout=open(logs / f"rank{rank}.out", "w"),
                                       stderr=open(logs / f"rank{rank}.err", "w")))
@@ -83,7 +85,8 @@ def reference_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(N),
            "--master_port", str(free_port()), LAUNCH, *RUN, "--output-dir", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DECA_RANK_THREADS": str(RANK_THREADS)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, done.stdout
 
@@ -96,7 +99,8 @@ def test_distributed_run_equals_simulator(reference_run):
     streams = [ClientStream(task.features, task.client_indices[c], opts.micro_batch,
                             pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c) for c in range(N)]
     W = deca_ds.make_topology("ring", N).W
-    simulated = deca_ds.simulate(model, streams, W, opts.deca_config())
+    with torch_threads():  # the ranks' count (DECA_RANK_THREADS)
+        simulated = deca_ds.simulate(model, streams, W, opts.deca_config())
     init = dict(model.named_parameters())
     for c in range(N):
         got = client_params(out, c)
@@ -124,7 +128,7 @@ def test_export_is_the_mean_of_clients_and_loads_with_transformers(reference_run
     assert summary["clients"][0]["bytes_sent"] == 2 * 4 * 5 * 2 * sum(sizes)
     assert (out / "loss_curve.png").stat().st_size > 10_000
     for c in range(N):
-        rows = [json.loads(l) for l in (out / "metrics" / f"client_{c:03d}.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (out / "metrics" / f"client_{c:03d}.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(20))
         assert {"loss", "t_forward", "t_backward", "t_mix_update", "bytes_sent"} <= set(rows[0])
         assert sum("consensus_distance" in r for r in rows) == 10
@@ -163,7 +167,7 @@ def test_sigkill_mid_block_then_resume_is_bit_identical(reference_run, tmp_path)
         assert got.keys() == want.keys()
         for name in want:
             assert torch.equal(got[name], want[name]), (c, name)
-    steps = [json.loads(l)["step"] for l in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
     assert steps == list(range(20)), "metrics must read as one run after resume"
 
 
@@ -259,7 +263,7 @@ def test_bad_input_is_refused_before_anything_is_written(case, previous_run, tmp
     extra, message = BAD_INPUTS[case]
     before = snapshot(previous_run)
     with pytest.raises(SystemExit) as exit_info:
-        trainer.main(["--ds_config", PRESET, "--output-dir", str(previous_run), *extra(tmp_path)])
+        train_main(["--ds_config", PRESET, "--output-dir", str(previous_run), *extra(tmp_path)])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert "error:" in err
@@ -272,14 +276,14 @@ def test_bad_input_is_refused_before_anything_is_written(case, previous_run, tmp
     ({"bf16": {"enabled": True}}, "FP32 master copies"),
     ({"zero_optimization": {"stage": 2}}, "ZeRO stages above 0"),
     ({"optimizer": {"type": "Adam"}}, "DECA supplies the optimizer"),
-    ({"deca": {"stepz_per_block": 3}}, "unknown option\\(s\\) \\['stepz_per_block'\\]"),
+    ({"deca": {"stepz_per_block": 3}}, "unknown option 'stepz_per_block' \\(did you mean 'steps_per_block'\\?\\)"),
 ])
 def test_bad_preset_is_refused(preset, message, previous_run, tmp_path, capsys):
     path = tmp_path / "preset.json"
     path.write_text(json.dumps(preset))
     before = snapshot(previous_run)
     with pytest.raises(SystemExit):
-        trainer.main(["--ds_config", str(path), "--output-dir", str(previous_run), "--overwrite"])
+        train_main(["--ds_config", str(path), "--output-dir", str(previous_run), "--overwrite"])
     assert __import__("re").search(message, capsys.readouterr().err)
     assert snapshot(previous_run) == before
 
@@ -322,15 +326,11 @@ def test_ranks_per_client_do_data_parallelism_inside_the_client(tmp_path):
         while True:
             yield pad_cat(next(stream), next(stream), pad)
 
-    # Each of the 4 ranks ran with cpu_count // 4 threads (runtime/dist.py); at another thread count
-    # the CPU matmuls round differently, and Adam amplifies that as below (1.4e-4 at 2 threads against 1 here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 4))
-    try:
+    # The ranks ran at DECA_RANK_THREADS; at another thread count the CPU matmuls round differently,
+    # and Adam amplifies that as below (1.4e-4 at 2 threads against 1 here).
+    with torch_threads():
         simulated = deca_ds.simulate(model, [merged(0), merged(1)], deca_ds.make_topology("ring", 2).W,
                                      opts.deca_config())
-    finally:
-        torch.set_num_threads(threads)
     init = dict(model.named_parameters())
     for c in range(2):
         got = client_params(out, c)
@@ -408,6 +408,35 @@ def test_standalone_evaluation_of_the_export(reference_run, tmp_path):
     rows = [json.loads(line) for line in Path(result["answers"]).read_text().splitlines()]
     assert [len(r["answers"]) for r in rows] == [2, 1]
     assert result["rouge"]["n"] == 2 and 0.0 <= result["rouge"]["rouge_l"] <= 1.0
+
+
+def test_client_exports_are_complete_model_directories(reference_run, tmp_path):
+    """clients/client_NNN holds the tokenizer beside the weights: transformers loads both, and
+    launch/evaluate.py scores it as the client's own weights score in-process."""
+    from transformers import AutoTokenizer
+
+    from deca_ds.runtime import evaluate
+
+    out, _ = reference_run
+    consensus_tok = AutoTokenizer.from_pretrained(out / "consensus")
+    for c in range(N):
+        directory = out / "clients" / f"client_{c:03d}"
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        weights = client_params(out, c)
+        assert all(torch.equal(p.detach(), weights[n]) for n, p in model.named_parameters())
+        tok = AutoTokenizer.from_pretrained(directory)
+        assert tok.get_vocab() == consensus_tok.get_vocab() and tok.pad_token_id == consensus_tok.pad_token_id
+        assert tok("w1 w2 =>")["input_ids"] == consensus_tok("w1 w2 =>")["input_ids"]
+    client = out / "clients" / "client_001"
+    result = evaluate.evaluate(evaluate.build_parser().parse_args([
+        "--model", str(client), "--dataset", "synthetic", "--max-seq-len", "32", "--eval-limit", "64",
+        "--out", str(tmp_path / "eval.json")]))
+    opts, _ = parse_args([*RUN, "--output-dir", "unused"])
+    task = trainer.build_task(opts, N)
+    model = trainer.build_model(opts, len(task.tokenizer))
+    model.load_state_dict(client_params(out, 1), strict=False)
+    assert result["classification"] == task.evaluate(model, 64)
+    assert json.loads((tmp_path / "eval.json").read_text())["classification"]["n"] == 64
 
 
 def test_profile_memory_tool(tmp_path):
@@ -539,3 +568,18 @@ def test_profile_resources_tool(tmp_path):
     assert ratios["deca_fused_agg_up_over_eager"] == pytest.approx(deca_fused["agg_up_ms"] / deca["agg_up_ms"])
     assert summary["command"].startswith("python profiling/profile_resources.py --ranks 2")
     assert (tmp_path / "out" / "profile_resources.png").stat().st_size > 1000
+
+
+def test_rank_threads_from_the_environment(monkeypatch):
+    from deca_ds.runtime.dist import rank_threads
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.delenv("DECA_RANK_THREADS", raising=False)
+    assert rank_threads(1, cpu) == (os.cpu_count() or 1) and rank_threads(10**6, cpu) == 1
+    assert rank_threads(4, gpu) is None
+    monkeypatch.setenv("DECA_RANK_THREADS", "3")
+    assert rank_threads(4, cpu) == 3 and rank_threads(4, gpu) == 3
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("DECA_RANK_THREADS", bad)
+        with pytest.raises(ValueError, match=f"DECA_RANK_THREADS='{bad}'"):
+            rank_threads(4, cpu)

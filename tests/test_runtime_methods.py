@@ -3,21 +3,25 @@ the same metrics and bytes accounting, and each method's export."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import deca_ds
 from deca_ds.data import ClientStream
 from deca_ds.methods import load_adapters
 from deca_ds.optimizer import model_partition
 from deca_ds.runtime import trainer
+from deca_ds.runtime.evaluate import load_export
 from deca_ds.runtime.options import parse_args
-from test_runtime import N, PRESET, client_params, start_ranks, wait_all
+from helpers import torch_threads
+from test_runtime import PRESET, N, client_params, start_ranks, wait_all
 
 STEPS = 6
 RUN = ["--ds_config", PRESET, "--topology", "ring", "--steps", str(STEPS), "--micro-batch", "4", "--lr", "3e-3",
@@ -33,7 +37,8 @@ def simulated(args: list[str]):
     method = opts.build_method(model_partition(model, opts.deca_config()))
     streams = [ClientStream(task.features, task.client_indices[c], opts.micro_batch,
                             pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c) for c in range(N)]
-    return deca_ds.simulate(model, streams, deca_ds.make_topology("ring", N).W, method), method, model
+    with torch_threads():  # the ranks' count (start_ranks sets DECA_RANK_THREADS)
+        return deca_ds.simulate(model, streams, deca_ds.make_topology("ring", N).W, method), method, model
 
 
 @pytest.mark.parametrize("name", ["dadam", "dec_lora", "dec_adapter", "decaf"])
@@ -42,15 +47,35 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
     args = [*RUN, "--method", name, "--output-dir", str(out)]
     procs = start_ranks(args, N, tmp_path / "logs")
     assert wait_all(procs, timeout=300) == [0] * N, (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
-    want, method, _ = simulated([*args[:-2], "--output-dir", "unused"])
+    want, method, base = simulated([*args[:-2], "--output-dir", "unused"])
+    # each client's export is a plain model directory that computes what the simulated client
+    # computes, as deca-eval loads it (LoRA merged into W; Dec-Adapter's base with the adapters in
+    # its adapter/): its tensors are the simulated client's plain_state, its logits the client's
+    ids = torch.arange(8)[None]
     for c in range(N):
-        got = client_params(out, c)
-        for pname, value in want[c].items():
-            torch.testing.assert_close(got[pname], value, rtol=0, atol=1e-6, msg=f"{name} client {c} {pname}")
+        client = method.prepare(copy.deepcopy(base)).eval()
+        with torch.no_grad():
+            for pname, p in client.named_parameters():
+                p.copy_(want[c][pname])
+        export = out / "clients" / f"client_{c:03d}"
+        got = load_file(export / "model.safetensors")
+        if name == "dec_adapter":
+            got |= load_file(export / "adapter" / "adapter_model.safetensors")
+            expected = client.state_dict()
+        else:
+            expected = method.plain_state(client)
+        assert got and set(got) <= set(expected), set(got) - set(expected)
+        for tname, value in got.items():
+            torch.testing.assert_close(value, expected[tname], rtol=0, atol=1e-6, msg=f"{name} client {c} {tname}")
+        plain = load_export(str(export), dtype=torch.float32).eval()
+        assert AutoTokenizer.from_pretrained(export)("a b c").input_ids
+        with torch.no_grad():
+            torch.testing.assert_close(plain(input_ids=ids).logits, client(input_ids=ids).logits,
+                                       rtol=1e-5, atol=1e-5, msg=f"{name} client {c} export")
 
     run = json.loads((out / "run_config.json").read_text())
     assert run["method"] == name
-    rows = [json.loads(l) for l in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert {"t_local_update", "t_exchange", "t_aggregate"} <= set(rows[0]) and rows[0]["block"] is None
     # ring: 2 neighbors × the trainable vector × 4 bytes on every second step (--mix-every 2)
@@ -66,8 +91,9 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
         torch.testing.assert_close(peft_model(input_ids=ids).logits, base(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-4)
     elif name == "dec_adapter":
-        model = load_adapters(AutoModelForCausalLM.from_pretrained(consensus), out / "adapter")
-        mean = np.mean([client_params(out, c)["model.layers.0.mlp.adapter.up.weight"].numpy() for c in range(N)], 0)
+        model = load_adapters(AutoModelForCausalLM.from_pretrained(consensus), consensus / "adapter")
+        mean = np.mean([load_file(out / "clients" / f"client_{c:03d}" / "adapter" / "adapter_model.safetensors")
+                        ["model.layers.0.mlp.adapter.up.weight"].numpy() for c in range(N)], 0)
         np.testing.assert_allclose(model.model.layers[0].mlp.adapter.up.weight.detach().numpy(), mean, atol=1e-6)
     else:
         model = AutoModelForCausalLM.from_pretrained(consensus)

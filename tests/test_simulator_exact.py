@@ -19,7 +19,7 @@ LAYERS, LPB, R, T, N = 3, 2, 3, 2, 4
 
 
 def reference_blocks(layers: int, lpb: int) -> list[list[str]]:
-    return [[f"model.layers.{l}." for l in range(k, min(k + lpb, layers))]
+    return [[f"model.layers.{i}." for i in range(k, min(k + lpb, layers))]
             for k in range(0, layers, lpb)]
 
 

@@ -174,7 +174,8 @@ def test_bad_matrices_are_rejected():
     with pytest.raises(ValueError, match=r"^mixing matrix rows must sum to 1.*row 0 sums to 0\.7"):
         validate_mixing_matrix([[0.5, 0.2], [0.2, 0.5]])
     disconnected = np.kron(np.eye(2), ok)
-    with pytest.raises(ValueError, match=r"^mixing matrix support graph of W is not connected: components \[\[0, 1\], \[2, 3\]\]"):
+    with pytest.raises(ValueError,
+                       match=r"^mixing matrix support graph of W is not connected: components \[\[0, 1\], \[2, 3\]\]"):
         validate_mixing_matrix(disconnected)
     with pytest.raises(ValueError, match="^mixing matrix could not be converted"):
         validate_mixing_matrix([[0.5, 0.5], [1.0]])
@@ -210,7 +211,8 @@ def test_load_round_trip(tmp_path, form):
         np.save(path, W)
     else:
         path = tmp_path / "w.json"
-        data = {"json_list": W.tolist(), "json_W": {"W": W.tolist()}, "json_mixing_matrix": {"mixing_matrix": W.tolist()}}
+        data = {"json_list": W.tolist(), "json_W": {"W": W.tolist()},
+                "json_mixing_matrix": {"mixing_matrix": W.tolist()}}
         path.write_text(json.dumps(data[form]))
     assert np.array_equal(load_mixing_matrix(path), W)
     topo = make_topology("file", 7, matrix_file=str(path))

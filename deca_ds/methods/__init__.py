@@ -5,7 +5,7 @@ whose optimizer is a `DecentralizedOptimizer` (local step, then combine with the
 """
 
 from .adam import AdamConfig, DAdam, MixedAdam
-from .adapter import DecAdapter, add_adapters, load_adapters
+from .adapter import DecAdapter, add_adapters, load_adapters, saved_adapters
 from .base import Method
 from .deca import Deca
 from .lora import DeCAF, DecLoRA, truncated_factors
@@ -13,4 +13,4 @@ from .lora import DeCAF, DecLoRA, truncated_factors
 METHODS = {m.name: m for m in (Deca, DAdam, DecLoRA, DecAdapter, DeCAF)}
 
 __all__ = ["AdamConfig", "DAdam", "DeCAF", "Deca", "DecAdapter", "DecLoRA", "METHODS", "Method", "MixedAdam",
-           "add_adapters", "load_adapters", "truncated_factors"]
+           "add_adapters", "load_adapters", "saved_adapters", "truncated_factors"]

@@ -25,6 +25,7 @@ _ATTENTION = ("self_attn", "attn", "attention")
 _MLP = ("mlp",)
 _CONFIG = "adapter_config.json"
 _WEIGHTS = "adapter_model.safetensors"
+ADAPTER_TYPE = "houlsby_bottleneck"
 
 
 class Bottleneck(nn.Module):
@@ -75,8 +76,16 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if ".adapter." in n}
 
 
+def save_adapters(model: nn.Module, directory: Path, size: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_state(model), directory / _WEIGHTS, metadata={"format": "pt"})
+    (directory / _CONFIG).write_text(json.dumps({"adapter_type": ADAPTER_TYPE, "size": size,
+                                                 "positions": ["attention", "mlp"]}, indent=2, allow_nan=False))
+
+
 def load_adapters(model: nn.Module, directory: str | Path) -> nn.Module:
-    """A base model plus the adapters saved by a Dec-Adapter run (its `adapter/` directory)."""
+    """A base model plus the adapters saved by a Dec-Adapter run (the `adapter/` folder of its
+    export)."""
     directory = Path(directory)
     config = json.loads((directory / _CONFIG).read_text())
     add_adapters(model, config["size"])
@@ -86,6 +95,16 @@ def load_adapters(model: nn.Module, directory: str | Path) -> nn.Module:
         raise ValueError(f"adapter weights in {directory} do not fit the model: {sorted(mismatch)[:5]}")
     model.load_state_dict(weights, strict=False)
     return model
+
+
+def saved_adapters(directory: str | Path) -> Path | None:
+    """The Dec-Adapter adapters a model directory carries (its adapter/ folder), if any. peft's
+    adapter folder beside a merged LoRA model is not one: that model is complete."""
+    folder = Path(directory) / "adapter"
+    try:
+        return folder if json.loads((folder / _CONFIG).read_text()).get("adapter_type") == ADAPTER_TYPE else None
+    except (OSError, ValueError):
+        return None
 
 
 class DecAdapter(Method):
@@ -105,16 +124,19 @@ class DecAdapter(Method):
     def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> MixedAdam:
         return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)
 
+    def plain_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The frozen base; its adapters go to adapter/ (save_extras)."""
+        return {n: p for n, p in model.state_dict().items() if ".adapter." not in n}
+
+    def save_extras(self, model: nn.Module, directory: Path) -> None:
+        save_adapters(model, directory / "adapter", self.size)
+
     def save_consensus(self, model: nn.Module, directory: Path, tokenizer) -> nn.Module:
-        """The frozen base (consensus/, loadable by from_pretrained) and the consensus adapters
-        (adapter/; `load_adapters` puts them back). A bottleneck adapter is non-linear, so unlike
-        LoRA it cannot be merged into the base weights, and peft has no format for it."""
-        base = {n: p for n, p in model.state_dict().items() if ".adapter." not in n}
-        model.save_pretrained(directory, state_dict=base, safe_serialization=True)
+        """The frozen base (loadable by from_pretrained) and, in its adapter/ folder, the consensus
+        adapters (`load_adapters` puts them back; deca-eval does so itself). A bottleneck adapter is
+        non-linear, so unlike LoRA it cannot be merged into the base weights, and peft has no
+        format for it."""
+        model.save_pretrained(directory, state_dict=self.plain_state(model), safe_serialization=True)
         tokenizer.save_pretrained(directory)
-        out = directory.parent / "adapter"
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(adapter_state(model), out / _WEIGHTS, metadata={"format": "pt"})
-        (out / _CONFIG).write_text(json.dumps({"adapter_type": "houlsby_bottleneck", "size": self.size,
-                                               "positions": ["attention", "mlp"]}, indent=2))
+        self.save_extras(model, directory)
         return model

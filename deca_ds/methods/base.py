@@ -35,6 +35,14 @@ class Method:
     def num_trainable(self, model: nn.Module) -> int:
         return sum(p.numel() for p in self.trainable(model))
 
+    def plain_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The weights, by transformers' names, of a plain model of the base architecture that
+        computes what this client's model computes (what clients/client_NNN/ holds)."""
+        return model.state_dict()
+
+    def save_extras(self, model: nn.Module, directory: Path) -> None:
+        """Write beside a client's plain weights what they cannot hold (Dec-Adapter's adapters)."""
+
     def save_consensus(self, model: nn.Module, directory: Path, tokenizer) -> nn.Module:
         """Write the consensus model (its weights already x̄) to `directory`; return the model
         to evaluate."""

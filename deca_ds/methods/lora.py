@@ -65,6 +65,20 @@ class DecLoRA(Method):
     def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> MixedAdam:
         return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)
 
+    def plain_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """W + (α/r)·BA for every adapted layer, as merge_and_unload computes it, without touching
+        the model (training goes on after a client export)."""
+        state = {}
+        deltas = {f"{name}.base_layer.weight": sum(module.get_delta_weight(a) for a in module.active_adapters)
+                  for name, module in model.get_base_model().named_modules() if hasattr(module, "lora_A")}
+        for name, tensor in model.get_base_model().state_dict().items():
+            if "lora_" in name:
+                continue
+            if name in deltas:
+                tensor = tensor + deltas[name].to(tensor.device, tensor.dtype)
+            state[name.replace(".base_layer.", ".")] = tensor
+        return state
+
     def save_consensus(self, model: nn.Module, directory: Path, tokenizer) -> nn.Module:
         """The adapter in peft format (adapter/) and the merged model W + (α/r)·B̄Ā (consensus/).
         Merged in place (training is over), so the device never holds a second model."""

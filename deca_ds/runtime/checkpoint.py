@@ -3,14 +3,19 @@
 Layout: <output>/checkpoints/step_<S>/client_<c>/
     model.safetensors, optimizer.pt        (written by the client's first rank)
     rank_<l>.pt                            (every rank: its data position and RNG state)
-Every file is written to a temporary name and renamed, so a file that exists is complete. A
-client's step is complete when all its files exist; the run resumes from the latest step that is
-complete for every client (the ranks agree on it with one all-gather, so nodes need not share a
-file system). A rank killed mid-write leaves that step incomplete and the previous one is used.
+    manifest_<l>.json                      (every rank, written last: size and sha256 of its files)
+Every file is written to a temporary name and renamed. A client's step is complete only when the
+manifest of each of its ranks exists and every file it lists has that size (and, when resuming,
+that sha256): a file cut short on disk, or a rank killed before its manifest, leaves the step
+incomplete. The run resumes from the latest step complete for every client (the ranks agree on
+it with one all-gather, so nodes need not share a file system) and says which newer steps it
+skipped and why.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -19,7 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors import safe_open
+from safetensors.torch import save_file, save_model
 
 _STEP = re.compile(r"step_(\d+)$")
 
@@ -30,11 +36,24 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
+        # mkstemp creates 0600; the file gets the mode any other file of the run gets (0644 under umask 022)
+        os.chmod(tmp, 0o666 & ~_umask())
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_json(path: Path, obj) -> None:
+    """Atomically, and as valid JSON: a NaN or infinity raises instead of writing a bare NaN."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n"))
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -45,30 +64,80 @@ def client_dir(root: Path, step: int, client: int) -> Path:
     return step_dir(root, step) / f"client_{client:03d}"
 
 
-def client_files(ranks_per_client: int) -> list[str]:
-    return ["model.safetensors", "optimizer.pt", *(f"rank_{l}.pt" for l in range(ranks_per_client))]
+def rank_files(local_rank: int) -> list[str]:
+    """What rank `local_rank` of a client writes into its step folder (besides its manifest)."""
+    return [*(("model.safetensors", "optimizer.pt") if local_rank == 0 else ()), f"rank_{local_rank}.pt"]
+
+
+def manifest_name(local_rank: int) -> str:
+    return f"manifest_{local_rank}.json"
+
+
+def sha256(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def save_client(root: Path, step: int, client: int, local_rank: int, *, model: torch.nn.Module | None,
                 optimizer_state: dict | None, rank_state: dict) -> None:
-    """Write this rank's part of checkpoint `step`; model and optimizer only on a client's first rank."""
+    """Write this rank's part of checkpoint `step`; model and optimizer only on a client's first rank,
+    then (last) the rank's manifest of what it wrote."""
     d = client_dir(root, step, client)
+    if (model is not None) != (local_rank == 0):
+        raise ValueError("the model and optimizer are saved by a client's first rank, and only by it")
     if model is not None:
         atomic_write(d / "model.safetensors", lambda tmp: save_model(model, tmp))  # tied weights stored once
         atomic_write(d / "optimizer.pt", lambda tmp: torch.save(optimizer_state, tmp))
     atomic_write(d / f"rank_{local_rank}.pt", lambda tmp: torch.save(rank_state, tmp))
+    write_json(d / manifest_name(local_rank), {"step": step, "client": client, "files": {
+        name: {"bytes": (d / name).stat().st_size, "sha256": sha256(d / name)} for name in rank_files(local_rank)}})
 
 
-def complete_steps(root: Path, client: int, ranks_per_client: int) -> list[int]:
-    """Checkpoint steps whose every file of `client` exists, ascending."""
+def step_problem(root: Path, step: int, client: int, ranks_per_client: int, *, hashes: bool) -> str | None:
+    """Why `client`'s checkpoint `step` cannot be resumed from (None: it verifies)."""
+    d = client_dir(root, step, client)
+    for local_rank in range(ranks_per_client):
+        try:
+            manifest = json.loads((d / manifest_name(local_rank)).read_text())
+            listed = manifest["files"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"{d / manifest_name(local_rank)} is missing or unreadable ({type(e).__name__}), so the step " \
+                   "was not finished"
+        for name in rank_files(local_rank):
+            path, want = d / name, listed.get(name, {})
+            if not path.is_file():
+                return f"{path} is missing"
+            size = path.stat().st_size
+            if size != want.get("bytes"):
+                return f"{path} has {size} bytes, its manifest says {want.get('bytes')}"
+            if hashes and sha256(path) != want.get("sha256"):
+                return f"{path} does not match the sha256 in its manifest"
+    return None
+
+
+def scan_steps(root: Path, client: int, ranks_per_client: int, *,
+               hashes: bool = True) -> tuple[list[int], dict[int, str]]:
+    """(steps whose every file of `client` verifies, ascending; {other step: why not})."""
     base = root / "checkpoints"
-    steps = []
+    complete, problems = [], {}
     for d in base.iterdir() if base.is_dir() else ():
         m = _STEP.match(d.name)
-        if m and all((client_dir(root, int(m.group(1)), client) / f).is_file()
-                     for f in client_files(ranks_per_client)):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+        if m:
+            step = int(m.group(1))
+            problem = step_problem(root, step, client, ranks_per_client, hashes=hashes)
+            if problem is None:
+                complete.append(step)
+            else:
+                problems[step] = problem
+    return sorted(complete), problems
+
+
+def complete_steps(root: Path, client: int, ranks_per_client: int, *, hashes: bool = True) -> list[int]:
+    """Checkpoint steps whose every file of `client` verifies, ascending."""
+    return scan_steps(root, client, ranks_per_client, hashes=hashes)[0]
 
 
 def load_client(root: Path, step: int, client: int, local_rank: int, model: torch.nn.Module,
@@ -76,20 +145,70 @@ def load_client(root: Path, step: int, client: int, local_rank: int, model: torc
     """Load the model's weights in place, where the model is; return the optimizer state (on
     `device`) and this rank's state."""
     d = client_dir(root, step, client)
-    load_model(model, d / "model.safetensors", strict=True, device=str(next(model.parameters()).device))
-    return {
-        "optimizer": torch.load(d / "optimizer.pt", map_location=device, weights_only=True),
-        "rank": torch.load(d / f"rank_{local_rank}.pt", weights_only=True),
-    }
+    load_weights(model, d / "model.safetensors")
+    try:
+        return {
+            "optimizer": torch.load(d / "optimizer.pt", map_location=device, weights_only=True),
+            "rank": torch.load(d / f"rank_{local_rank}.pt", weights_only=True),
+        }
+    except (OSError, RuntimeError, EOFError) as e:  # verified by its manifest, so changed since the check
+        raise ValueError(f"--resume: cannot read checkpoint {d}: {type(e).__name__}: {e}") from e
 
 
-def save_hf_model(model: torch.nn.Module, directory: Path) -> None:
-    """config.json + model.safetensors, loadable by from_pretrained, from any rank.
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Copy the tensors of a save_model file into `model`'s own, in place and one at a time, each
+    read into host memory and copied to wherever that tensor lives.
 
-    (transformers' save_pretrained writes only on global rank 0 once torch.distributed is up.)"""
+    safetensors.torch.load_model loads the whole file onto the device first and then copies it
+    in: a second copy of every weight (15 GiB for Llama-3.1-8B in bf16) on top of the model. Here
+    the most held besides the model is one tensor. A tied tensor is stored under one of its names
+    (save_model keeps one); every tensor of the model must be in the file and nothing else."""
+    own = model.state_dict(keep_vars=True)
+    aliases: dict[tuple, list[str]] = {}
+    for name, tensor in own.items():
+        aliases.setdefault((tensor.device, tensor.data_ptr(), tuple(tensor.shape)), []).append(name)
+    # pread: each tensor is read into its own buffer, freed after the copy (a memory map would
+    # keep every page read resident until the file is closed)
+    with safe_open(str(path), framework="pt", device="cpu", backend="pread") as f:
+        stored = set(f.keys())
+        unexpected = sorted(stored - set(own))
+        missing = sorted(names[0] for names in aliases.values() if not stored.intersection(names))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+        with torch.no_grad():
+            for name in sorted(stored):
+                own[name].copy_(f.get_tensor(name))
+
+
+def save_hf_model(model: torch.nn.Module, directory: Path, tokenizer=None,
+                  state: dict[str, torch.Tensor] | None = None) -> None:
+    """config.json + model.safetensors (+ the tokenizer's files), a model directory that
+    AutoModelForCausalLM / AutoTokenizer.from_pretrained and launch/evaluate.py load, from any rank.
+    `state`: the weights to write by name (default: the model's own).
+
+    (transformers' save_pretrained writes only on global rank 0 once torch.distributed is up;
+    a tokenizer's save_pretrained writes on every rank.)"""
     directory.mkdir(parents=True, exist_ok=True)
     model.config.to_json_file(directory / "config.json")
-    atomic_write(directory / "model.safetensors", lambda tmp: save_model(model, tmp, metadata={"format": "pt"}))
+    if state is None:
+        atomic_write(directory / "model.safetensors", lambda tmp: save_model(model, tmp, metadata={"format": "pt"}))
+    else:
+        atomic_write(directory / "model.safetensors",
+                     lambda tmp: save_file(_once(state), tmp, metadata={"format": "pt"}))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def _once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors that share memory (tied embeddings) stored once, under their first name, as
+    save_model stores them; from_pretrained re-ties the others."""
+    seen, out = set(), {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor.detach().cpu().contiguous()
+    return out
 
 
 def prune(root: Path, client: int, keep: list[int]) -> None:
@@ -106,3 +225,20 @@ def prune(root: Path, client: int, keep: list[int]) -> None:
                 d.rmdir()
             except OSError:
                 pass  # other clients' files are still there
+
+
+def prune_rank(root: Path, client: int, local_rank: int, keep: int) -> None:
+    """A client's other rank (local_rank > 0) keeps its own state file of its `keep` newest steps
+    and removes the older ones: on a node apart from the client's first rank, no one else would
+    (on a shared file system prune has removed them already)."""
+    base = root / "checkpoints"
+    mine = sorted(int(m.group(1)) for d in (base.iterdir() if base.is_dir() else ())
+                  if (m := _STEP.match(d.name)) and (d / f"client_{client:03d}" / f"rank_{local_rank}.pt").is_file())
+    for step in mine[:-keep]:
+        d = client_dir(root, step, client)
+        (d / f"rank_{local_rank}.pt").unlink(missing_ok=True)
+        for empty in (d, d.parent):
+            try:
+                empty.rmdir()
+            except OSError:
+                break  # other files are still there

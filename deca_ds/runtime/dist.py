@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..mixing import MIX_CHUNK, mixing_order, weighted_sum
+from .transport import HostStaging, gpu_of, parse_device_map, resolve_transport
 
 
 class PeerError(RuntimeError):
@@ -47,7 +48,7 @@ class ClientLayout:
 
     @property
     def client_ranks(self) -> list[int]:
-        return [self.rank_of(self.client, l) for l in range(self.ranks_per_client)]
+        return [self.rank_of(self.client, local) for local in range(self.ranks_per_client)]
 
 
 def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None) -> int:
@@ -62,14 +63,33 @@ def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None) 
     return n
 
 
-def local_device() -> torch.device:
-    """This rank's device: GPU number LOCAL_RANK, or the CPU on a machine without one."""
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
-        else torch.device("cpu")
+def local_device(device_map: str = "auto") -> torch.device:
+    """This rank's device: the GPU --device-map gives local rank LOCAL_RANK (by default LOCAL_RANK
+    modulo the visible GPUs, so k ranks can share one), or the CPU on a machine without one."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", gpu_of(local_rank, torch.cuda.device_count(), parse_device_map(device_map)))
 
 
-def init_process_group(timeout_s: float) -> tuple[int, int, torch.device, dist.Store]:
-    """Join the job started by deepspeed/torchrun; NCCL on GPUs, gloo on CPU.
+def rank_threads(local_ranks: int, device: torch.device) -> int | None:
+    """Torch threads for this rank: DECA_RANK_THREADS where set (a comparison with the simulator
+    runs both at one count: CPU matmuls round differently at another), else cpu_count / local ranks
+    on CPU (the ranks share the machine's cores; letting each use all of them thrashes), else None
+    (GPU ranks keep torch's default)."""
+    value = os.environ.get("DECA_RANK_THREADS", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"DECA_RANK_THREADS={value!r}: give a positive number of threads per rank")
+        return int(value)
+    return max(1, (os.cpu_count() or 1) // local_ranks) if device.type == "cpu" else None
+
+
+def init_process_group(timeout_s: float, transport: str = "auto",
+                       device_map: str = "auto") -> tuple[int, int, torch.device, dist.Store]:
+    """Join the job started by deepspeed/torchrun over `transport` (resolve_transport: NCCL on GPUs
+    and gloo on CPU by default; gloo on GPUs too when asked, for ranks sharing a GPU or sites
+    joined by TCP only).
 
     The rendezvous store is created here, as env:// would, so that the run keeps a handle on it
     for the heartbeat board (torchrun's agent hosts it itself; then every rank is a client)."""
@@ -78,22 +98,37 @@ def init_process_group(timeout_s: float) -> tuple[int, int, torch.device, dist.S
             raise RuntimeError(f"{var} is not set: start training with `deepspeed` or `torchrun`")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_store, timeout=timedelta(seconds=timeout_s),
-                          multi_tenant=True)
-    device = local_device()
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent_store,
+                              timeout=timedelta(seconds=timeout_s), multi_tenant=True)
+    except (RuntimeError, OSError) as err:  # DistNetworkError / DistStoreError are RuntimeErrors
+        what = (f"cannot bind the rendezvous port {host}:{port} (taken, or not this machine's address)"
+                if rank == 0 and not agent_store else
+                f"cannot reach the rendezvous at {host}:{port} within {timeout_s:g} s (rank 0 is not up, "
+                "could not bind it, or a firewall blocks it)")
+        raise ValueError(f"{what}: {err}") from err
+    device = local_device(device_map)
+    backend = resolve_transport(transport, device.type == "cuda")
+    threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1"))), device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        backend = "gloo"
-        # CPU ranks share the machine's cores; letting each use all of them thrashes.
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)
     return rank, world_size, device, store
+
+
+def host_staging(device: torch.device) -> HostStaging | None:
+    """The staging the mixer needs: on GPU ranks over gloo, or on CPU ranks with DECA_STAGE_ON_CPU=1
+    (the tests drive the staged path with CPU tensors)."""
+    if dist.get_backend() != "gloo":
+        return None
+    if device.type == "cuda" or os.environ.get("DECA_STAGE_ON_CPU") == "1":
+        return HostStaging(device)
+    return None
 
 
 class Heartbeat:
@@ -136,13 +171,16 @@ class Heartbeat:
 class ClientGroups:
     """Every process group the run needs, created in the same order on every rank."""
 
-    def __init__(self, layout: ClientLayout, W: np.ndarray, timeout_s: float) -> None:
+    def __init__(self, layout: ClientLayout, W: np.ndarray, timeout_s: float, *,
+                 client_backend: str | None = None) -> None:
         timeout = timedelta(seconds=timeout_s)
         self.client = None
         self.single = None
         for c in range(layout.n_clients):
-            ranks = [layout.rank_of(c, l) for l in range(layout.ranks_per_client)]
-            group = dist.new_group(ranks, timeout=timeout)
+            ranks = [layout.rank_of(c, local) for local in range(layout.ranks_per_client)]
+            # `client_backend`: NCCL inside a client of GPU ranks run over gloo (its G ranks have a
+            # GPU each, check_placement), so DeepSpeed's gradient all-reduce stays on the device.
+            group = dist.new_group(ranks, timeout=timeout, backend=client_backend)
             if c == layout.client:
                 self.client = group
         # DeepSpeed clips with a model-parallel group; it must span this rank alone.
@@ -156,9 +194,9 @@ class ClientGroups:
             for b in range(a + 1, n):
                 if W[a, b] <= 0:
                     continue
-                for l in range(layout.ranks_per_client):
-                    group = dist.new_group([layout.rank_of(a, l), layout.rank_of(b, l)], timeout=timeout)
-                    if l == layout.local_rank and layout.client in (a, b):
+                for local in range(layout.ranks_per_client):
+                    group = dist.new_group([layout.rank_of(a, local), layout.rank_of(b, local)], timeout=timeout)
+                    if local == layout.local_rank and layout.client in (a, b):
                         self.links[b if layout.client == a else a] = group
 
 
@@ -171,8 +209,10 @@ class DistributedMixer:
     """
 
     def __init__(self, W: np.ndarray, layout: ClientLayout, groups: ClientGroups, *, timeout_s: float,
-                 transfer_dtype: torch.dtype | None = None, chunk: int = MIX_CHUNK) -> None:
+                 transfer_dtype: torch.dtype | None = None, chunk: int = MIX_CHUNK,
+                 staging: HostStaging | None = None) -> None:
         self.W, self.layout, self.groups, self.chunk = W, layout, groups, chunk
+        self.staging = staging  # gloo on GPU ranks: the block goes through pinned host buffers
         self.order = mixing_order(W, layout.client)
         self.neighbors = [j for j in self.order if j != layout.client]
         self.alone = not self.neighbors  # W = [1]: x⁺ = x½, nothing to exchange or sum
@@ -185,11 +225,8 @@ class DistributedMixer:
     def _peer(self, j: int) -> str:
         return f"client {j} (rank {self.layout.rank_of(j)})"
 
-    def exchange(self, x_half: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
-        """Send x½ to every neighbor and receive theirs: (w_ij, x½_j) in mixing order."""
-        start = self.clock()
-        send = x_half if self.transfer_dtype in (None, x_half.dtype) else x_half.to(self.transfer_dtype)
-        received = {j: torch.empty_like(send) for j in self.neighbors}
+    def _p2p(self, send: torch.Tensor, received: dict[int, torch.Tensor]) -> None:
+        """Send `send` to every neighbor and receive each one's into `received[j]`."""
         pending = []
         for j in self.neighbors:
             peer = self.layout.rank_of(j)
@@ -208,28 +245,92 @@ class DistributedMixer:
                 except RuntimeError as err:
                     raise PeerError(f"no block from {self._peer(j)} within {self.timeout.total_seconds():g} s "
                                     f"or the link broke: {err}") from err
-        self.total_bytes_sent += len(self.neighbors) * send.numel() * send.element_size()
-        self.total_exchange_s += self.clock() - start
+
+    def _outgoing(self, x_half: torch.Tensor) -> torch.Tensor:
+        return x_half if self.transfer_dtype in (None, x_half.dtype) else x_half.to(self.transfer_dtype)
+
+    def _terms(self, x_half: torch.Tensor, received: dict[int, torch.Tensor]) -> list[tuple[float, torch.Tensor]]:
         i = self.layout.client
         return [(float(self.W[i, j]), x_half if j == i else received[j]) for j in self.order]
+
+    def exchange(self, x_half: torch.Tensor) -> list[tuple[float, torch.Tensor]]:
+        """Send x½ to every neighbor and receive theirs: (w_ij, x½_j) in mixing order."""
+        start = self.clock()
+        send = self._outgoing(x_half)
+        received = {j: torch.empty_like(send) for j in self.neighbors}
+        if self.staging is None:
+            self._p2p(send, received)
+        else:
+            host, event = self.staging.stage_out(send)
+            self.staging.wait(event)
+            arrived = self.staging.recv_buffers(host, self.neighbors)
+            self._p2p(host, arrived)
+            self.staging.stage_in(arrived, received)
+        self.total_bytes_sent += len(self.neighbors) * send.numel() * send.element_size()
+        self.total_exchange_s += self.clock() - start
+        return self._terms(x_half, received)
+
+    def _sum_into(self, chunk: torch.Tensor, terms: list[tuple[float, torch.Tensor]]) -> None:
+        # Every send of this chunk has completed, so its x½ and receive buffers are free:
+        # x⁺ is summed into the first term's buffer when it has the master dtype.
+        first = terms[0][1]
+        summed = weighted_sum(terms, dtype=chunk.dtype, out=first if first.dtype == chunk.dtype else None)
+        if summed is not chunk:
+            chunk.copy_(summed)
 
     def mix(self, x_half: torch.Tensor) -> torch.Tensor:
         """x⁺, written over x½, exchanged `chunk` elements at a time: the receive buffers are
         chunk-sized, not block-sized (each element is summed exactly as in one piece)."""
         if self.alone:  # 1 · x½ is x½ bit for bit: no pass over the block
             return x_half
+        if self.staging is not None:
+            return self._mix_staged(x_half)
         for chunk in x_half.split(self.chunk):
-            terms = self.exchange(chunk)
-            # Every send of this chunk has completed, so its x½ and receive buffers are free:
-            # x⁺ is summed into the first term's buffer when it has the master dtype.
-            first = terms[0][1]
-            summed = weighted_sum(terms, dtype=x_half.dtype, out=first if first.dtype == x_half.dtype else None)
-            if summed is not chunk:
-                chunk.copy_(summed)
+            self._sum_into(chunk, self.exchange(chunk))
         return x_half
+
+    def _mix_staged(self, x_half: torch.Tensor) -> torch.Tensor:
+        """mix through host memory: chunk k+1 is copied to the host while gloo carries chunk k."""
+        chunks = x_half.split(self.chunk)
+        received: dict[int, torch.Tensor] = {}
+        outgoing = self.staging.stage_out(self._outgoing(chunks[0]))
+        for k, chunk in enumerate(chunks):
+            start = self.clock()
+            host, event = outgoing
+            self.staging.wait(event)
+            if not received or received[self.neighbors[0]].numel() != host.numel():
+                received = {j: torch.empty(host.shape, dtype=host.dtype, device=x_half.device) for j in self.neighbors}
+            arrived = self.staging.recv_buffers(host, self.neighbors)
+            if k + 1 < len(chunks):  # overlaps the transfer below (a copy stream on a GPU)
+                outgoing = self.staging.stage_out(self._outgoing(chunks[k + 1]))
+            self._p2p(host, arrived)
+            self.staging.stage_in(arrived, received)
+            self.total_bytes_sent += len(self.neighbors) * host.numel() * host.element_size()
+            self.total_exchange_s += self.clock() - start
+            self._sum_into(chunk, self._terms(chunk, received))
+        return x_half
+
+
+def _via_host(tensor: torch.Tensor) -> bool:
+    """Whether a collective on `tensor` goes through host memory: gloo on a GPU rank (gloo
+    reduces GPU tensors only for a few collectives; a host copy works for all of them)."""
+    return tensor.is_cuda and dist.get_backend() == "gloo"
 
 
 def all_mean_(tensor: torch.Tensor) -> torch.Tensor:
     """In-place mean over every rank of the world (each client counted once: its G ranks agree)."""
-    dist.all_reduce(tensor)
+    if _via_host(tensor):
+        host = tensor.cpu()
+        dist.all_reduce(host)
+        tensor.copy_(host)
+    else:
+        dist.all_reduce(tensor)
     return tensor.div_(dist.get_world_size())
+
+
+def all_gather_(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `tensor`, on this rank's device."""
+    source = tensor.cpu() if _via_host(tensor) else tensor
+    gathered = [torch.empty_like(source) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, source)
+    return [g.to(tensor.device) for g in gathered]

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..datasets import TASKS, generate_answers, judge_answers, rouge_l_of_answers
+from ..datasets import TASKS
+from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
+from ..methods import load_adapters, saved_adapters
 from ..models import load_model, load_tokenizer
 from .options import RunOptions
 from .task import build_task
@@ -41,17 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint of a judge (off by default)")
     p.add_argument("--judge-model", default="gpt-4o")
     p.add_argument("--judge-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
+    p.add_argument("--judge-references", default=None,
+                   help="reference answers (FastChat reference_answer JSONL) for math/reasoning/coding questions")
+    p.add_argument("--judge-allow-http", action="store_true",
+                   help="allow a plain http judge URL, only to localhost / 127.0.0.1 (https otherwise)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out", required=True, help="JSON file of the results")
     return p
 
 
+def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False):
+    """An exported model (consensus/ or clients/client_NNN/) as it computes: a Dec-Adapter
+    export is its base plus the adapters in its adapter/ folder; every other export is complete."""
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    adapters = saved_adapters(path)
+    return model if adapters is None else load_adapters(model, adapters)
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     if args.dataset is None and args.questions is None:
         raise ValueError("nothing to evaluate: give --dataset (classification) and/or --questions (generation)")
+    if args.judge_url:  # a bad judge URL or a missing key is reported before any model is loaded
+        if args.questions is None:
+            raise ValueError("--judge-url grades generated answers: give --questions too")
+        judge_url(args.judge_url, allow_http=args.judge_allow_http)
+        judge_api_key(args.judge_key_env)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                       trust_remote_code=args.trust_remote_code).to(device)
+    model = load_export(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                        trust_remote_code=args.trust_remote_code).to(device)
     results: dict = {"model": args.model}
     if args.dataset is not None:
         opts = RunOptions(model=args.model, dataset=args.dataset, data_files=args.data_files,
@@ -69,10 +88,12 @@ def evaluate(args: argparse.Namespace) -> dict:
         results["rouge"] = rouge_l_of_answers(rows)
         if args.judge_url:
             results["judge"] = judge_answers(answers, endpoint_url=args.judge_url, model=args.judge_model,
-                                             api_key_env=args.judge_key_env)
+                                             api_key_env=args.judge_key_env, references=args.judge_references,
+                                             allow_http=args.judge_allow_http)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    text = json.dumps(results, indent=2, allow_nan=False)
+    Path(args.out).write_text(text)
+    print(text)
     return results
 
 

@@ -32,7 +32,7 @@ class MetricsWriter:
             self.tb = SummaryWriter(str(root / "tensorboard" / f"client_{client:03d}"))
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for key, value in record.items():
@@ -45,14 +45,13 @@ class MetricsWriter:
             self.tb.close()
 
 
-def read_metrics(root: Path, n_clients: int) -> list[list[dict]]:
-    return [[json.loads(line) for line in metrics_path(root, c).read_text().splitlines() if line]
-            for c in range(n_clients)]
+def read_client_metrics(root: Path, client: int) -> list[dict]:
+    return [json.loads(line) for line in metrics_path(root, client).read_text().splitlines() if line]
 
 
-def _mean(records: list[dict], key: str) -> float:
+def _mean(records: list[dict], key: str, scale: float = 1.0) -> float | None:
     values = [r[key] for r in records if key in r]
-    return float(np.mean(values)) if values else float("nan")
+    return scale * float(np.mean(values)) if values else None  # JSON has no NaN
 
 
 def summarize(records: list[list[dict]], window: int = 10) -> dict:
@@ -65,10 +64,10 @@ def summarize(records: list[list[dict]], window: int = 10) -> dict:
             "loss_start": _mean(recs[:window], "loss"),
             "loss_end": _mean(recs[-window:], "loss"),
             "bytes_sent": int(sum(r.get("bytes_sent", 0) for r in recs)),
-            "forward_ms": 1e3 * _mean(recs, "t_forward"),
-            "backward_ms": 1e3 * _mean(recs, "t_backward"),
-            "mix_update_ms": 1e3 * _mean(recs, "t_mix_update"),
-            "last_consensus_distance": dist[-1] if dist else float("nan"),
+            "forward_ms": _mean(recs, "t_forward", 1e3),
+            "backward_ms": _mean(recs, "t_backward", 1e3),
+            "mix_update_ms": _mean(recs, "t_mix_update", 1e3),
+            "last_consensus_distance": dist[-1] if dist else None,
         })
     return {"steps": len(records[0]) if records else 0, "clients": clients}
 
@@ -76,9 +75,12 @@ def summarize(records: list[list[dict]], window: int = 10) -> dict:
 def summary_table(summary: dict) -> str:
     head = ("| client | loss start | loss end | sent (MB) | fwd (ms) | bwd (ms) | mix+update (ms) |\n"
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    def cell(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
     rows = "".join(
-        f"| {c['client']} | {c['loss_start']:.4f} | {c['loss_end']:.4f} | {c['bytes_sent'] / 1e6:.2f} | "
-        f"{c['forward_ms']:.1f} | {c['backward_ms']:.1f} | {c['mix_update_ms']:.2f} |\n"
+        f"| {c['client']} | {cell(c['loss_start'], 4)} | {cell(c['loss_end'], 4)} | {c['bytes_sent'] / 1e6:.2f} | "
+        f"{cell(c['forward_ms'], 1)} | {cell(c['backward_ms'], 1)} | {cell(c['mix_update_ms'], 2)} |\n"
         for c in summary["clients"])
     return head + rows
 

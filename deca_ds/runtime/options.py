@@ -1,30 +1,46 @@
-"""Run options of launch/train.py: one dataclass, four sources.
+"""Run options of deca-train (launch/train.py): one dataclass, four sources.
 
-Precedence, lowest first: the defaults below < the preset's "deca" section < a run file
+Precedence, lowest first: the defaults below < the DeepSpeed preset's "deca" section < a run file
 (--config, YAML or JSON) < the command line. The command line is generated from the dataclass,
 so every option has one name everywhere (`--steps-per-block` on the command line,
-`steps_per_block` in files).
+`steps_per_block` in files). Every value from a file is converted to the field's declared type
+here, at the edge, with errors that name the file and the key.
+
+This module imports no torch (nor the modules that do) at import time: `--help` and
+`--print-config` stay fast. The choice lists below are the names the algorithm modules define;
+tests/test_config.py checks they agree.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from ..blocks import Partition
-from ..config import VARIANTS, DecaConfig, parse_dtype
-from ..datasets import TASKS
-from ..methods import METHODS, AdamConfig, DAdam, DeCAF, Deca, DecAdapter, DecLoRA, Method
-from ..memory import OFFLOAD_MODES, MemoryEstimate, ModelSpec, estimate_memory
-from ..methods.lora import DEFAULT_TARGETS
-from ..topology import TOPOLOGIES, WEIGHT_SCHEMES
-from .ds_engine import HONORED, load_ds_config
+from .presets import HONORED, load_ds_config, preset_names, split_ds_config
+
+if TYPE_CHECKING:
+    from ..blocks import Partition
+    from ..config import DecaConfig
+    from ..memory import MemoryEstimate
+    from ..methods import Method
+
+VARIANTS = ("deca", "trivial_bma", "no_bma")  # deca_ds.config.VARIANTS
+TASK_NAMES = ("nwgi", "agnews", "tfns", "mnli", "alpaca")  # deca_ds.datasets.TASKS
+METHOD_NAMES = ("deca", "dadam", "dec_lora", "dec_adapter", "decaf")  # deca_ds.methods.METHODS
+OFFLOAD_MODES = ("none", "frozen")  # deca_ds.memory.OFFLOAD_MODES
+TOPOLOGIES = ("ring", "erdos_renyi", "complete_bipartite", "complete", "torus", "exponential")  # deca_ds.topology
+WEIGHT_SCHEMES = ("metropolis_hastings", "uniform", "laplacian")  # deca_ds.topology
+BLOCK_ORDERS = ("ascending", "descending", "random")  # deca_ds.blocks.BLOCK_ORDERS
+TRANSPORTS = ("auto", "nccl", "gloo")  # how ranks talk (deca_ds.runtime.transport)
 
 
 def _opt(default, help: str, **extra):
@@ -38,7 +54,8 @@ class RunOptions:
     trust_remote_code: bool = _opt(False, "allow the model repo's own code (off unless you ask)")
     from_config: bool = _opt(False, "random-initialize the model from its config (no weights)")
     dataset: str = _opt("synthetic", "training data: 'synthetic' (built-in non-IID task), a paper task by name "
-                        "(from the hub or its cache), or 'files' (--data-files)", choices=("synthetic", *TASKS, "files"))
+                        "(from the hub or its cache), or 'files' (--data-files)",
+                        choices=("synthetic", *TASK_NAMES, "files"))
     data_files: list[str] | None = _opt(None, "local data as split=path (train=…, test=…; .jsonl, .json, .csv, "
                                         ".parquet); with a task name, a local copy of that task")
     text_column: str | None = _opt(None, "column of the input text")
@@ -52,12 +69,20 @@ class RunOptions:
     iid: bool = _opt(False, "split the data IID instead of Dirichlet")
     dirichlet_alpha: float = _opt(0.25, "Dirichlet concentration μ of the label split across clients")
     max_seq_len: int = _opt(64, "tokens per example (prompt truncated from the left, never the answer)")
+    token_cache: str | None = _opt(None, "folder of the tokenized-training-set cache (one rank per machine "
+                                   "tokenizes, the others read it); default $DECA_CACHE or ~/.cache/deca_ds; "
+                                   "'none' = off")
     synthetic_words: int = _opt(12, "words per example of the synthetic task (long examples fill --max-seq-len "
                                 "for memory and speed profiling)")
     eval_limit: int = _opt(512, "held-out examples scored per evaluation (0 = all)")
     # clients and graph
     clients: int | None = _opt(None, "number of clients N (default: world size / ranks per client)")
     ranks_per_client: int = _opt(1, "ranks per client G (data parallel inside a client)")
+    transport: str = _opt("auto", "how ranks talk: 'nccl', 'gloo' (plain TCP; GPU blocks staged through pinned host "
+                          "memory) or 'auto' (nccl on GPUs, gloo on CPUs); see docs/transport.md",
+                          choices=TRANSPORTS)
+    device_map: str = _opt("auto", "GPU of each local rank: 'auto' (local rank modulo the visible GPUs) or "
+                           "indices by local rank, e.g. 0,0,1,1")
     topology: str = _opt("erdos_renyi", "communication graph", choices=(*TOPOLOGIES, "file"))
     er_p: float = _opt(0.5, "Erdős–Rényi edge probability")
     topology_seed: int = _opt(0, "seed of random graphs")
@@ -65,7 +90,7 @@ class RunOptions:
     matrix_file: str | None = _opt(None, "mixing matrix file (.json, .csv, .npy) for --topology file")
     # method
     method: str = _opt("deca", "what trains and how it is mixed: DECA or a baseline (decentralized full-parameter "
-                       "Adam, Dec-LoRA, Dec-Adapter, DeCAF)", choices=tuple(METHODS))
+                       "Adam, Dec-LoRA, Dec-Adapter, DeCAF)", choices=METHOD_NAMES)
     steps: int | None = _opt(None, "baselines: local steps (default: DECA's T·B·R for the same model, an equal "
                              "step budget)")
     mix_every: int = _opt(1, "baselines: mix after every K-th local step")
@@ -84,25 +109,22 @@ class RunOptions:
     eps: float = _opt(1e-8, "Adam ε")
     bma_betas: tuple[float, float] = _opt((0.9, 0.999), "BMA β1 β2")
     variant: str = _opt("deca", "moment correction", choices=VARIANTS)
-    block_order: str = _opt("ascending", "block order per round", choices=("ascending", "descending", "random"))
+    block_order: str = _opt("ascending", "block order per round", choices=BLOCK_ORDERS)
     seed: int = _opt(0, "seed of model init, data split, data order and random block order")
     # precision
     working_dtype: str = _opt("fp32", "dtype of the model's weights", choices=("fp32", "bf16"))
     master_dtype: str = _opt("fp32", "dtype of the active block's master, m, v", choices=("fp32", "fp64"))
-    offload: str = _opt("none", "DECA: 'frozen' keeps the frozen decoder layers in pinned host memory and streams "
-                        "them to the GPU layer by layer (no-op on CPU ranks)", choices=OFFLOAD_MODES)
-    offload_keep: int = _opt(0, "with --offload frozen: the top N decoder layers stay on the GPU, never streamed "
-                             "(N layers' memory for less copying per step)")
-    offload_budget: float = _opt(0.0, "with --offload frozen: keep as many top decoder layers on the GPU as fit "
-                                 "this many GB (1e9 B) of estimated peak device memory (deca_ds.memory; the CUDA "
-                                 "context comes on top); 0 = off, see --offload-keep")
+    offload: str = _opt("none", "DECA: 'frozen' keeps frozen decoder layers in host memory, streamed to the GPU",
+                        choices=OFFLOAD_MODES)
+    offload_keep: int = _opt(0, "with --offload frozen: the top N decoder layers stay on the GPU, never streamed")
+    offload_budget: float = _opt(0.0, "with --offload frozen: choose --offload-keep to fit this many GB of "
+                                 "estimated peak (0 = off)")
     state_bits: int = _opt(32, "DECA: bits per value of the active block's m and v (8 = bitsandbytes block-wise, "
                            "extra [bnb])", choices=(32, 8))
-    fused_update: bool = _opt(False, "run the optimizer update (DECA's and the baselines' Adam) as torch.compile'd "
-                              "fused kernels: fewer passes over the block; compiles at the first step")
-    loss_chunk: int = _opt(0, "run the LM head and the loss over this many positions at a time, recomputing "
-                           "each chunk's logits in backward: the full logits (about 12 bytes per position and "
-                           "vocabulary entry) never exist, for one more LM-head matmul (0 = off)")
+    fused_update: bool = _opt(False, "run the Adam update as torch.compile'd fused kernels (compiles at the "
+                              "first step)")
+    loss_chunk: int = _opt(0, "run the LM head and the loss over this many positions at a time, never holding "
+                           "the full logits (0 = off)")
     mix_dtype: str = _opt("master", "dtype exchanged between neighbors: 'master' (exact) or 'working'",
                           choices=("master", "working"))
     # batch (override the preset's DeepSpeed keys)
@@ -122,6 +144,8 @@ class RunOptions:
     save_clients: bool = _opt(False, "also export every client's model")
     tensorboard: bool = _opt(False, "write TensorBoard event files")
     timeout: float = _opt(300.0, "seconds any wait on another rank may take before the run fails")
+    skip_nonfinite: bool = _opt(False, "skip (on every rank) a step whose loss or gradient is NaN or infinite on "
+                                "any client, count it in the summary, and go on (default: every rank stops there)")
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints", "mix_every", "lora_rank", "adapter_size"):
@@ -160,11 +184,17 @@ class RunOptions:
                 raise ValueError("--offload-budget chooses --offload-keep: give one of them")
         elif self.offload_keep or self.offload_budget:
             raise ValueError(f"--offload-{'keep' if self.offload_keep else 'budget'} needs --offload frozen")
+        from .transport import parse_device_map
+
+        parse_device_map(self.device_map)
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
 
     def build_method(self, partition: Partition) -> Method:
         """The method to train with; `partition` is DECA's (its T·B·R is the baselines' default budget)."""
+        from ..methods import AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA
+        from ..methods.lora import DEFAULT_TARGETS
+
         config = self.deca_config()
         if self.method == "deca":
             return Deca(config, partition)
@@ -180,6 +210,8 @@ class RunOptions:
                     targets=self.lora_targets or DEFAULT_TARGETS, seed=self.seed)
 
     def deca_config(self) -> DecaConfig:
+        from ..config import DecaConfig, parse_dtype
+
         return DecaConfig(
             lr=self.lr, adam_betas=self.adam_betas, bma_betas=self.bma_betas, eps=self.eps,
             steps_per_block=self.steps_per_block, rounds=self.rounds,
@@ -189,67 +221,210 @@ class RunOptions:
         )
 
 
-def _field_type(f: dataclasses.Field):
-    hint = typing.get_type_hints(RunOptions)[f.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return hint if not args or typing.get_origin(hint) is tuple else args[0]
+# Option groups of --help and docs/options.md: each starts at its first field and runs to the next one's,
+# so a new option joins the group it is declared in.
+GROUP_STARTS = {
+    "model": "model and data",
+    "clients": "clients and graph",
+    "method": "method",
+    "layers_per_block": "Algorithm 1",
+    "working_dtype": "precision and memory",
+    "micro_batch": "batch (overrides the preset's DeepSpeed keys)",
+    "output_dir": "outputs",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="launch/train.py",
-        description="Decentralized full-parameter fine-tuning with DECA, one client per rank group.",
-        epilog="DeepSpeed keys honored in --ds_config: " + "; ".join(f"{k}: {v}" for k, v in HONORED.items()),
-    )
-    p.add_argument("--ds_config", "--ds-config", dest="ds_config", required=True,
-                   help="DeepSpeed JSON preset (see ds_configs/)")
-    p.add_argument("--config", help="run file (YAML or JSON) of options; the command line wins")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+def option_groups() -> list[tuple[str, list[dataclasses.Field]]]:
+    """RunOptions' fields in declaration order, grouped under GROUP_STARTS' titles."""
+    groups: list[tuple[str, list[dataclasses.Field]]] = []
     for f in dataclasses.fields(RunOptions):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _field_type(f)
-        kw = dict(default=argparse.SUPPRESS, help=f.metadata["help"], dest=f.name)
-        if kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif typing.get_origin(kind) is list:
-            p.add_argument(flag, type=str, nargs="+", **kw)
-        elif typing.get_origin(kind) is tuple:
-            p.add_argument(flag, type=float, nargs=2, metavar=("B1", "B2"), **kw)
+        if f.name in GROUP_STARTS or not groups:
+            groups.append((GROUP_STARTS.get(f.name, "options"), []))
+        groups[-1][1].append(f)
+    return groups
+
+
+NO_PRESET = "none"  # --preset none: no DeepSpeed preset, DeepSpeed's keys at their defaults
+_RUN_FILE_KEYS = ("deepspeed",)  # run-file keys besides the options
+
+
+def _hints() -> dict:
+    return typing.get_type_hints(RunOptions)
+
+
+def _optional(hint) -> tuple[object, bool]:
+    """(the type inside Optional[...], whether None is allowed)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _type_name(hint) -> str:
+    kind, none = _optional(hint)
+    origin = typing.get_origin(kind)
+    name = ("a list of strings" if origin is list else f"a list of {len(typing.get_args(kind))} numbers"
+            if origin is tuple else {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}[kind])
+    return name + (" or null" if none else "")
+
+
+def _convert(key: str, value, hint):
+    """`value` as the declared type `hint`; ValueError(what was expected) if it is not one."""
+    kind, none = _optional(hint)
+    if value is None:
+        if none:
+            return None
+        raise ValueError(f"expected {_type_name(kind)}, got null")
+    origin = typing.get_origin(kind)
+    if origin is list:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"expected {_type_name(hint)}, got {value!r}")
+        return [_convert(key, v, typing.get_args(kind)[0]) for v in items]
+    if origin is tuple:
+        inner = typing.get_args(kind)
+        if not isinstance(value, (list, tuple)) or len(value) != len(inner):
+            raise ValueError(f"expected {_type_name(hint)}, got {value!r}")
+        return tuple(_convert(key, v, t) for v, t in zip(value, inner))
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        words = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+        if isinstance(value, str) and value.lower() in words:
+            return words[value.lower()]
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"expected {_type_name(hint)}, got {value!r} (quote it)")
+    elif not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        # YAML 1.1 reads 5e-5 (no dot) as a string; int accepts 1e3 and 100.0 but not 1.5
+        try:
+            number = float(value) if kind is float or not isinstance(value, int) else value
+        except ValueError:
+            pass
         else:
-            p.add_argument(flag, type=kind, choices=f.metadata.get("choices"), **kw)
+            if kind is float:
+                return number
+            if float(number).is_integer():
+                return int(number)
+    raise ValueError(f"expected {_type_name(hint)}, got {value!r}")
+
+
+def convert_options(values: dict, source: str) -> dict:
+    """Run-option values from `source` (a file, a preset), each converted to its declared type and
+    checked against its choices; unknown keys refused with the closest name."""
+    fields = {f.name: f for f in dataclasses.fields(RunOptions)}
+    hints = _hints()
+    out = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key).replace("-", "_"), [*fields, *_RUN_FILE_KEYS], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else " (deca-train --help lists the options)"
+            raise ValueError(f"{source}: unknown option {key!r}{hint}")
+        try:
+            out[key] = _convert(key, value, hints[key])
+        except ValueError as err:
+            raise ValueError(f"{source}: {key}: {err}") from None
+        choices = fields[key].metadata.get("choices")
+        if choices and out[key] not in choices:
+            raise ValueError(f"{source}: {key}: expected one of {', '.join(map(str, choices))}; got {value!r}")
+    return out
+
+
+def default_text(f: dataclasses.Field) -> str:
+    """An option's default as the command line spells it."""
+    value = f.default
+    return ("none" if value is None else " ".join(map(str, value)) if isinstance(value, (tuple, list))
+            else str(value).lower() if isinstance(value, bool) else str(value))
+
+
+def type_text(name: str) -> str:
+    """An option's declared type in words (what a run file's value must be)."""
+    return _type_name(_hints()[name])
+
+
+def _cli_type(hint):
+    kind, _ = _optional(hint)
+    return kind
+
+
+def build_parser(prog: str = "deca-train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        usage="%(prog)s [--config RUN_FILE] [--preset NAME_OR_JSON] [--print-config] [--OPTION VALUE ...]",
+        description="Decentralized full-parameter fine-tuning with DECA, one client per rank group. Options come "
+                    "from, lowest first: the defaults shown, the preset's \"deca\" section, the run file "
+                    "(--config), the command line.",
+        epilog="DeepSpeed keys honored in a preset or a run file's `deepspeed:`: "
+               + "; ".join(f"{k}: {v}" for k, v in HONORED.items()),
+    )
+    p.add_argument("--config", metavar="RUN_FILE",
+                   help="run file (YAML or JSON) of options, with the DeepSpeed keys under `deepspeed:` (a mapping, "
+                        "or a preset's name or path); the command line wins")
+    p.add_argument("--preset", "--ds_config", "--ds-config", dest="ds_config", metavar="NAME_OR_JSON",
+                   help=f"DeepSpeed preset: a shipped one by name ({', '.join(preset_names())}) or a JSON file; "
+                        f"wins over the run file's `deepspeed:` (default: that, else '{NO_PRESET}': DeepSpeed's "
+                        "defaults, micro-batch 1, no clipping)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as a run file (YAML) and exit without training")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    hints = _hints()
+    for title, fields in option_groups():
+        group = p.add_argument_group(title)
+        for f in fields:
+            flag = "--" + f.name.replace("_", "-")
+            kind = _cli_type(hints[f.name])
+            kw = dict(default=argparse.SUPPRESS, dest=f.name,
+                      help=f"{f.metadata['help']} (default: {default_text(f)})".replace("%", "%%"))
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            elif typing.get_origin(kind) is list:
+                group.add_argument(flag, type=str, nargs="+", **kw)
+            elif typing.get_origin(kind) is tuple:
+                group.add_argument(flag, type=float, nargs=2, metavar=("B1", "B2"), **kw)
+            else:
+                group.add_argument(flag, type=kind, choices=f.metadata.get("choices"), **kw)
     return p
 
 
-def _read_run_file(path: str) -> dict:
+def read_run_file(path: str) -> dict:
+    """A run file's mapping, as read (YAML, or JSON by its .json suffix)."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
         raise ValueError(f"run file {path} does not exist") from None
-    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"run file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {err}") \
+            from None
     if not isinstance(data, dict):
         raise ValueError(f"run file {path} must hold a mapping of options")
     return data
 
 
-def _check_names(source: str, values: dict) -> None:
-    known = {f.name for f in dataclasses.fields(RunOptions)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{source}: unknown option(s) {unknown}")
+def _preset(spec, source: str) -> tuple[dict, dict]:
+    """(DeepSpeed config, its deca options) of a preset name/path, a mapping, or 'none'."""
+    if isinstance(spec, dict):
+        return split_ds_config(spec, source)
+    if not isinstance(spec, str):
+        raise ValueError(f"{source}: expected a mapping of DeepSpeed keys or a preset's name or path, got {spec!r}")
+    return ({}, {}) if spec == NO_PRESET else load_ds_config(spec)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RunOptions, dict]:
-    """(options, DeepSpeed config) with every source merged and validated."""
-    args = vars(build_parser().parse_args(argv))
-    ds_config, preset = load_ds_config(args.pop("ds_config"))
-    run_file = args.pop("config")
-    args.pop("local_rank")
-    _check_names("\"deca\" section of the DeepSpeed config", preset)
-    merged = dict(preset)
+def resolve(args: argparse.Namespace) -> tuple[RunOptions, dict]:
+    """(options, DeepSpeed config) of parsed command-line arguments, every source merged and validated."""
+    args = dict(vars(args))
+    cli_preset, run_file = args.pop("ds_config"), args.pop("config")
+    for key in ("local_rank", "print_config"):
+        args.pop(key, None)
+    file_values = read_run_file(run_file) if run_file else {}
+    file_preset = file_values.pop("deepspeed", NO_PRESET)
+    spec, source = (cli_preset, "--preset") if cli_preset is not None else (file_preset, f"{run_file}: deepspeed")
+    ds_config, preset = _preset(spec, source)
+    merged = convert_options(preset, f"\"deca\" section of {spec if isinstance(spec, str) else source}")
     if run_file:
-        values = _read_run_file(run_file)
-        _check_names(f"run file {run_file}", values)
-        merged.update(values)
+        merged.update(convert_options(file_values, run_file))
     merged.update(args)
     opts = RunOptions(**merged)
     if opts.micro_batch is not None:
@@ -265,10 +440,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunOptions, dict]:
     return opts, ds_config
 
 
+def parse_args(argv: list[str] | None = None) -> tuple[RunOptions, dict]:
+    """(options, DeepSpeed config) of a command line, every source merged and validated."""
+    return resolve(build_parser().parse_args(argv))
+
+
+def dump_config(opts: RunOptions, ds_config: dict) -> str:
+    """The resolved config as a run file: `--config` of this text gives the same run."""
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(opts).items()}
+    return ("# deca-train run file (resolved config); run it with: deca-train --config FILE\n"
+            + yaml.safe_dump({**values, "deepspeed": ds_config}, sort_keys=False, allow_unicode=True,
+                             default_flow_style=None))
+
+
 def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: int, loss_positions: int,
                  offload_keep: int | None = None) -> MemoryEstimate:
     """deca_ds.memory's estimate of a round's peak for a DECA run with `options` (RunOptions as a dict,
     micro-batch resolved) on the model of `model_config` (a config, its path, or a ModelSpec)."""
+    from ..memory import estimate_memory
+
     return estimate_memory(
         model_config, options["layers_per_block"], working_dtype=options["working_dtype"],
         master_dtype=options["master_dtype"],
@@ -286,6 +476,8 @@ def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_n
                             loss_positions: int) -> int:
     """The most top decoder layers --offload frozen can keep resident within --offload-budget GB of
     estimated peak."""
+    from ..memory import ModelSpec
+
     spec = ModelSpec.from_config(model_config)
     budget = options["offload_budget"] * 1e9
     peak = lambda keep: estimate_run(options, spec, ds_config, n_neighbors=n_neighbors,  # noqa: E731
@@ -295,3 +487,15 @@ def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_n
         raise ValueError(f"--offload-budget {options['offload_budget']:g} GB: even with every frozen decoder layer "
                          f"offloaded the estimated peak is {peak(0) / 1e9:.2f} GB")
     return max(fits)
+
+
+# Options that do not change what a run computes (its weights, data order and split): --resume
+# accepts a change to these and records it; a change to any other option is refused. Where the
+# frozen layers live and where the token cache is are memory and disk placement: an offloaded run
+# equals the resident one bit for bit (tests/test_runtime.py), so a resume may move to another card.
+NOT_RESULT = frozenset({"output_dir", "overwrite", "resume", "timeout", "consensus_interval", "eval_interval",
+                        "eval_clients", "eval_limit", "checkpoint_interval", "keep_checkpoints", "export",
+                        "save_clients", "tensorboard", "offload", "offload_keep", "offload_budget",
+                        "token_cache", "device_map"})
+# DeepSpeed keys that only change logging
+NOT_RESULT_DS = frozenset({"steps_per_print", "wall_clock_breakdown"})

@@ -1,4 +1,4 @@
-"""The training job behind launch/train.py: one DeepSpeed engine per rank, N clients, one method
+"""The training job behind deca-train (deca_ds/train.py): one DeepSpeed engine per rank, N clients, one method
 (DECA's Algorithm 1 or a baseline) on the same data, graph, mixing, metrics and checkpoints.
 
 Everything that can be wrong with the input is checked before the process group exists and
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -36,12 +35,25 @@ from ..optimizer import block_schedule, model_partition
 from ..prefix import FrozenPrefix
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
-from .dist import (ClientGroups, ClientLayout, DistributedMixer, Heartbeat, PeerError, all_mean_, check_layout,
-                   init_process_group, local_device)
+from . import cleanup, outputs
+from .dist import (
+    ClientGroups,
+    ClientLayout,
+    DistributedMixer,
+    Heartbeat,
+    PeerError,
+    all_gather_,
+    all_mean_,
+    check_layout,
+    host_staging,
+    init_process_group,
+    local_device,
+)
 from .ds_engine import ClientMPU, initialize
-from .metrics import MetricsWriter, plot_losses, read_metrics, summarize, summary_table
-from .options import RunOptions, offload_keep_for_budget, parse_args
+from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize, summary_table
+from .options import RunOptions, dump_config, offload_keep_for_budget
 from .task import Task, build_task
+from .transport import check_placement, env_placement, resolve_transport
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -51,7 +63,7 @@ def build_model(opts: RunOptions, vocab_size: int):
     # except with offloading, whose point is that the device never holds every layer.
     model = load_model(opts.model, dtype=_DTYPES[opts.working_dtype], trust_remote_code=opts.trust_remote_code,
                        from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
-                       init_device=local_device() if opts.offload == "none" else "cpu")
+                       init_device=local_device(opts.device_map) if opts.offload == "none" else "cpu")
     if opts.loss_chunk:
         check_plain_logits(model.config)
     return model
@@ -74,14 +86,21 @@ def upcoming_shards(stream: ClientStream, layout: ClientLayout, n: int) -> list[
     return shards
 
 
-def check_output_dir(opts: RunOptions) -> Path:
+def check_output_dir(opts: RunOptions, ds_config: dict) -> tuple[Path, dict[str, list]]:
+    """The output directory, refused if the run may not write there; resuming, the options changed
+    since the saved run (refused if they change the result)."""
     out = Path(opts.output_dir)
-    if (out / "run_config.json").exists() and not (opts.resume or opts.overwrite):
-        raise ValueError(f"output directory {out} already holds a run; pass --resume to continue it "
-                         "or --overwrite to replace it")
-    if opts.resume and not (out / "run_config.json").exists():
-        raise ValueError(f"--resume: {out} holds no run to continue")
-    return out
+    outputs.check_output_dir(out, resume=opts.resume, overwrite=opts.overwrite)
+    changes = {}
+    if opts.resume:
+        try:
+            saved = json.loads((out / "run_config.json").read_text())
+        except ValueError as e:
+            raise ValueError(f"--resume: {out / 'run_config.json'} is not valid JSON: {e}") from None
+        defaults = asdict(RunOptions())
+        changes = outputs.resume_changes(saved, asdict(opts), ds_config, int(os.environ.get("WORLD_SIZE", "1")),
+                                         defaults)
+    return out, changes
 
 
 def memory_now(device: torch.device) -> dict:
@@ -105,13 +124,101 @@ class Timer:
 
 
 def _resume_step(root: Path, layout: ClientLayout) -> int:
-    mine = set(ckpt.complete_steps(root, layout.client, layout.ranks_per_client))
+    """The newest step every client's checkpoint verifies for; each skipped newer step is named with why."""
+    mine, problems = ckpt.scan_steps(root, layout.client, layout.ranks_per_client)
     everyone = [None] * layout.world_size
-    dist.all_gather_object(everyone, sorted(mine))
-    common = set.intersection(*(set(s) for s in everyone))
+    dist.all_gather_object(everyone, (mine, problems))
+    start, skipped = choose_resume_step([e[0] for e in everyone], [e[1] for e in everyone], layout.ranks_per_client)
+    if layout.rank == 0:
+        for line in skipped:
+            print(f"--resume: {line}", flush=True)
+    return start
+
+
+def choose_resume_step(complete: list[list[int]], problems: list[dict[int, str]],
+                       ranks_per_client: int) -> tuple[int, list[str]]:
+    """From every rank's verified steps and reasons: the newest step complete everywhere, and a
+    line for each newer step skipped (client and reason)."""
+    common = set.intersection(*(set(c) for c in complete))
     if not common:
-        raise ValueError(f"--resume: no checkpoint in {root / 'checkpoints'} is complete for every client")
-    return max(common)
+        reasons = "; ".join(f"client {r // ranks_per_client}: step {s}: {why}"
+                            for r, p in enumerate(problems) for s, why in sorted(p.items()))
+        raise ValueError(f"--resume: no checkpoint is complete for every client{f' ({reasons})' if reasons else ''}")
+    start = max(common)
+    newer = sorted({s for c in complete for s in c} | {s for p in problems for s in p})
+    skipped = []
+    for step in (s for s in newer if s > start):
+        why = sorted({f"client {r // ranks_per_client}: {p[step]}" for r, p in enumerate(problems) if step in p}
+                     | {f"client {r // ranks_per_client}: not written" for r, (c, p) in
+                        enumerate(zip(complete, problems)) if step not in c and step not in p})
+        skipped.append(f"skipped checkpoint step {step} ({'; '.join(why)})")
+    if skipped:
+        skipped.append(f"resuming from step {start}, the newest checkpoint complete for every client")
+    return start, skipped
+
+
+def update_finite(optimizer: DecentralizedOptimizer) -> bool:
+    """Whether the active block's (or the trainable vector's) new values are finite. Right after a
+    block's last step no block is active: its weights are checked by the next step's loss and
+    before export."""
+    if getattr(optimizer, "active", True) is None:
+        return True
+    return bool(torch.isfinite(optimizer.consensus_vector()).all())
+
+
+class NonFiniteError(ValueError):
+    """A client's loss or update is NaN or infinite; every rank stops at the same step."""
+
+
+_NONFINITE = {1: "loss", 2: "gradient or update", 3: "weights"}
+
+
+def nonfinite_ranks(problem: int, layout: ClientLayout, device: torch.device) -> dict[int, int]:
+    """Every rank posts its `problem` (0: none, else a key of _NONFINITE) and learns everyone's with
+    one all-reduce, so all ranks decide the same: {rank: problem} of the ranks that have one."""
+    flags = torch.zeros(layout.world_size, dtype=torch.float64, device=device)
+    flags[layout.rank] = problem
+    dist.all_reduce(flags)
+    return {r: int(f) for r, f in enumerate(flags.tolist()) if f}
+
+
+def describe_nonfinite(bad: dict[int, int], layout: ClientLayout) -> str:
+    return "; ".join(f"non-finite {_NONFINITE[f]} on client {r // layout.ranks_per_client} (rank {r})"
+                     for r, f in bad.items())
+
+
+def stop_if_nonfinite(problem: int, layout: ClientLayout, device: torch.device, when: str) -> None:
+    """All ranks stop at the same step with the same message naming the clients."""
+    bad = nonfinite_ranks(problem, layout, device)
+    if bad:
+        raise NonFiniteError(f"{describe_nonfinite(bad, layout)} {when}: every rank stops here and nothing is "
+                             "exported (a smaller --lr, or check the data; --skip-nonfinite skips such steps)")
+
+
+def nonfinite_problem(losses: list[float], model: torch.nn.Module) -> int:
+    """1 if a loss is not finite, 2 if a gradient is not (before the update), else 0."""
+    if not all(math.isfinite(x) for x in losses):
+        return 1
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return 2 if grads and not all(torch.isfinite(g).all() for g in grads) else 0
+
+
+@contextmanager
+def skipped_update(optimizer: DecentralizedOptimizer, skip: bool):
+    """DeepSpeed's engine.step() on the accumulation boundary without the optimizer's step (no
+    update, no mixing, the schedule does not advance); the gradients are still cleared."""
+    if not skip:
+        yield
+        return
+    optimizer.step = lambda closure=None: None
+    try:
+        yield
+    finally:
+        del optimizer.step  # the class's step again
+
+
+# Consecutive skipped steps after which --skip-nonfinite gives up (the run has diverged).
+MAX_CONSECUTIVE_SKIPS = 10
 
 
 def _consensus_distance(x: torch.Tensor) -> float:
@@ -153,8 +260,7 @@ def factor_consensus_(optimizer) -> float:
     client's vector with uniform weights (each client's G ranks hold the same vector; the frozen
     weights are the same everywhere). Returns ‖x_i − x̄‖ over the trainable vector."""
     x = optimizer.consensus_vector()
-    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, x)
+    gathered = all_gather_(x)
     before = x.clone()
     optimizer.combine_now(ClientView([(1 / len(gathered), g) for g in gathered], x))
     return torch.linalg.vector_norm(before - x).item()
@@ -165,7 +271,9 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
     """Write the clients (optionally) and x̄ (rank 0, the method's format, unless --no-export);
     return ‖x_i − x̄‖ and the model to evaluate (x̄ itself)."""
     if opts.save_clients and layout.local_rank == 0:
-        ckpt.save_hf_model(model, out / "clients" / f"client_{layout.client:03d}")
+        directory = out / "clients" / f"client_{layout.client:03d}"
+        ckpt.save_hf_model(model, directory, tokenizer, state=method.plain_state(model))
+        method.save_extras(model, directory)
     distance = to_consensus_(model, device) if optimizer.linear else factor_consensus_(optimizer)
     if layout.rank == 0 and opts.export:
         model = method.save_consensus(model, out / "consensus", tokenizer)
@@ -180,29 +288,39 @@ def loss_positions_max(opts: RunOptions, task: Task) -> int:
 
 
 def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Topology, partition: Partition,
-                     layout: ClientLayout, task: Task, trainable: int) -> None:
+                     layout: ClientLayout, task: Task, trainable: int, placement: dict) -> None:
     resolved = {
         "options": asdict(opts), "ds_config": ds_config, "topology": topology.to_dict(),
         "method": opts.method, "trainable_params": trainable,
         # the most positions the LM head runs at per micro-batch (models.causal_lm_loss)
         "loss_positions_max": loss_positions_max(opts, task),
         "blocks": [asdict(b) for b in partition.blocks], "frozen": list(partition.frozen),
-        "world_size": layout.world_size, "n_clients": layout.n_clients,
+        "world_size": layout.world_size, "n_clients": layout.n_clients, **placement,
         "client_sizes": [len(ix) for ix in task.client_indices],
         "split_keys": list(task.key_names), "split_histogram": task.key_histogram,
         "versions": {"deca_ds": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
     }
-    ckpt.atomic_write(out / "run_config.json", lambda tmp: Path(tmp).write_text(json.dumps(resolved, indent=2)))
+    ckpt.write_json(out / "run_config.json", resolved)
+    # the same run as a run file: deca-train --config <out>/config.yaml (with --resume or --overwrite)
+    ckpt.atomic_write(out / "config.yaml", lambda tmp: Path(tmp).write_text(dump_config(opts, ds_config)))
     write_partition_report(out / "partition", task.keys, task.client_indices, task.key_names)
-    print(json.dumps({"options": asdict(opts), "ds_config": ds_config}, indent=2))
+    if layout.rank:
+        return
+    print(json.dumps({"options": asdict(opts), "ds_config": ds_config}, indent=2, allow_nan=False))
     print(topology.describe())
-    print(partition.describe() if opts.method == "deca" else f"method {opts.method}: {trainable:,} trainable parameters")
+    print(partition.describe() if opts.method == "deca"
+          else f"method {opts.method}: {trainable:,} trainable parameters")
     print("examples per client:", [len(ix) for ix in task.client_indices])
 
 
 def train(opts: RunOptions, ds_config: dict) -> dict | None:
     # ---- everything that can fail on bad input, before any rank talks or writes --------------
     n_clients = check_layout(int(os.environ.get("WORLD_SIZE", "1")), opts.ranks_per_client, opts.clients)
+    transport = resolve_transport(opts.transport, torch.cuda.is_available())
+    places = env_placement(opts.device_map)
+    # {gpu: clients sharing it}: recorded with the run, since step times of time-shared GPUs differ
+    placement = {"transport": transport,
+                 "clients_per_gpu": check_placement(places, opts.ranks_per_client, transport)}
     topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p,
                              seed=opts.topology_seed, matrix_file=opts.matrix_file)
     task = build_task(opts, n_clients)
@@ -219,16 +337,19 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     method = opts.build_method(partition)
     model = method.prepare(model)
     trainable = method.num_trainable(model)
-    out = check_output_dir(opts)
+    out, resume_changes = check_output_dir(opts, ds_config)
 
     # ---- the job ---------------------------------------------------------------------------
-    rank, world_size, device, store = init_process_group(opts.timeout)
+    rank, world_size, device, store = init_process_group(opts.timeout, transport, opts.device_map)
     layout = ClientLayout(rank, world_size, opts.ranks_per_client)
     heartbeat = Heartbeat(store, layout)
-    groups = ClientGroups(layout, topology.W, opts.timeout)
+    groups = ClientGroups(layout, topology.W, opts.timeout,
+                          client_backend="nccl" if device.type == "cuda" and layout.ranks_per_client > 1 else None)
     torch.manual_seed(opts.seed * 1_000_003 + rank)
     mixer = DistributedMixer(topology.W, layout, groups, timeout_s=opts.timeout,
-                             transfer_dtype=_DTYPES[opts.working_dtype] if opts.mix_dtype == "working" else None)
+                             transfer_dtype=_DTYPES[opts.working_dtype] if opts.mix_dtype == "working" else None,
+                             staging=host_staging(device))
+    placement["host_staging"] = mixer.staging is not None
     start, state = 0, None
     if opts.resume:  # the weights go into the model where it is now (host memory unless drawn on the device)
         start = _resume_step(out, layout)
@@ -243,6 +364,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     # created beside its parameters (DeepSpeed would move the module only afterwards).
     model.to(device)
     optimizer = method.optimizer(model, mixer)
+    # stopped by the launcher (another rank failed): name who went silent before exiting
+    cleanup.set_describe(lambda: heartbeat.silent_ranks(optimizer.global_step, 1.0))
     prefix = None
     if offload.enabled:
         optimizer.before_activate = offload.activate
@@ -261,11 +384,14 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             torch.cuda.set_rng_state(state["rank"]["cuda_rng"].cpu())
         if rank == 0:
             print(f"resumed from step {start} of {optimizer.total_steps}")
-    elif rank == 0:
-        for stale in ("checkpoints", "metrics", "tensorboard", "consensus", "clients"):
-            shutil.rmtree(out / stale, ignore_errors=True)  # --overwrite: nothing of the old run survives
-        out.mkdir(parents=True, exist_ok=True)
-        write_run_config(out, opts, ds_config, topology, partition, layout, task, trainable)
+    if node_lead():
+        # Every node's first rank, as nodes need not share a file system: the run_config.json
+        # there is what --resume looks for on that node (same content everywhere, written atomically).
+        outputs.claim(out, resume=opts.resume)
+        if opts.resume:
+            outputs.record_resume(out, resume_changes)
+        else:
+            write_run_config(out, opts, ds_config, topology, partition, layout, task, trainable, placement)
     dist.barrier()
     metrics = MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard) if lead else None
     if rank == 0 and not opts.resume:
@@ -283,6 +409,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
                dynamic_ncols=True, desc=opts.method)
     last_step_s = 0.0
+    skipped = state["rank"].get("nonfinite_skipped", 0) if state else 0  # --skip-nonfinite, over the whole run
+    consecutive = 0
     while not optimizer.done:
         step, where = optimizer.global_step, optimizer.where()
         record = {"step": step, **where}
@@ -298,11 +426,12 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                 # the layers below the block, once for the micro-batches of all its remaining steps
                 t0 = timer.now()
                 left = (optimizer.config.steps_per_block - optimizer.step_in_block) * opts.grad_accum
+                shards = upcoming_shards(stream, layout, left)
                 prefix.fill(engine.module, optimizer.active.index,
-                            [{k: v.to(device) for k, v in shard.items()} for shard in upcoming_shards(stream, layout, left)])
+                            [{k: v.to(device) for k, v in shard.items()} for shard in shards])
                 t_prefix = timer.now() - t0
-            losses = []
-            for _ in range(opts.grad_accum):
+            losses, bad = [], {}
+            for micro in range(opts.grad_accum):
                 batch = {k: v.to(device) for k, v in next_shard(stream, layout).items()}
                 if prefix is not None:
                     prefix.next(batch)
@@ -311,10 +440,23 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                 t1 = timer.now()
                 engine.backward(loss)
                 t2 = timer.now()
-                engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
+                losses.append(loss.item())
+                if opts.skip_nonfinite and micro == opts.grad_accum - 1:  # all ranks skip together, or none
+                    bad = nonfinite_ranks(nonfinite_problem(losses, engine.module), layout, device)
+                with skipped_update(optimizer, bool(bad)):
+                    engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
                 t3 = timer.now()
                 t_fwd, t_bwd, t_step = t_fwd + t1 - t0, t_bwd + t2 - t1, t_step + t3 - t2
-                losses.append(loss.item())
+            if bad:
+                skipped, consecutive = skipped + 1, consecutive + 1
+                if rank == 0:
+                    print(f"--skip-nonfinite: skipped step {step} (round {where['round']}, block {where['block']}): "
+                          f"{describe_nonfinite(bad, layout)}; {skipped} skipped so far", flush=True)
+                if consecutive > MAX_CONSECUTIVE_SKIPS:
+                    raise NonFiniteError(f"{consecutive} consecutive steps non-finite up to step {step}: the run "
+                                         "has diverged; every rank stops and nothing is exported (a smaller --lr)")
+                continue
+            consecutive = 0
             if prefix is not None and not prefix.pending:
                 prefix.clear()  # the block is done: its layers compute again
             # on the device: NCCL reduces GPU tensors only
@@ -322,6 +464,9 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             if layout.ranks_per_client > 1:
                 dist.all_reduce(loss_t, group=groups.client)
                 loss_t /= layout.ranks_per_client
+            problem = 1 if not math.isfinite(loss_t.item()) else 0 if update_finite(optimizer) else 2
+            stop_if_nonfinite(problem, layout, device, f"at step {step} (round {where['round']}, block "
+                                                       f"{where['block']}, r {where['r']})")
             t_exchange = mixer.total_exchange_s - exchanged
             record.update(loss=loss_t.item(), t_forward=t_fwd, t_backward=t_bwd, t_mix_update=t_step,
                           t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
@@ -332,6 +477,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                 record.update(t_prefix=t_prefix, bytes_streamed=offload.bytes_streamed - streamed)
             if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
                 record.update(evaluate_during_training(engine.module, task, opts, layout))
+            if skipped:
+                record["nonfinite_skipped"] = skipped
             if step == start:
                 record["mem_setup_peak"] = setup.get("mem_peak", setup.get("mem_rss"))
             if metrics:
@@ -340,7 +487,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             bar.update(1)
             if opts.checkpoint_interval and (step + 1) % opts.checkpoint_interval == 0 and not optimizer.done:
                 with offload.host_weights():
-                    save_checkpoint(out, step + 1, layout, engine.module, optimizer, stream, opts.keep_checkpoints)
+                    save_checkpoint(out, step + 1, layout, engine.module, optimizer, stream, opts.keep_checkpoints,
+                                    skipped)
             last_step_s = time.perf_counter() - step_start
         except RuntimeError as err:  # PeerError from mixing, or a collective that lost a rank
             # Live ranks post a step (or their own failure) within a few step times.
@@ -352,14 +500,19 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
 
     if metrics:
         metrics.close()
+    with offload.host_weights():
+        finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
+    stop_if_nonfinite(0 if finite else 3, layout, device, "after the last step")
     with offload.host_weights():  # offloaded layers are averaged and exported from host memory
         distance, final_model = export_consensus(engine.module, optimizer, method, out, task.tokenizer, layout,
                                                  opts, device)
     distances = [None] * world_size
     dist.all_gather_object(distances, distance)
+    records = gather_metrics(out, layout)
     result = None
     if rank == 0:
-        result = final_report(out, final_model, task, opts, layout, distances[::layout.ranks_per_client])
+        result = final_report(out, final_model, task, opts, records, distances[::layout.ranks_per_client],
+                              placement)
     dist.barrier()
     dist.destroy_process_group()
     return result
@@ -381,29 +534,47 @@ def evaluate_during_training(model, task: Task, opts: RunOptions, layout: Client
 
 
 def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer: DecentralizedOptimizer,
-                    stream: ClientStream, keep: int) -> None:
+                    stream: ClientStream, keep: int, nonfinite_skipped: int = 0) -> None:
     lead = layout.local_rank == 0
     ckpt.save_client(out, step, layout.client, layout.local_rank,
                      model=model if lead else None, optimizer_state=optimizer.state_dict() if lead else None,
                      rank_state={"step": step, "stream": stream.state_dict(), "torch_rng": torch.get_rng_state(),
+                                 "nonfinite_skipped": nonfinite_skipped,
                                  **({"cuda_rng": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})})
     dist.barrier()  # every client has `step` before anyone drops an older one
     if lead:
-        done = ckpt.complete_steps(out, layout.client, layout.ranks_per_client)
+        done = ckpt.complete_steps(out, layout.client, layout.ranks_per_client, hashes=False)  # sizes only: cheap
         ckpt.prune(out, layout.client, done[-keep:])
+    else:
+        ckpt.prune_rank(out, layout.client, layout.local_rank, keep)
 
 
-def final_report(out: Path, model, task: Task, opts: RunOptions, layout: ClientLayout,
-                 distances: list[float]) -> dict:
-    records = read_metrics(out, layout.n_clients)
+def node_lead() -> bool:
+    """Whether this rank is its node's first (it writes the node's copy of the run's files)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def gather_metrics(out: Path, layout: ClientLayout) -> list[list[dict]] | None:
+    """Every client's metrics records, on rank 0 (None elsewhere): each client's first rank reads
+    the file it wrote on its own node and sends it over the process group, so the summary needs no
+    shared file system."""
+    mine = read_client_metrics(out, layout.client) if layout.local_rank == 0 else None
+    gathered = [None] * layout.world_size if layout.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return gathered[::layout.ranks_per_client] if layout.rank == 0 else None
+
+
+def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[list[dict]],
+                 distances: list[float], placement: dict) -> dict:
     summary = summarize(records)
     evaluation = task.evaluate(model, opts.eval_limit or None)
     summary.update(consensus_eval=evaluation, final_consensus_distance=distances,
-                   bytes_sent_total=sum(c["bytes_sent"] for c in summary["clients"]))
+                   nonfinite_skipped=max((r.get("nonfinite_skipped", 0) for c in records for r in c), default=0),
+                   bytes_sent_total=sum(c["bytes_sent"] for c in summary["clients"]), **placement)
     plot_losses(records, out / "loss_curve.png", title=opts.method)
     table = summary_table(summary)
     (out / "summary.md").write_text(table)
-    ckpt.atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
+    ckpt.write_json(out / "summary.json", summary)
     c = summary["clients"]
     print("\n" + table)
     print(f"loss (mean over clients): start {sum(x['loss_start'] for x in c) / len(c):.4f} -> "
@@ -412,19 +583,13 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, layout: ClientL
         print(f"consensus model: accuracy {evaluation['accuracy']:.3f} (chance {evaluation['chance']:.3f}), "
               f"macro-F1 {evaluation['macro_f1']:.3f} on {evaluation['n']} held-out examples")
     print("final consensus distance ||x_i - x̄|| per client: " + ", ".join(f"{d:.4g}" for d in distances))
-    print(f"bytes sent (all clients): {summary['bytes_sent_total'] / 1e6:.2f} MB")
+    print(f"bytes sent (all clients): {summary['bytes_sent_total'] / 1e6:.2f} MB over {placement['transport']}"
+          + (" (staged through host memory)" if placement["host_staging"] else ""))
+    if any(k > 1 for k in placement["clients_per_gpu"].values()):
+        print("clients per GPU: " + ", ".join(f"GPU {g}: {k}" for g, k in placement["clients_per_gpu"].items())
+              + " (they time-share it: step times are not one-GPU-per-client figures)")
     print(f"step time split (mean over clients): forward {sum(x['forward_ms'] for x in c) / len(c):.1f} ms, "
           f"backward {sum(x['backward_ms'] for x in c) / len(c):.1f} ms, "
           f"mixing+update {sum(x['mix_update_ms'] for x in c) / len(c):.2f} ms")
     print(f"outputs: {out} (consensus/, metrics/, loss_curve.png, summary.json)")
     return summary
-
-
-def main(argv: list[str] | None = None) -> None:
-    rank = os.environ.get("RANK", "0")
-    try:
-        opts, ds_config = parse_args(argv)
-        train(opts, ds_config)
-    except (ValueError, PeerError) as err:
-        print(f"[rank {rank}] error: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)

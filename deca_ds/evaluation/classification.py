@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from .data import ANSWER, PROMPT, Example, collate, encode
-from .models import labelled_logits
+from ..data import ANSWER, PROMPT, Example, collate, encode
+from ..datasets import Record, to_features, verbalize
+from ..models import labelled_logits
 
 
 @torch.no_grad()
@@ -89,3 +90,18 @@ def evaluate_classification(
     y_pred = scores.argmax(-1).numpy()
     metrics = classification_metrics([ex.label for ex in examples], y_pred, len(label_words))
     return {**metrics, "n": len(examples), "chance": 1 / len(label_words)}
+
+
+@torch.no_grad()
+def evaluate_records(model, tokenizer, records: Sequence[Record], label_names: Sequence[str], *, max_length: int,
+                     use_chat_template: bool = False, batch_size: int = 32, limit: int | None = None) -> dict:
+    """Classification by answer likelihood, with prompts and answers laid out exactly as
+    `to_features` trains them: each label's answer is scored by log p(answer + eos | prompt),
+    the argmax is the prediction. Returns accuracy, macro-F1, n, chance."""
+    records = list(records)[:limit]
+    candidates = [Record(r.prompt, verbalize(name)) for r in records for name in label_names]
+    pairs = to_features(tokenizer, candidates, max_length=max_length, use_chat_template=use_chat_template)
+    scores = score_answers(model, pairs, tokenizer.pad_token_id, batch_size=batch_size)
+    y_pred = scores.view(len(records), len(label_names)).argmax(-1).numpy()
+    metrics = classification_metrics([r.label for r in records], y_pred, len(label_names))
+    return {**metrics, "n": len(records), "chance": 1 / len(label_names)}

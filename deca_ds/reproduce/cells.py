@@ -1,0 +1,293 @@
+"""Running the grid's cells, each in a child process with a time limit, each into its own directory.
+
+A cell directory holds cell.json (its settings, written first), run_config.json (what the run
+resolved: topology, client sizes, trainable parameters, budget), metrics.jsonl (one record per
+model update step: the clients' mean training loss, and the consensus distance every
+`consensus_interval` steps) and, once it has finished, final.json (accuracy and macro-F1 of the
+consensus model x̄, losses, wall time). A cell with final.json and the same settings is skipped;
+one with other settings stops the grid before anything runs.
+
+Backends: `simulate` runs the N clients of a cell in one process through deca_ds.simulate (small
+models, many clients on one device); `deepspeed` runs launch/train.py with one rank per client
+and converts its outputs to the same files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .grid import Cell, Grid, GridError
+
+CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def write_json(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, allow_nan=False))
+    os.replace(tmp, path)  # a reader never sees half a file; a killed run leaves no final.json
+
+
+def is_finished(cell_dir: Path) -> bool:
+    return (cell_dir / FINAL).is_file()
+
+
+def settings_changed(saved: dict | None, now: dict) -> list[str]:
+    """The options in which a finished cell's saved settings and the grid's differ in what they
+    compute. Options that change no result (runtime.options.NOT_RESULT) are not compared, and an
+    option the cell's code did not have yet counts as its default: a new option's default keeps
+    the old behaviour."""
+    from ..runtime.options import NOT_RESULT, RunOptions
+
+    if saved is None or saved.get("key") != now["key"]:
+        return ["no settings saved" if saved is None else "key"]
+    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(RunOptions)}, allow_nan=False))
+    old, new = saved["options"], now["options"]
+    return sorted(k for k in (set(old) | set(new)) - NOT_RESULT
+                  if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
+
+
+def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
+    """(cells to run, cells already finished with the same settings); raises when a finished cell's
+    settings differ from the grid's, naming them, so no run overwrites a result."""
+    todo, done, conflicts = [], [], []
+    for cell in grid.cells:
+        d = grid.cell_dir(cell)
+        if not is_finished(d):
+            todo.append(cell)
+            continue
+        saved = read_json(d / CELL)["settings"] if (d / CELL).is_file() else None
+        changed = settings_changed(saved, cell.settings())
+        if changed:
+            conflicts.append(f"{d} ({', '.join(changed[:6])})")
+        else:
+            done.append(cell)
+    if conflicts:
+        raise GridError(f"{len(conflicts)} finished cell(s) hold results of other settings and would be overwritten: "
+                        + "; ".join(conflicts[:5]) + ". Give another runs_dir or remove those directories.")
+    return todo, done
+
+
+def run_grid(grid: Grid, *, log=print) -> dict[str, str]:
+    """Run every unfinished cell; returns cell key -> 'done' / 'skipped' / 'failed: why'."""
+    todo, done = check_finished(grid)
+    status = {c.key: "skipped" for c in done}
+    log(f"{grid.name}: {len(grid.cells)} cells, {len(done)} finished, {len(todo)} to run ({grid.backend})")
+    for i, cell in enumerate(todo, 1):
+        d = grid.cell_dir(cell)
+        if d.exists():
+            shutil.rmtree(d)  # an unfinished earlier attempt: start clean
+        d.mkdir(parents=True)
+        write_json(d / CELL, {"settings": cell.settings(), "options": cell.options, "tables": list(cell.tables),
+                              "budget": list(grid.budgets[cell.key])})
+        start = time.perf_counter()
+        log(f"[{i}/{len(todo)}] {cell.key} ...")
+        status[cell.key] = _run_one(grid, cell, d)
+        log(f"[{i}/{len(todo)}] {cell.key}: {status[cell.key]} ({time.perf_counter() - start:.0f} s)")
+    return status
+
+
+def _run_one(grid: Grid, cell: Cell, d: Path) -> str:
+    if grid.backend == "simulate":
+        command = [sys.executable, "-m", "deca_ds.reproduce.cells", str(d)]
+    else:
+        command = _deepspeed_command(grid, cell, d)
+    start = time.time()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if grid.threads:
+        env["OMP_NUM_THREADS"] = str(grid.threads)
+    with (d / LOG).open("w") as out:
+        # in the caller's directory: the grid's relative paths (runs, models, data) are read from there;
+        # a session of its own, so a cell over its time is stopped with everything it started (ranks)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=grid.cell_timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+            return f"failed: over the cell time limit of {grid.cell_timeout_s:g} s (see {d / LOG})"
+    if proc.returncode != 0:
+        tail = (d / LOG).read_text().strip().splitlines()[-1:] or [""]
+        return f"failed: exit {proc.returncode}: {tail[0]} (see {d / LOG})"
+    if grid.backend == "deepspeed":
+        collect_deepspeed(d, wall_s=time.time() - start)
+    return "done"
+
+
+def _deepspeed_command(grid: Grid, cell: Cell, d: Path) -> list[str]:
+    import yaml
+
+    options = json.loads(json.dumps(cell.options, allow_nan=False))
+    (d / "options.yaml").write_text(yaml.safe_dump(options))
+    ranks = cell.clients * cell.options["ranks_per_client"]
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    where = grid.deepspeed_args or ["--num_gpus", str(ranks)]  # e.g. --hostfile for cells beyond one node
+    return [launcher, *where, str(REPO / "launch" / "train.py"), "--ds_config",
+            str(Path(grid.ds_config).resolve()), "--config", str(d / "options.yaml"), "--no-export", "--overwrite"]
+
+
+def collect_deepspeed(d: Path, *, wall_s: float) -> None:
+    """launch/train.py's outputs (train/) as the cell's files: mean loss over clients per step and the
+    mean consensus distance, the run config and the consensus model's metrics."""
+    from ..runtime.metrics import read_client_metrics
+
+    train = d / "train"
+    config = read_json(train / RUN_CONFIG)
+    records = [read_client_metrics(train, c) for c in range(config["n_clients"])]
+    with (d / METRICS).open("w") as f:
+        for step_records in zip(*records):
+            first = step_records[0]
+            rec = {k: first[k] for k in ("step", "round", "block", "r")}
+            rec["loss"] = sum(r["loss"] for r in step_records) / len(step_records)
+            if "consensus_distance" in first:
+                rec["consensus_distance"] = sum(r["consensus_distance"] for r in step_records) / len(step_records)
+            f.write(json.dumps(rec, allow_nan=False) + "\n")
+    write_json(d / RUN_CONFIG, config)
+    summary = read_json(train / "summary.json")
+    finish(d, summary["consensus_eval"], wall_s=wall_s,
+           final_distance=sum(summary["final_consensus_distance"]) / len(summary["final_consensus_distance"]))
+
+
+def finish(d: Path, evaluation: dict, *, wall_s: float, final_distance: float) -> dict:
+    """final.json from the cell's metrics and the consensus model's evaluation."""
+    losses = [json.loads(line)["loss"] for line in (d / METRICS).read_text().splitlines() if line]
+    window = max(1, min(10, len(losses) // 10))
+    final = {**evaluation, "loss_start": sum(losses[:window]) / window, "loss_end": sum(losses[-window:]) / window,
+             "steps": len(losses), "final_consensus_distance": final_distance, "wall_s": wall_s}
+    write_json(d / FINAL, final)
+    return final
+
+
+# ---- the simulate backend's child process ------------------------------------------------------------------
+
+
+class Recording:
+    """A method that remembers the client models and optimizers simulate() builds from it."""
+
+    def __init__(self, method) -> None:
+        self.method, self.models, self.optimizers = method, [], []
+
+    def prepare(self, model):
+        model = self.method.prepare(model)
+        self.models.append(model)
+        return model
+
+    def optimizer(self, model, mixer=None):
+        opt = self.method.optimizer(model, mixer)
+        self.optimizers.append(opt)
+        return opt
+
+
+def _distances(vectors) -> list[float]:
+    """‖x_i − x̄‖ of each client's vector."""
+    import torch
+
+    xs = [x.detach().double() for x in vectors]
+    mean = torch.stack(xs).mean(0)
+    return [torch.linalg.vector_norm(x - mean).item() for x in xs]
+
+
+def _final_vectors(recording: Recording) -> list:
+    """What x̄ is the mean of once training is over: every parameter of a linear method's model (DECA
+    holds no active block then), the trainable vector of a non-linear one (DeCAF)."""
+    import torch
+
+    if recording.optimizers[0].linear:
+        return [torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]) for m in recording.models]
+    return [o.consensus_vector() for o in recording.optimizers]
+
+
+def consensus_model(recording: Recording):
+    """x̄ in client 0's model: the mean of every parameter, or for a method whose combination is not
+    linear (DeCAF) its own combination of every client's vector with uniform weights."""
+    import torch
+
+    from ..mixing import ClientView
+
+    models, optimizers = recording.models, recording.optimizers
+    n = len(models)
+    with torch.no_grad():
+        if optimizers[0].linear:
+            for params in zip(*(m.parameters() for m in models)):
+                params[0].copy_(torch.stack([p.detach().float() for p in params]).mean(0))
+        else:
+            own = optimizers[0].consensus_vector()
+            optimizers[0].combine_now(ClientView([(1 / n, o.consensus_vector()) for o in optimizers], own))
+    return models[0]
+
+
+def run_simulated(d: Path) -> dict:
+    """One cell in this process: N clients through deca_ds.simulate, then x̄ evaluated on the test split."""
+    import torch
+
+    from ..optimizer import model_partition
+    from ..runtime.options import RunOptions
+    from ..runtime.task import build_task
+    from ..runtime.trainer import build_model
+    from ..simulate import simulate
+    from ..topology import make_topology
+
+    start = time.perf_counter()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    opts = RunOptions(**read_json(d / CELL)["options"])
+    n = opts.clients
+    topology = make_topology(opts.topology, n, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed,
+                             matrix_file=opts.matrix_file)
+    task = build_task(opts, n)
+    model = build_model(opts, len(task.tokenizer))
+    partition = model_partition(model, opts.deca_config())
+    method = opts.build_method(partition)
+    recording = Recording(method)
+    device = next(model.parameters()).device
+    streams = [({k: v.to(device) for k, v in batch.items()} for batch in task.stream(opts, i)) for i in range(n)]
+    probe = method.prepare(build_model(opts, len(task.tokenizer)))
+    write_json(d / RUN_CONFIG, {
+        "options": asdict(opts), "topology": topology.to_dict(), "method": opts.method,
+        "trainable_params": method.num_trainable(probe), "n_clients": n,
+        "blocks": [asdict(b) for b in partition.blocks], "client_sizes": [len(ix) for ix in task.client_indices],
+        "split_keys": list(task.key_names), "split_histogram": task.key_histogram,
+        "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}})
+    del probe
+    metrics = (d / METRICS).open("w", buffering=1)  # line by line: progress is visible
+
+    def on_step(info) -> None:
+        rec = {"step": info.step, "round": info.round, "block": info.block, "r": info.step_in_block,
+               "loss": sum(info.losses) / len(info.losses)}
+        if opts.consensus_interval and info.step % opts.consensus_interval == 0:
+            lead = recording.optimizers[0]  # after the last step DECA holds no active block
+            vectors = _final_vectors(recording) if lead.done else [o.consensus_vector() for o in recording.optimizers]
+            rec["consensus_distance"] = sum(_distances(vectors)) / n
+        metrics.write(json.dumps(rec, allow_nan=False) + "\n")
+
+    torch.manual_seed(opts.seed)  # LoRA dropout
+    simulate(model, streams, topology.W, recording, on_step=on_step)
+    metrics.close()
+    final_distance = sum(_distances(_final_vectors(recording))) / n
+    evaluation = task.evaluate(consensus_model(recording), opts.eval_limit or None)
+    if not evaluation or not math.isfinite(evaluation.get("accuracy", math.nan)):
+        raise ValueError(f"the consensus model of {d} has no classification metrics: {evaluation}")
+    return finish(d, evaluation, wall_s=time.perf_counter() - start, final_distance=final_distance)
+
+
+if __name__ == "__main__":
+    try:
+        print(json.dumps(run_simulated(Path(sys.argv[1])), allow_nan=False))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

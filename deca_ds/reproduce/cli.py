@@ -1,0 +1,44 @@
+"""launch/reproduce.py: check a grid file, run its unfinished cells, write the tables and figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+
+from .cells import check_finished, run_grid
+from .figures import write_figures
+from .grid import GridError, load_grid
+from .report import write_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="launch/reproduce.py", description=__doc__)
+    p.add_argument("grid", help="grid file (YAML), e.g. reproduce/cpu_synthetic.yaml")
+    p.add_argument("--runs-dir", help="where the cells run (default: the grid's runs_dir)")
+    p.add_argument("--results-dir", help="where tables and figures go (default: the grid's results_dir)")
+    p.add_argument("--dry-run", action="store_true", help="check the grid and list its cells; run nothing")
+    p.add_argument("--report-only", action="store_true", help="write tables and figures of the finished cells only")
+    args = p.parse_args(argv)
+    log = partial(print, flush=True)
+    try:
+        grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir)
+        todo, done = check_finished(grid)
+    except GridError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        for cell in grid.cells:
+            steps, examples = grid.budgets[cell.key]
+            state = "finished" if cell in done else "to run"
+            log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
+        log(f"{len(grid.cells)} cells, {len(todo)} to run ({grid.backend}, timeout {grid.cell_timeout_s:g} s per cell)")
+        return 0
+    status = {} if args.report_only else run_grid(grid, log=log)
+    command = ["python", "launch/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
+    for path in write_report(grid, command=command) + write_figures(grid):
+        log(f"wrote {path}")
+    failed = {k: v for k, v in status.items() if v.startswith("failed")}
+    for key, why in failed.items():
+        log(f"{key}: {why}")
+    return 1 if failed else 0

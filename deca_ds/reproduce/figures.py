@@ -1,0 +1,82 @@
+"""The paper's loss figures from the finished cells: per task, the training loss of every method over
+model update steps (the clients' mean, then the mean over seeds, with a moving average), and the
+consensus distance mean_i ‖x_i − x̄‖ over steps (DECA's: of the active block, as the runtime logs it).
+Only the main table's cells are drawn: one comparison per task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .grid import METHODS, Cell, Grid
+from .report import LABELS, finished_results, losses
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def series(grid: Grid, cells: list[Cell], key: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, mean over the cells' seeds) of `key` at the steps every seed logged it."""
+    runs = [{r["step"]: r[key] for r in losses(grid, c) if key in r} for c in cells]
+    steps = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
+    if not steps:
+        return None
+    return np.array(steps), np.array([np.mean([r[s] for r in runs]) for s in steps])
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average (shorter at the start, so the curve keeps its first steps)."""
+    cumulative = np.cumsum(np.insert(values, 0, 0.0))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(0, idx - window)
+    return (cumulative[idx] - cumulative[lo]) / (idx - lo)
+
+
+def write_figures(grid: Grid, *, window: int = 8) -> list[Path]:
+    plt = _pyplot()
+    out = grid.results_dir
+    out.mkdir(parents=True, exist_ok=True)
+    done = [c for c in finished_results(grid) if "main" in c.tables]
+    written = []
+    for task in dict.fromkeys(c.task for c in done):
+        by_method = {m: [c for c in done if c.task == task and c.method == m] for m in METHODS}
+        by_method = {m: cs for m, cs in by_method.items() if cs}
+        first = next(iter(by_method.values()))[0]
+        setting = (f"{first.topology}, N={first.clients}, {first.layers_per_block} layers/block, "
+                   f"{len({c.seed for c in done})} seed(s)")
+        for key, ylabel, name, log in (("loss", "training loss (mean over clients)", "loss", False),
+                                       ("consensus_distance", "mean ‖x_i − x̄‖", "consensus", True)):
+            fig, ax = plt.subplots(figsize=(7, 4.2))
+            drawn = False
+            for method, cells in by_method.items():
+                s = series(grid, cells, key)
+                if s is None:
+                    continue
+                steps, values = s
+                ax.plot(steps, smooth(values, window) if key == "loss" else values, label=LABELS[method],
+                        linewidth=2.2 if method == "deca" else 1.3)
+                drawn = True
+            if not drawn:
+                plt.close(fig)
+                continue
+            if log:
+                ax.set_yscale("log")
+            ax.set_xlabel("model update step")
+            ax.set_ylabel(ylabel)
+            what = f"{window}-step moving average" if key == "loss" else "every consensus_interval steps"
+            ax.set_title(f"{grid.name}: {task} ({setting}; {what})", fontsize=9)
+            ax.legend(fontsize="small")
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            path = out / f"{name}_{task}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written

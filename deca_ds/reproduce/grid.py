@@ -1,0 +1,318 @@
+"""The reproduction grid: a YAML file of tasks x methods x (topology, clients, layers per block) x
+seeds, expanded into cells and checked whole before any cell runs.
+
+A grid file holds `options` (launch/train.py's RunOptions shared by every cell), `tasks` (name ->
+options of that task), `methods`, `method_options` (method -> options of that method only), `seeds`
+and `sweeps`: each sweep names the table it feeds (main, topology, clients, granularity) and the
+values of its axes (and optionally its own subset of `tasks` and its own `seeds`); an axis it leaves
+out keeps the value of `options`. Cells that two sweeps share (the ER / 8-client cell of the main
+and topology tables) run once. Relative paths are read from the directory the grid runs in.
+
+Equal step budgets, as in the paper: every method of a comparison (the cells that differ only in
+the method) takes the same number of model update steps - DECA's T·B·R, which the baselines get
+by default - on the same number of examples per step. A method option that changes this is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..datasets import TASKS
+from ..models import TINY_LLAMA
+from ..runtime.options import RunOptions
+from ..runtime.task import DATASETS
+
+# The grid's methods: the three DECA variants of the ablation table and the baselines.
+METHODS = ("deca", "trivial_bma", "no_bma", "dadam", "dec_lora", "dec_adapter", "decaf")
+VARIANT_OF = {"deca": "deca", "trivial_bma": "trivial_bma", "no_bma": "no_bma"}
+TABLES = ("main", "topology", "clients", "granularity")
+AXES = ("topology", "clients", "layers_per_block")
+BACKENDS = ("simulate", "deepspeed")
+# Set per cell by the grid, never by `options`.
+CELL_KEYS = ("method", "variant", "seed", "output_dir", *AXES)
+
+
+class GridError(ValueError):
+    """A grid that cannot run as written: the message names the problem and where."""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    table: str
+    tasks: tuple[str, ...]
+    seeds: tuple[int, ...]
+    methods: tuple[str, ...]
+    topology: tuple[str, ...]
+    clients: tuple[int, ...]
+    layers_per_block: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run: a task, a method, one value per axis and a seed, with its resolved RunOptions."""
+
+    task: str
+    method: str
+    topology: str
+    clients: int
+    layers_per_block: int
+    seed: int
+    options: dict = field(hash=False, compare=False)
+    tables: tuple[str, ...] = field(default=(), hash=False, compare=False)
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}/{self.topology}-n{self.clients}-lpb{self.layers_per_block}/{self.method}/seed{self.seed}"
+
+    @property
+    def group(self) -> tuple:
+        """The comparison this cell belongs to: everything but the method."""
+        return (self.task, self.topology, self.clients, self.layers_per_block, self.seed)
+
+    def settings(self) -> dict:
+        """What decides the cell's result: a finished cell with other settings is never overwritten."""
+        opts = {k: v for k, v in self.options.items() if k != "output_dir"}
+        return json.loads(json.dumps({"key": self.key, "options": opts}, allow_nan=False))
+
+
+@dataclass
+class Grid:
+    name: str
+    backend: str
+    runs_dir: Path
+    results_dir: Path
+    cells: list[Cell]
+    budgets: dict[str, tuple[int, int]]  # cell key -> (model update steps, examples per client step)
+    cell_timeout_s: float
+    ds_config: str | None
+    ranks: int  # deepspeed backend: ranks per cell (one per client unless ranks_per_client > 1)
+    threads: int | None  # torch threads of each cell's process (None: torch's default)
+    deepspeed_args: list[str]  # the deepspeed launcher's arguments (default: --num_gpus <ranks of the cell>)
+    source: dict = field(repr=False, default_factory=dict)
+
+    def cell_dir(self, cell: Cell) -> Path:
+        return self.runs_dir / cell.key
+
+
+_TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "ds_config", "deepspeed_args",
+        "options", "tasks", "methods", "method_options", "seeds", "sweeps"}
+_SWEEP = {"table", "tasks", "seeds", "methods", *AXES}
+
+
+def _as_list(value, what: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise GridError(f"{what} is empty")
+        return list(value)
+    return [value]
+
+
+def _check_keys(where: str, values: dict, known: set) -> None:
+    if not isinstance(values, dict):
+        raise GridError(f"{where} must be a mapping, got {type(values).__name__}")
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise GridError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+
+
+def _check_methods(where: str, methods) -> tuple[str, ...]:
+    methods = tuple(_as_list(methods, where))
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise GridError(f"{where}: unknown method(s) {unknown}; the grid knows {list(METHODS)}")
+    return methods
+
+
+_RUN_OPTIONS = {f.name for f in dataclasses.fields(RunOptions)}
+
+
+def _check_options(where: str, values: dict) -> None:
+    _check_keys(where, values, _RUN_OPTIONS)
+    fixed = sorted(set(values) & set(CELL_KEYS) - set(AXES))
+    if fixed:
+        raise GridError(f"{where}: {fixed} are set per cell by the grid (methods, seeds, runs_dir), not as options")
+
+
+def num_layers(model: str) -> int | None:
+    """Decoder layers of `model` ('tiny' or a local directory / config.json), None if unknown offline."""
+    if model == "tiny":
+        return TINY_LLAMA["num_hidden_layers"]
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if path.is_file():
+        config = json.loads(path.read_text())
+        return config.get("num_hidden_layers", config.get("n_layer"))
+    return None
+
+
+def _ds_batch(ds_config: str | None) -> dict:
+    if not ds_config:
+        return {}
+    data = json.loads(Path(ds_config).read_text())
+    return {"micro_batch": data.get("train_micro_batch_size_per_gpu"),
+            "grad_accum": data.get("gradient_accumulation_steps"), **data.get("deca", {})}
+
+
+def step_budget(options: dict, method: str) -> tuple[int | str, int]:
+    """(model update steps, examples per client step) of a cell: DECA's T·B·R, or a baseline's
+    explicit `steps`. Steps are symbolic ('T·⌈L/layers per block⌉·R', L the model's decoder layers) when
+    the model's depth is unknown offline."""
+    examples = (options.get("micro_batch") or 1) * (options.get("grad_accum") or 1) * options.get("ranks_per_client", 1)
+    tbr = (options["rounds"], options["layers_per_block"], options["steps_per_block"])
+    layers = num_layers(options["model"])
+    deca_steps = (options["rounds"] * math.ceil(layers / options["layers_per_block"]) * options["steps_per_block"]
+                  if layers else f"{tbr[0]}·⌈L/{tbr[1]}⌉·{tbr[2]}")
+    if method in VARIANT_OF or not options.get("steps"):
+        return deca_steps, examples
+    if not layers:
+        raise GridError(f"method {method} sets steps={options['steps']} but the depth of model {options['model']!r} "
+                        "is unknown offline, so its budget cannot be checked against DECA's T·B·R; drop `steps` "
+                        "(the baselines then take DECA's budget) or point `model` at a local config")
+    return options["steps"], examples
+
+
+def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_dir: str | Path | None = None) -> Grid:
+    """Read and check a grid file; `runs_dir` / `results_dir` override the file's."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise GridError(f"grid file {path} does not exist") from None
+    return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, where=str(path))
+
+
+def build_grid(data: dict, *, runs_dir=None, results_dir=None, where: str = "grid") -> Grid:
+    _check_keys(where, data, _TOP)
+    for key in ("tasks", "methods", "seeds"):
+        if key not in data:
+            raise GridError(f"{where}: `{key}` is missing")
+    backend = data.get("backend", "simulate")
+    if backend not in BACKENDS:
+        raise GridError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
+    ds_config = data.get("ds_config")
+    if backend == "deepspeed" and not ds_config:
+        raise GridError(f"{where}: the deepspeed backend needs `ds_config` (a preset of ds_configs/)")
+    base = dict(data.get("options") or {})
+    _check_options(f"{where}: options", base)
+    methods = _check_methods(f"{where}: methods", data["methods"])
+    method_options = data.get("method_options") or {}
+    _check_keys(f"{where}: method_options", method_options, set(METHODS))
+    for m, opts in method_options.items():
+        _check_options(f"{where}: method_options.{m}", opts)
+    tasks = data["tasks"]
+    if not isinstance(tasks, dict) or not tasks:
+        raise GridError(f"{where}: tasks must be a non-empty mapping of task name -> options")
+    for name, opts in tasks.items():
+        opts = opts or {}
+        _check_options(f"{where}: tasks.{name}", opts)
+        dataset = opts.get("dataset", name)
+        if dataset not in DATASETS:
+            raise GridError(f"{where}: unknown task {name!r} (dataset {dataset!r}); a task is one of {list(DATASETS)} "
+                            "or names one with `dataset:`")
+        if dataset in TASKS and TASKS[dataset].kind != "classification":
+            raise GridError(f"{where}: task {name!r} is a generation task, scored by a judge model on the exported "
+                            "consensus model (deca_ds.evaluation.judge_answers); the grid reproduces the "
+                            "classification "
+                            "tables (accuracy, macro-F1)")
+    seeds = [int(s) for s in _as_list(data["seeds"], f"{where}: seeds")]
+    preset = _ds_batch(ds_config) if backend == "deepspeed" else {}
+    defaults = {f.name: f.default for f in dataclasses.fields(RunOptions)}
+    sweeps = []
+    for i, raw in enumerate(data.get("sweeps") or [{"table": "main"}]):
+        at = f"{where}: sweeps[{i}]"
+        _check_keys(at, raw, _SWEEP)
+        table = raw.get("table", "main")
+        if table not in TABLES:
+            raise GridError(f"{at}: table must be one of {TABLES}, got {table!r}")
+        sweep_tasks = tuple(_as_list(raw.get("tasks", list(tasks)), f"{at}.tasks"))
+        stray = sorted(set(sweep_tasks) - set(tasks))
+        if stray:
+            raise GridError(f"{at}: tasks {stray} are not in the grid's `tasks`")
+        sweep_seeds = tuple(int(s) for s in _as_list(raw.get("seeds", seeds), f"{at}.seeds"))
+        sweep_methods = _check_methods(f"{at}.methods", raw.get("methods", methods))
+        outside = sorted(set(sweep_methods) - set(methods))
+        if outside:
+            raise GridError(f"{at}: methods {outside} are not in the grid's `methods`")
+        axes = {a: tuple(_as_list(raw.get(a, base.get(a, preset.get(a, defaults[a]))), f"{at}.{a}")) for a in AXES}
+        for axis in ("clients", "layers_per_block"):
+            bad = [v for v in axes[axis] if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+            if bad:
+                raise GridError(f"{at}: {axis} must be integers >= 1, got {bad}; set `{axis}` in options or the sweep")
+        sweeps.append(Sweep(table, sweep_tasks, sweep_seeds, sweep_methods, **axes))
+
+    cells: dict[str, Cell] = {}
+    runs = Path(runs_dir or data.get("runs_dir") or f"runs/{data.get('name', path_stem(where))}")
+    for sweep in sweeps:
+        for task in sweep.tasks:
+            for topo in sweep.topology:
+                for n in sweep.clients:
+                    for lpb in sweep.layers_per_block:
+                        for method in sweep.methods:
+                            for seed in sweep.seeds:
+                                cell = _cell(task, method, topo, n, lpb, seed, preset, base, tasks[task] or {},
+                                             method_options.get(method) or {}, runs, where)
+                                old = cells.get(cell.key)
+                                tables = (old.tables if old else ()) + (sweep.table,)
+                                cells[cell.key] = dataclasses.replace(cell, tables=tuple(dict.fromkeys(tables)))
+    budgets = {key: step_budget(c.options, c.method) for key, c in cells.items()}
+    _check_budgets(list(cells.values()), budgets, where)
+    if backend == "simulate":
+        for c in cells.values():
+            if (c.options.get("grad_accum") or 1) != 1 or c.options.get("ranks_per_client", 1) != 1:
+                raise GridError(f"{where}: cell {c.key}: the simulate backend takes one micro-batch per client step "
+                                "(grad_accum 1, ranks_per_client 1); use the deepspeed backend")
+    ranks = max(c.clients * c.options.get("ranks_per_client", 1) for c in cells.values())
+    # One thread per cell by default: on a shared CPU, torch's threads spinning against other processes
+    # cost several times the work (measured here: 21 s with one thread, minutes with two under load).
+    threads = data.get("threads", 1 if backend == "simulate" else None)
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise GridError(f"{where}: threads must be an integer >= 1 or null, got {threads!r}")
+    timeout = data.get("cell_timeout_s", 3600)
+    if not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise GridError(f"{where}: cell_timeout_s must be a number > 0, got {timeout!r}")
+    return Grid(name=data.get("name", path_stem(where)), backend=backend, runs_dir=runs,
+                results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
+                cells=list(cells.values()), budgets=budgets,
+                cell_timeout_s=float(timeout), ds_config=ds_config, ranks=ranks, threads=threads,
+                deepspeed_args=[str(a) for a in data.get("deepspeed_args") or []], source=data)
+
+
+def path_stem(where: str) -> str:
+    return Path(where).stem
+
+
+def _cell(task, method, topology, clients, lpb, seed, preset, base, task_opts, method_opts, runs, where) -> Cell:
+    options = {**preset, **base, **task_opts, **method_opts}
+    options.setdefault("dataset", task)
+    options.update(method="deca" if method in VARIANT_OF else method, variant=VARIANT_OF.get(method, "deca"),
+                   topology=topology, clients=int(clients), layers_per_block=int(lpb), seed=seed)
+    cell = Cell(task, method, topology, int(clients), int(lpb), seed, options)
+    options["output_dir"] = str(runs / cell.key / "train")
+    try:
+        resolved = dataclasses.asdict(RunOptions(**options))
+    except (ValueError, TypeError) as err:
+        raise GridError(f"{where}: cell {cell.key}: {err}") from None
+    if resolved["micro_batch"] is None:
+        resolved["micro_batch"] = 1
+    if resolved["grad_accum"] is None:
+        resolved["grad_accum"] = 1
+    return dataclasses.replace(cell, options=resolved)
+
+
+def _check_budgets(cells: list[Cell], budgets: dict, where: str) -> None:
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        groups.setdefault(c.group, []).append(c)
+    for members in groups.values():
+        seen = {budgets[c.key] for c in members}
+        if len(seen) > 1:
+            detail = ", ".join(f"{c.method}: {budgets[c.key][0]} steps x {budgets[c.key][1]} examples"
+                               for c in members)
+            raise GridError(f"{where}: unequal step budgets in {members[0].group} ({detail}); the paper compares "
+                            "methods at the same number of model update steps and examples per step")

@@ -1,0 +1,161 @@
+"""A small Llama that is not random: trained briefly and centrally as a language model on the
+unlabelled prompts of a task's training split (never its answers, never the test split), saved as a
+normal Hugging Face checkpoint with its tokenizer, so the grid can fine-tune it like any local model.
+
+The tokenizer is word-level (deca_ds.data.build_word_tokenizer) over the `vocab_size` most frequent
+words of those prompts, plus the label words and the prompt template's words; anything else reads
+as <unk>. The prompts are joined with eos and cut into `seq_len`-token rows (packing).
+
+Words the text never shows (the label words of the synthetic task, 'Sci/Tech' of AG News) are left
+out of the softmax, so their embedding and LM-head rows keep their initial values: otherwise every
+step pushes their logits down along one shared direction and their head rows end up nearly parallel
+(cosine 0.85 between the synthetic task's label rows), which a fine-tuning that keeps the head
+frozen, as DECA's blocks do, cannot separate; every method's consensus model then stayed at chance
+predicting one class. The initializer range is TINY_LLAMA's 0.1 for the same frozen head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..data import PROMPT, SyntheticTask, build_word_tokenizer
+from ..datasets import verbalize
+from ..runtime.options import RunOptions
+from ..runtime.task import load_records
+from .report import provenance
+
+SMALL_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                   initializer_range=0.1)
+
+
+@dataclass
+class PretrainOptions:
+    output_dir: str
+    dataset: str = "synthetic"  # as launch/train.py's --dataset
+    data_files: list[str] | None = None
+    vocab_size: int = 8000  # most frequent training words kept (besides specials, labels and template)
+    seq_len: int = 64
+    batch: int = 32
+    steps: int = 300
+    lr: float = 3e-3
+    warmup: int = 20
+    seed: int = 0
+    model: dict = field(default_factory=lambda: dict(SMALL_LLAMA))
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "batch", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0 or self.warmup < 0:
+            raise ValueError(f"lr must be > 0 and warmup >= 0, got {self.lr}, {self.warmup}")
+        if self.seq_len > self.model.get("max_position_embeddings", SMALL_LLAMA["max_position_embeddings"]):
+            raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_position_embeddings")
+        # the task options are launch/train.py's: RunOptions checks them (dataset name, data_files form)
+        RunOptions(dataset=self.dataset, data_files=self.data_files)
+
+
+def training_text(opts: PretrainOptions) -> tuple[list[str], list[str]]:
+    """(the training split's prompts without answers, words the tokenizer must hold: labels and template)."""
+    run = RunOptions(dataset=opts.dataset, data_files=opts.data_files, seed=opts.seed)
+    if opts.dataset == "synthetic":
+        task = SyntheticTask(seed=opts.seed, words_per_example=run.synthetic_words)
+        train, _ = task.generate()
+        return [PROMPT.format(text=ex.text) for ex in train], [*PROMPT.format(text="").split(), *task.label_words]
+    loaded = load_records(run)
+    names = loaded.spec.label_names or ()
+    return [r.prompt for r in loaded.train], [w for name in names for w in verbalize(name).split()]
+
+
+def build_tokenizer(prompts: list[str], keep: list[str], vocab_size: int):
+    counts = Counter(word for p in prompts for word in p.split())
+    words = [w for w, _ in counts.most_common(vocab_size)]
+    return build_word_tokenizer([*words, *keep])
+
+
+def packed_rows(tokenizer, prompts: list[str], seq_len: int) -> torch.Tensor:
+    ids: list[int] = []
+    for p in prompts:
+        ids += tokenizer(p, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    n = len(ids) // seq_len
+    if n < 1:
+        raise ValueError(f"the training text holds {len(ids)} tokens, fewer than one row of {seq_len}")
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+
+
+def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = None) -> dict:
+    """Train and save; returns what was written to pretrain.json (loss curve, sizes, wall time)."""
+    out = Path(opts.output_dir)
+    start = time.perf_counter()
+    prompts, keep = training_text(opts)
+    tokenizer = build_tokenizer(prompts, keep, opts.vocab_size)
+    rows = packed_rows(tokenizer, prompts, opts.seq_len)
+    torch.manual_seed(opts.seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**SMALL_LLAMA, **opts.model}, vocab_size=len(tokenizer),
+                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                         bos_token_id=None))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
+    # linear warmup, then cosine to zero
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, opts.warmup)) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / opts.steps))))
+    generator = torch.Generator().manual_seed(opts.seed)
+    losses = []
+    model.train()
+    unseen = torch.ones(len(tokenizer), dtype=torch.bool)
+    unseen[rows.unique()] = False
+    for step in range(opts.steps):
+        batch = rows[torch.randint(len(rows), (opts.batch,), generator=generator)]
+        logits = model(input_ids=batch).logits[:, :-1].masked_fill(unseen, float("-inf"))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 50 == 0 or step == opts.steps - 1:
+            log(f"step {step}: loss {loss.item():.4f}")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    report = {"options": asdict(opts), "vocab": len(tokenizer), "unseen_words": int(unseen.sum()),
+              "rows": len(rows), "prompts": len(prompts),
+              "params": sum(p.numel() for p in model.parameters()), "loss_first": losses[0],
+              "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "losses": losses,
+              "wall_s": time.perf_counter() - start, "provenance": provenance(command)}
+    (out / "pretrain.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+    log(f"wrote {out} ({report['params']:,} parameters, vocabulary {report['vocab']}, "
+        f"loss {report['loss_first']:.3f} -> {report['loss_last10']:.3f}, {report['wall_s']:.0f} s)")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="launch/pretrain.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--output-dir", required=True, help="where the checkpoint and tokenizer go")
+    p.add_argument("--dataset", default="synthetic", help="as launch/train.py: synthetic, a task name, or files")
+    p.add_argument("--data-files", nargs="+",
+                   help="train=PATH test=PATH, as launch/train.py (only the training split's prompts are read)")
+    for name in ("vocab_size", "seq_len", "batch", "steps", "warmup", "seed"):
+        default = PretrainOptions.__dataclass_fields__[name].default
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    p.add_argument("--lr", type=float, default=PretrainOptions.lr)
+    p.add_argument("--model", type=json.loads, default={}, help="JSON overrides of the Llama config, e.g. "
+                   "'{\"hidden_size\": 256}'")
+    args = vars(p.parse_args(argv))
+    command = ["python", "launch/pretrain.py", *(sys.argv[1:] if argv is None else argv)]
+    args["model"] = {**SMALL_LLAMA, **args["model"]}
+    try:
+        pretrain(PretrainOptions(**args), command=command)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

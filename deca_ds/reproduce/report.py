@@ -1,0 +1,250 @@
+"""The paper's tables from the finished cells: Markdown and CSV, plus one JSON of every cell.
+
+Every number is a percentage, mean ± sample standard deviation (ddof 1) over the seeds; the
+Average column averages a seed's tasks first, then takes mean ± std over seeds. In each group of
+rows (a topology, a number of clients) the best mean of a column is **bold** and the second best
+<u>underlined</u>, as in the paper (ties share the mark).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .cells import FINAL, METRICS, RUN_CONFIG, read_json
+from .grid import METHODS, Cell, Grid
+
+LABELS = {"deca": "DECA", "trivial_bma": "w/ trivial BMA", "no_bma": "w/o BMA", "dadam": "D-Adam (full, no blocks)",
+          "dec_lora": "Dec-LoRA", "dec_adapter": "Dec-Adapter", "decaf": "DeCAF"}
+ABLATION = ("deca", "trivial_bma", "no_bma")
+BASELINES = ("dec_adapter", "dec_lora", "decaf", "dadam", "deca")  # the paper's row order, D-Adam added
+METRICS_SHOWN = (("accuracy", "Acc."), ("macro_f1", "F1"))
+TOPOLOGY_LABELS = {"ring": "Ring", "erdos_renyi": "ER", "complete_bipartite": "Bipartite"}
+
+
+@dataclass
+class Table:
+    """Rows of (group, method) with, per column, the values over seeds (fractions)."""
+
+    name: str
+    title: str
+    group_name: str | None
+    columns: list[str]
+    rows: list[tuple[str, str, list[list[float]]]]
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def marks(means: list[float]) -> list[str]:
+    """'best', 'second' or '' per value: the largest and second largest distinct values (with fewer
+    than two rows nothing is marked)."""
+    if len(means) < 2:
+        return [""] * len(means)
+    ranked = sorted(set(means), reverse=True)
+    return ["best" if m == ranked[0] else "second" if len(ranked) > 1 and m == ranked[1] else "" for m in means]
+
+
+def cell_text(values: list[float]) -> str:
+    mean, std = mean_std(values)
+    return f"{100 * mean:.2f}" + ("" if std is None else f" ± {100 * std:.2f}")
+
+
+def _groups(table: Table) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for i, (group, _, _) in enumerate(table.rows):
+        groups.setdefault(group, []).append(i)
+    return groups
+
+
+def column_marks(table: Table) -> list[list[str]]:
+    """Per row, per column: the mark of its mean within its group."""
+    out = [[""] * len(table.columns) for _ in table.rows]
+    for members in _groups(table).values():
+        for c in range(len(table.columns)):
+            for i, mark in zip(members, marks([mean_std(table.rows[i][2][c])[0] for i in members])):
+                out[i][c] = mark
+    return out
+
+
+def to_markdown(table: Table) -> str:
+    head = ([table.group_name] if table.group_name else []) + ["Method"] + table.columns
+    lines = [f"### {table.title}", "", "| " + " | ".join(head) + " |",
+             "| " + " | ".join([":--"] * (len(head) - len(table.columns)) + ["--:"] * len(table.columns)) + " |"]
+    for (group, method, values), row_marks in zip(table.rows, column_marks(table)):
+        cells = []
+        for v, mark in zip(values, row_marks):
+            text = cell_text(v)
+            cells.append(f"**{text}**" if mark == "best" else f"<u>{text}</u>" if mark == "second" else text)
+        lines.append("| " + " | ".join(([group] if table.group_name else []) + [method] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(table: Table) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(([table.group_name] if table.group_name else []) + ["method"]
+               + [f"{c} {part}" for c in table.columns for part in ("mean", "std", "mark")] + ["seeds"])
+    for (group, method, values), row_marks in zip(table.rows, column_marks(table)):
+        row = ([group] if table.group_name else []) + [method]
+        for v, mark in zip(values, row_marks):
+            mean, std = mean_std(v)
+            row += [f"{100 * mean:.4f}", "" if std is None else f"{100 * std:.4f}", mark]
+        w.writerow(row + [len(values[0])])
+    return buf.getvalue()
+
+
+# ---- from cells to tables ----------------------------------------------------------------------------------
+
+
+def _axis_label(axis: str, value) -> str:
+    return TOPOLOGY_LABELS.get(value, value) if axis == "topology" else str(value)
+
+
+def _axis_rank(value) -> tuple:
+    """Numbers ascending; topologies in the paper's order (ring, ER, bipartite), then others."""
+    if isinstance(value, str):
+        known = list(TOPOLOGY_LABELS)
+        return (known.index(value) if value in known else len(known), 0)
+    return (0, value)
+
+
+GROUP_AXIS = {"main": None, "ablation": None, "topology": ("topology", "Topology"), "clients": ("clients", "N"),
+              "granularity": ("layers_per_block", "Layers per block")}
+
+
+def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...]) -> Table | None:
+    """The table `name` from the finished cells tagged with it (the ablation table: the main table's
+    cells of DECA's variants). Cells that miss a seed or a task of their row are left out of it."""
+    tag = "main" if name == "ablation" else name
+    cells = [c for c in results if tag in c.tables and c.method in methods]
+    if not cells:
+        return None
+    tasks = list(dict.fromkeys(c.task for c in cells))
+    seeds = sorted({c.seed for c in cells})
+    axis = GROUP_AXIS[name]
+    columns = [f"{t} {short}" for t in tasks for _, short in METRICS_SHOWN]
+    if len(tasks) > 1:
+        columns += [f"Average {short}" for _, short in METRICS_SHOWN]
+    by_row: dict[tuple, dict[tuple[str, int], dict]] = {}
+    for c in cells:
+        group = _axis_label(axis[0], getattr(c, axis[0])) if axis else ""
+        if not axis and len({(x.topology, x.clients, x.layers_per_block) for x in cells}) > 1:
+            group = f"{TOPOLOGY_LABELS.get(c.topology, c.topology)}, N={c.clients}, lpb={c.layers_per_block}"
+        by_row.setdefault((group, c.method), {})[(c.task, c.seed)] = results[c]
+    rows = []
+    order = {m: i for i, m in enumerate(methods)}
+    raw = {}  # group label -> the axis value it shows, for the rows' order
+    for c in cells:
+        raw.setdefault(_axis_label(axis[0], getattr(c, axis[0])) if axis else "", getattr(c, axis[0]) if axis else 0)
+    for (group, method), finals in sorted(by_row.items(), key=lambda kv: (_axis_rank(raw.get(kv[0][0], 0)), kv[0][0],
+                                                                         order[kv[0][1]])):
+        complete = [s for s in seeds if all((t, s) in finals for t in tasks)]
+        if not complete:
+            continue
+        values = [[finals[(t, s)][key] for s in complete] for t in tasks for key, _ in METRICS_SHOWN]
+        if len(tasks) > 1:
+            values += [[statistics.fmean(finals[(t, s)][key] for t in tasks) for s in complete]
+                       for key, _ in METRICS_SHOWN]
+        rows.append((group, LABELS[method], values))
+    return Table(name, title, axis[1] if axis else None, columns, rows) if rows else None
+
+
+TABLES = (
+    ("main", "Accuracy and macro-F1 of the consensus model (%), DECA against the decentralized baselines", BASELINES),
+    ("ablation", "Ablation: DECA's BMA (%)", ABLATION),
+    ("topology", "Topologies (%)", BASELINES),
+    ("clients", "Numbers of clients (%)", BASELINES),
+    ("granularity", "DECA's partitioning granularity (%)", ("deca",)),
+)
+
+
+def provenance(command: list[str] | None = None, *, outputs: Path | None = None) -> dict:
+    """The commit, UTC date, device, command and versions that made a result (uncommitted changes
+    flagged, except in `outputs`, the result's own directory)."""
+    import torch
+
+    from .cells import REPO
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    skip = [f":(exclude){Path(outputs).resolve()}"] if outputs is not None else []
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", str(REPO), *skip))
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
+    return {"commit": commit + (" (with uncommitted changes)" if dirty else ""),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device,
+            "command": " ".join(command if command is not None else [Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+
+
+def finished_results(grid: Grid) -> dict[Cell, dict]:
+    return {c: read_json(grid.cell_dir(c) / FINAL) for c in grid.cells if (grid.cell_dir(c) / FINAL).is_file()}
+
+
+def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
+    """Tables (Markdown, CSV) and results.json into grid.results_dir; returns the files written."""
+    out = grid.results_dir
+    out.mkdir(parents=True, exist_ok=True)
+    results = finished_results(grid)
+    written = []
+    markdown = [f"# {grid.name}: reproduced tables", "",
+                f"{len(results)} of {len(grid.cells)} cells finished. Accuracy and macro-F1 of the consensus model "
+                "x̄ on the test split, in %, mean ± std over seeds (ddof 1); **best**, <u>second</u> per group.", ""]
+    for name, title, methods in TABLES:
+        table = build_table(name, title, results, tuple(m for m in methods if m in METHODS))
+        if table is None:
+            continue
+        markdown.append(to_markdown(table))
+        path = out / f"{name}.csv"
+        path.write_text(to_csv(table))
+        written.append(path)
+    path = out / "tables.md"
+    path.write_text("\n".join(markdown))
+    written.append(path)
+    cells = []
+    for c in grid.cells:
+        d = grid.cell_dir(c)
+        entry = {"key": c.key, "task": c.task, "method": c.method, "topology": c.topology, "clients": c.clients,
+                 "layers_per_block": c.layers_per_block, "seed": c.seed, "tables": list(c.tables),
+                 "budget": {"steps": grid.budgets[c.key][0], "examples_per_client_step": grid.budgets[c.key][1]},
+                 "finished": c in results}
+        if (d / RUN_CONFIG).is_file():
+            config = read_json(d / RUN_CONFIG)
+            # each block by name and size; its parameters' names are the model's, in the cell's run_config.json
+            config["blocks"] = [{k: b[k] for k in ("index", "name", "numel")} for b in config.get("blocks", [])]
+            entry["run_config"] = config
+        if c in results:
+            entry["final"] = results[c]
+        cells.append(entry)
+    for model in dict.fromkeys(c.options.get("model", "") for c in grid.cells):
+        made = Path(model) / "pretrain.json"  # the scaled protocol's checkpoint: how it was trained
+        if made.is_file():
+            path = out / f"pretrain_{Path(model).name}.json"
+            path.write_text(made.read_text())
+            written.append(path)
+    path = out / "results.json"
+    record = {"grid": grid.name, "source": grid.source, "provenance": provenance(command, outputs=out), "cells": cells}
+    path.write_text(json.dumps(record, indent=1, allow_nan=False))
+    written.append(path)
+    return written
+
+
+def losses(grid: Grid, cell: Cell) -> list[dict]:
+    path = grid.cell_dir(cell) / METRICS
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []

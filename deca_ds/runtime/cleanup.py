@@ -1,0 +1,84 @@
+"""What a rank leaves behind when it exits, normally, on an error or when the launcher stops it.
+
+DeepSpeed's CPU all-reduce maps one shared-memory file per rank
+(/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, about 66 MB each)
+and never removes them. Every rank removes its job's files at exit: once a rank exits the job's
+collectives are over, and a rank that still has a file mapped keeps its memory until it exits.
+
+When one rank fails, the deepspeed launcher SIGTERMs the others. A Python handler would run only
+when the main thread returns from the collective it is blocked in, so SIGTERM is blocked in every
+thread and taken by a thread of ours, which prints who went silent (the heartbeat board) before
+the process exits: the dead client is named even when the launcher stops the survivors first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+SHM = Path("/dev/shm")
+_SIGTERM: dict = {"describe": None}  # what the SIGTERM line says, set once the heartbeat board exists
+
+
+def shm_buffers(env: dict | None = None) -> list[Path]:
+    """This job's DeepSpeed shared-memory buffers (all its local ranks)."""
+    env = os.environ if env is None else env
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env or not SHM.is_dir():
+        return []
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_{env['MASTER_ADDR']}_{env['MASTER_PORT']}_"
+    return sorted(p for p in SHM.glob(prefix + "*") if p.name[len(prefix):].isdigit())
+
+
+def remove_shm_buffers() -> None:
+    for path in shm_buffers():
+        path.unlink(missing_ok=True)
+
+
+def exit_now(code: int) -> None:
+    """Leave at once, buffers removed and output flushed: a failed rank must not wait in a process
+    group's destructor for a peer that is stopped (the launcher would wait with it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    remove_shm_buffers()
+    os._exit(code)
+
+
+def install(describe: Callable[[], str] | None = None) -> None:
+    """Remove the shared-memory buffers at exit; on SIGTERM print `describe()` (who went silent),
+    remove them and exit 143. Called once by a rank's entry point (launch/train.py), from the main
+    thread before any other thread starts, so that every thread inherits the blocked SIGTERM."""
+    atexit.register(remove_shm_buffers)
+    _SIGTERM["installed"] = True
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    _SIGTERM["describe"] = describe
+
+    def on_sigterm() -> None:
+        signal.sigwait({signal.SIGTERM})
+        rank = os.environ.get("RANK", "?")
+        try:
+            said = _SIGTERM["describe"]() if _SIGTERM["describe"] else ""
+        except Exception as e:  # the store may be gone with rank 0
+            said = f"(the heartbeat board could not be read: {type(e).__name__})"
+        print(f"\n[rank {rank}] stopped by SIGTERM (the launcher stops every rank once one fails){': ' if said else ''}"
+              f"{said}", file=sys.stderr, flush=True)
+        remove_shm_buffers()
+        os._exit(143)
+
+    threading.Thread(target=on_sigterm, name="deca-sigterm", daemon=True).start()
+
+
+def installed() -> bool:
+    """Whether this process is a rank started as a command (deca-train, launch/train.py), not a test calling main()."""
+    return _SIGTERM.get("installed", False)
+
+
+def set_describe(describe: Callable[[], str]) -> None:
+    """What the SIGTERM line says (the heartbeat board's silent ranks), once it can be read."""
+    _SIGTERM["describe"] = describe

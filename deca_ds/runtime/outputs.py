@@ -1,0 +1,110 @@
+"""What a run writes into --output-dir, listed once, and the rules that keep everything else safe.
+
+A run owns exactly the entries of RUN_OUTPUTS. It writes the marker `run_owner.json` before
+anything else, so a directory is recognised as a run (older runs: by their run_config.json).
+A directory that holds anything else and no run is refused unless --overwrite; --overwrite then
+writes beside the foreign files but never removes them, and removes only RUN_OUTPUTS entries of
+an earlier run, after every check of the new run has passed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from .. import __version__
+from .checkpoint import write_json
+
+MARKER = "run_owner.json"
+# The results of a finished run: removed before training starts, so that a run that crashes
+# after --overwrite or --resume never leaves them beside a newer run_config.json.
+RESULT_FILES = ("summary.json", "summary.md", "loss_curve.png")
+RUN_OUTPUTS = (MARKER, "run_config.json", *RESULT_FILES, "partition", "checkpoints", "metrics", "tensorboard",
+               "consensus", "adapter", "clients")
+
+
+def is_run(out: Path) -> bool:
+    return (out / MARKER).is_file() or (out / "run_config.json").is_file()
+
+
+def check_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse an output directory the run may not write to (called on every rank, before anything
+    is written)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {out} exists and is not a directory")
+    if resume:
+        if not (out / "run_config.json").is_file():
+            raise ValueError(f"--resume: {out} holds no run to continue")
+        return
+    if is_run(out):
+        if not overwrite:
+            raise ValueError(f"output directory {out} already holds a run; pass --resume to continue it "
+                             "or --overwrite to replace it")
+        return
+    foreign = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if foreign and not overwrite:
+        raise ValueError(f"output directory {out} is not empty and holds no deca-ds run ({', '.join(foreign[:5])}"
+                         f"{', …' if len(foreign) > 5 else ''}); choose an empty directory, or pass --overwrite "
+                         "to write beside these files (nothing of them is removed)")
+    clashes = [name for name in foreign if name in RUN_OUTPUTS]
+    if clashes:
+        raise ValueError(f"output directory {out} holds no deca-ds run but has {', '.join(clashes)}, which a run "
+                         "writes; these are not removed even with --overwrite: move them or choose another directory")
+
+
+def claim(out: Path, *, resume: bool) -> None:
+    """Rank 0, once every check has passed: drop what an earlier run wrote (all of it when starting
+    over, its result files when resuming) and write the marker first."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in RUN_OUTPUTS if not resume else RESULT_FILES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    owner = {"tool": "deca-ds", "version": __version__, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "outputs": list(RUN_OUTPUTS)}
+    write_json(out / MARKER, owner)
+
+
+def resume_changes(saved: dict, options: dict, ds_config: dict, world_size: int,
+                   defaults: dict) -> dict[str, list]:
+    """Compare this run's resolved options and DeepSpeed config with the saved run_config.json:
+    refuse (ValueError listing every difference) any change that alters the result; return the
+    others as {name: [saved, now]} to record. An option the saved run predates counts as its default."""
+    from .options import NOT_RESULT, NOT_RESULT_DS
+
+    before = {**defaults, **saved.get("options", {})}
+    changed = {name: [before.get(name), value] for name, value in options.items()
+               if _plain(before.get(name)) != _plain(value)}
+    saved_ds, now_ds = saved.get("ds_config", {}), ds_config
+    changed.update({f"ds_config.{k}": [saved_ds.get(k), now_ds.get(k)] for k in sorted(set(saved_ds) | set(now_ds))
+                    if _plain(saved_ds.get(k)) != _plain(now_ds.get(k))})
+    if saved.get("world_size", world_size) != world_size:
+        changed["world_size"] = [saved["world_size"], world_size]
+    refused = {k: v for k, v in changed.items() if k not in NOT_RESULT and k.removeprefix("ds_config.")
+               not in NOT_RESULT_DS}
+    if refused:
+        lines = "; ".join(f"{k}: {a!r} in the saved run, {b!r} now" for k, (a, b) in sorted(refused.items()))
+        raise ValueError(f"--resume: this run differs from the one in run_config.json in what it computes: {lines}. "
+                         "Pass the saved values, or start a new run in another --output-dir")
+    return {k: v for k, v in changed.items() if k not in refused and k not in ("resume", "overwrite")}
+
+
+def _plain(value):
+    """JSON's view of a value (tuples are lists), so a saved option compares equal to its parsed one."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def record_resume(out: Path, changes: dict[str, list]) -> None:
+    """Rank 0, resuming: append to run_config.json when and with which changed options it resumed."""
+    config = json.loads((out / "run_config.json").read_text())
+    config.setdefault("resumes", []).append(
+        {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "changed": changes})
+    write_json(out / "run_config.json", config)

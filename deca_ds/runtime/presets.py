@@ -1,0 +1,92 @@
+"""DeepSpeed presets: the shipped ones by name (ds_configs/*.json, packaged as deca_ds/presets), any
+JSON file by path, or a mapping from a run file; validated and split into (DeepSpeed config,
+deca-ds run options of its "deca" section). Imports no torch, so the command line stays fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
+
+HONORED = {
+    "train_micro_batch_size_per_gpu": "micro-batch per rank",
+    "gradient_accumulation_steps": "micro-batches per optimizer step (g is their mean)",
+    "train_batch_size": "must equal micro-batch × accumulation × ranks per client",
+    "gradient_clipping": "global-norm clipping of the active block's gradient "
+                         "(default 0 = off, unlike DeepSpeed's 1.0)",
+    "activation_checkpointing": "turns on non-reentrant activation checkpointing of the decoder layers",
+    "scheduler": "DeepSpeed LR schedule, applied to the active block's lr",
+    "steps_per_print": "DeepSpeed's own log interval",
+    "wall_clock_breakdown": "DeepSpeed's own timers",
+    "zero_optimization": "stage 0 only",
+    "bf16": "\"enabled\": false only",
+    "fp16": "\"enabled\": false only",
+    "deca": "deca-ds run options (any --option of deca-train, with _ for -)",
+}
+
+_REFUSED = {
+    "bf16": "DeepSpeed's bf16 wrapper keeps FP32 master copies of every parameter; "
+            "set \"deca\": {\"working_dtype\": \"bf16\"} instead",
+    "fp16": "DeepSpeed's fp16 wrapper keeps FP32 master copies of every parameter; "
+            "set \"deca\": {\"working_dtype\": ...} instead",
+    "zero_optimization": "ZeRO stages above 0 shard optimizer state across ranks and wrap the optimizer; "
+                         "DECA keeps state for the active block only and must not shard across clients",
+    "optimizer": "DECA supplies the optimizer; set lr, betas and eps with deca-ds options",
+}
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets (`--preset NAME`)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def preset_path(spec: str | Path) -> Path:
+    """An existing JSON file, else the shipped preset of that name (with or without .json, or as
+    ds_configs/NAME.json, the checkout's path, so the documented commands run from any directory)."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    name = path.name.removesuffix(".json")
+    shipped = PRESET_DIR / f"{name}.json"
+    if path.parent in (Path("."), Path("ds_configs")) and shipped.is_file():
+        return shipped
+    close = difflib.get_close_matches(name, preset_names(), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"DeepSpeed config {spec}: no such file and no shipped preset of that name "
+                     f"({hint}presets: {', '.join(preset_names())})")
+
+
+def split_ds_config(config: dict, source: str) -> tuple[dict, dict]:
+    """Validate a DeepSpeed config and split it into (DeepSpeed keys, its "deca" run options)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"DeepSpeed config {source} must hold a JSON object (a mapping)")
+    config = dict(config)
+    unknown = sorted(set(config) - set(HONORED) - set(_REFUSED))
+    if unknown:
+        raise ValueError(f"DeepSpeed config {source}: unknown key(s) {unknown}; deca-ds honors {sorted(HONORED)}")
+    for key, why in _REFUSED.items():
+        if key not in config:
+            continue
+        value = config[key]
+        allowed = (key in ("bf16", "fp16") and isinstance(value, dict) and not value.get("enabled", False)
+                   or key == "zero_optimization" and isinstance(value, dict)
+                   and value.get("stage", 0) == 0 and set(value) <= {"stage"})
+        if not allowed:
+            raise ValueError(f"DeepSpeed config {source}: key {key!r} = {value!r} is not supported: {why}")
+    deca = config.pop("deca", {})
+    if not isinstance(deca, dict):
+        raise ValueError(f"DeepSpeed config {source}: \"deca\" must be an object of run options")
+    return config, deca
+
+
+def load_ds_config(spec: str | Path) -> tuple[dict, dict]:
+    """Read a preset (a path or a shipped preset's name) and split it as split_ds_config does."""
+    path = preset_path(spec)
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
+    return split_ds_config(config, str(path))

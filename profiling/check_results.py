@@ -1,0 +1,104 @@
+"""Checks the GPU numbers profiling/README.md quotes against the result files, and lists result
+files whose recorded commit is older than the code they describe (issue 17, target 5).
+
+A result's commit is its JSON's "commit" (report.provenance writes it) or, for files older than
+that key, the one its folder's README.md names ("Code: commit `…`"). The code it describes is
+deca_ds/ and the tool its command ran; it is stale when git has a commit after the recorded one
+that touches either. Stale files are listed, not deleted.
+
+    python profiling/check_results.py        # exit 1 when a quoted number differs from its file
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "profiling" / "results"
+README = ROOT / "profiling" / "README.md"
+
+# (result file, the row's fields, the value's key, how the README writes it)
+CLAIMS = [
+    ("gpu_h100/profile_memory.json", {"offload": "none"}, "peak_gib", "{:.2f} GiB"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "peak_gib", "{:.2f} GiB"),
+    ("gpu_h100/profile_memory.json", {"offload": "none"}, "estimate_gib", "{:.2f}"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "estimate_gib", "{:.2f} GiB"),
+    ("gpu_h100/profile_memory.json", {"offload": "none"}, "setup_peak_gib", "{:.1f} GiB"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "setup_peak_gib", "{:.1f} GiB"),
+    ("gpu_h100/profile_memory.json", {"offload": "none"}, "step_ms", "{:.0f} ms"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "step_ms", "{:.0f} ms"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "step_over_resident", "{:.2f}×"),
+    ("gpu_h100/profile_memory_mb8.json", {"offload": "none"}, "step_ms", "{:.0f} ms"),
+    ("gpu_h100/profile_memory_mb8.json", {"offload": "frozen"}, "step_ms", "{:.0f} ms"),
+    ("gpu_h100/profile_memory_mb8.json", {"offload": "none"}, "peak_gib", "{:.2f} GiB"),
+    ("gpu_h100/profile_memory_mb8.json", {"offload": "frozen"}, "peak_gib", "{:.2f} GiB"),
+    ("gpu_h100/profile_memory_offload_setup.json", {"offload": "frozen"}, "setup_peak_gib", "{:.2f} GiB"),
+    ("gpu_h100/profile_memory_offload_setup.json", {"offload": "frozen"}, "peak_gib", "{:.2f} GiB"),
+]
+
+
+def quoted(text: str, claim: tuple) -> tuple[str, bool]:
+    """The claim's value as the README writes it, and whether the README has it."""
+    name, where, key, fmt = claim
+    rows = json.loads((RESULTS / name).read_text())["results"]
+    row = next(r for r in rows if all(r.get(k) == v for k, v in where.items()))
+    value = fmt.format(row[key])
+    return value, value in text
+
+
+def recorded_commit(path: Path) -> str | None:
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and data.get("commit") not in (None, "unknown"):
+        return data["commit"].split("+")[0]
+    folder_readme = path.parent / "README.md"
+    if path.parent != RESULTS and folder_readme.exists():
+        found = re.search(r"Code: commit `([0-9a-f]{7,40})`", folder_readme.read_text())
+        return found and found.group(1)
+    return None
+
+
+def described_code(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    command = data.get("command", "") if isinstance(data, dict) else ""
+    tool = re.search(r"profiling/(\w+\.py)", command)
+    return ["deca_ds", *(["profiling/" + tool.group(1)] if tool else [])]
+
+
+def newer_commits(commit: str, paths: list[str]) -> list[str] | None:
+    """Commits after `commit` touching `paths` (short hashes); None when git does not know it."""
+    done = subprocess.run(["git", "log", "--format=%h", f"{commit}..HEAD", "--", *paths], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    return done.stdout.split() if done.returncode == 0 else None
+
+
+def stale(gpu_only: bool = True) -> list[dict]:
+    """Every result JSON (GPU folders only by default) with its commit and what changed since."""
+    found = []
+    for path in sorted(RESULTS.glob("gpu_*/*.json" if gpu_only else "**/*.json")):
+        commit = recorded_commit(path)
+        newer = newer_commits(commit, described_code(path)) if commit else None
+        found.append({"file": str(path.relative_to(RESULTS)), "commit": commit, "code": described_code(path),
+                      "newer_commits": newer, "stale": commit is None or newer is None or bool(newer)})
+    return found
+
+
+def main() -> int:
+    text = README.read_text()
+    wrong = []
+    for claim in CLAIMS:
+        value, ok = quoted(text, claim)
+        print(f"{'ok  ' if ok else 'MISS'} {claim[0]} {claim[1]} {claim[2]}: {value}")
+        wrong += [] if ok else [value]
+    for s in stale():
+        why = ("no commit recorded" if s["commit"] is None else "commit unknown to git" if s["newer_commits"] is None
+               else f"{len(s['newer_commits'])} later commits touch {', '.join(s['code'])}")
+        print(f"{'STALE' if s['stale'] else 'fresh'} {s['file']} (commit {s['commit']}): {why if s['stale'] else ''}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

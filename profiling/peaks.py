@@ -1,0 +1,74 @@
+"""A process's memory peak phase by phase: the resident set's high-water mark on Linux (VmHWM,
+reset through /proc/self/clear_refs) and, on a GPU, torch.cuda's allocated/reserved peaks and the
+device memory in use (the CUDA context and other processes included).
+
+    peaks = PhasePeaks(device)
+    peaks.mark("load")   # closes the phase before it (named at the previous mark), opens "load"
+    ...
+    peaks.mark("train")  # the rows so far: [{"phase": "start", ...}, {"phase": "load", ...}]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_bytes(key: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"{_STATUS} has no {key}")
+
+
+def rss() -> int:
+    """The process's resident set now (bytes)."""
+    return _status_bytes("VmRSS")
+
+
+def rss_peak() -> int:
+    """The resident set's high-water mark since the process started or the last reset_rss_peak."""
+    return _status_bytes("VmHWM")
+
+
+def reset_rss_peak() -> None:
+    """Set the high-water mark to the resident set now (Linux >= 4.0: write 5 to clear_refs)."""
+    _CLEAR_REFS.write_text("5")
+
+
+class PhasePeaks:
+    """Consecutive phases of one process, each with its own peak. The first phase, "start", runs
+    from process start (VmHWM is not reset before it) to the first mark."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.rows: list[dict] = []
+        self.phase = "start"
+
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_initialized()
+
+    def mark(self, next_phase: str) -> dict:
+        """End the current phase (its row: peak and memory now), reset the peaks, start `next_phase`."""
+        row = {"phase": self.phase, "rss_peak": rss_peak(), "rss_end": rss()}
+        if self._cuda():
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            row.update(cuda_allocated_peak=torch.cuda.max_memory_allocated(self.device),
+                       cuda_reserved_peak=torch.cuda.max_memory_reserved(self.device),
+                       cuda_allocated_end=torch.cuda.memory_allocated(self.device),
+                       cuda_device_used_end=total - free)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.rows.append(row)
+        reset_rss_peak()
+        self.phase = next_phase
+        return row
+
+    def peak(self, key: str, phases=None) -> int | None:
+        """The largest `key` over the rows of `phases` (all when None); None if no row has it."""
+        values = [r[key] for r in self.rows if key in r and (phases is None or r["phase"] in phases)]
+        return max(values) if values else None

@@ -1,0 +1,118 @@
+"""The setup phase's memory, measured against the estimator's setup terms (deca_ds.memory,
+setup_phases): one process runs the runtime's setup steps in its order, each a phase of
+peaks.PhasePeaks, and the increment each one adds is compared with the term that models it.
+
+    init       the model drawn in the working dtype (models._from_config)   weights + init_transient
+    optimizer  DecaOptimizer activates the first block: its master, m, v      optimizer_state
+    evaluate   one no-grad scoring forward (models.labelled_logits)          eval_forward
+
+DeepSpeed's engine setup is not run here: at stage 0 it wraps the module without copying it
+(the estimator counts nothing for it; a GPU run through launch/train.py measures it). On CPU the
+peak is the resident set's high-water mark (VmHWM), so the model must be large against the
+interpreter's own allocations; on a GPU (`--device cuda`) torch.cuda's allocated peak.
+
+    python profiling/setup_peaks.py --out profiling/results/cpu/setup_peaks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "profiling"))
+
+from peaks import PhasePeaks, rss  # noqa: E402
+from report import emit, provenance  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def tiny_config(hidden: int, layers: int, vocab: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab, tie_word_embeddings=False)
+
+
+def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = "cpu") -> dict:
+    """Run the setup steps once in this process; each phase's peak above the memory at its start."""
+    from deca_ds import DecaConfig, DecaOptimizer
+    from deca_ds.memory import estimate_block
+    from deca_ds.models import _from_config, labelled_logits
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+
+    def now() -> int:
+        return torch.cuda.memory_allocated(dev) if cuda else rss()
+
+    # one-time costs (transformers' lazy imports, kernels' first-call buffers) are not setup's:
+    # pay them on a one-layer copy first
+    warm = config.__class__(**{**config.to_dict(), "num_hidden_layers": 1, "vocab_size": 16})
+    with dev:
+        small = _from_config(warm, dtype=DTYPES[dtype], seed=0).eval()
+    with torch.no_grad():
+        labelled_logits(small, {"input_ids": torch.zeros(1, 8, dtype=torch.long, device=dev),
+                                "attention_mask": torch.ones(1, 8, dtype=torch.long, device=dev),
+                                "labels": torch.zeros(1, 8, dtype=torch.long, device=dev)})
+    del small
+    peaks = PhasePeaks(dev)
+    gc.collect()
+    before = {"init": now()}
+    peaks.mark("init")
+    with dev:
+        model = _from_config(config, dtype=DTYPES[dtype], seed=0).eval()
+    before["optimizer"] = now()
+    peaks.mark("optimizer")
+    DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))
+    ids = torch.randint(0, config.vocab_size, (eval_batch, seq_len), device=dev)
+    labels = torch.full_like(ids, -100)
+    labels[:, -1] = ids[:, -1]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    gc.collect()
+    before["evaluate"] = now()
+    peaks.mark("evaluate")
+    with torch.no_grad():
+        labelled_logits(model, batch)
+    peaks.mark("end")
+    key = "cuda_allocated_peak" if cuda else "rss_peak"
+    measured = {r["phase"]: r[key] - before[r["phase"]] for r in peaks.rows if r["phase"] in before}
+
+    est = estimate_block(config, 1, 0, working_dtype=dtype, master_dtype="fp32", micro_batch=1, seq_len=seq_len,
+                         eval_batch=eval_batch, eval_positions=1, n_neighbors=0)
+    terms = {"init": est.weights + est.init_transient, "optimizer": est.optimizer_state,
+             "evaluate": est.eval_forward}
+    rows = [{"phase": p, "measured_bytes": measured[p], "estimated_bytes": terms[p],
+             "measured_over_estimated": measured[p] / terms[p]} for p in terms]
+    # the setup peak above the process's memory before init, phase by phase cumulative
+    above = {p: before[p] - before["init"] + measured[p] for p in terms}
+    return {"rows": rows, "setup_peak_measured": max(above.values()), "setup_peak_estimated": est.setup_peak,
+            "setup_phases_estimated": est.setup_phases, "params": est.total_params, "block_params": est.block_params}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--eval-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", help="JSON file to write")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    result = measure(tiny_config(args.hidden, args.layers, args.vocab), dtype=args.dtype,
+                     eval_batch=args.eval_batch, seq_len=args.seq_len, device=args.device)
+    result["provenance"] = provenance("setup_peaks.py", argv, cuda=args.device.startswith("cuda"), threads=1)
+    emit(result, args.out, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

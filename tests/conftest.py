@@ -1,0 +1,28 @@
+"""Fixtures every test gets."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache_in_tmp(tmp_path_factory):
+    """The token cache (DECA_CACHE, inherited by the ranks a test starts) in a temporary folder:
+    tests never write to ~/.cache. Session-scoped so module fixtures (reference runs) get it too."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DECA_CACHE", str(tmp_path_factory.mktemp("deca_cache")))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shm_left_behind():
+    """Every job a test started removed its DeepSpeed shared-memory buffers (issue 20): checked
+    once at the end, for the ports this session handed out."""
+    yield
+    from deca_ds.runtime.cleanup import shm_buffers
+    from helpers import PORTS
+
+    left = [p for port in PORTS for p in shm_buffers({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})]
+    for path in left:
+        path.unlink(missing_ok=True)
+    assert not left, f"jobs left {len(left)} shared-memory buffers: {[p.name for p in left]}"

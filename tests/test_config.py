@@ -1,0 +1,338 @@
+"""The typed run config of deca-train: run files converted to the declared types, unknown keys
+refused with a suggestion, presets by name, precedence, a fast torch-free --help, --print-config
+round trips, and the commands the docs show still parse."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deca_ds.runtime import options as options_module
+from deca_ds.runtime.options import RunOptions, dump_config, parse_args
+from deca_ds.runtime.presets import PRESET_DIR, preset_names
+from deca_ds.train import main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def run_file(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_values_are_converted_to_the_declared_types(tmp_path):
+    # YAML 1.1 reads 5e-5 and 1e2 (no dot) as strings; the declared types decide
+    path = run_file(tmp_path, "lr: 5e-5\nsteps_per_block: 1e2\nrounds: '3'\nadam_betas: [0.8, 1]\n"
+                              "iid: 'yes'\nlora_targets: q_proj\nstate_bits: '8'\neps: 1e-6\n")
+    assert yaml.safe_load(Path(path).read_text())["lr"] == "5e-5"
+    opts, _ = parse_args(["--config", path])
+    assert opts.lr == 5e-5 and type(opts.lr) is float
+    assert opts.steps_per_block == 100 and type(opts.steps_per_block) is int
+    assert opts.rounds == 3 and type(opts.rounds) is int
+    assert opts.adam_betas == (0.8, 1.0) and all(type(b) is float for b in opts.adam_betas)
+    assert opts.iid is True
+    assert opts.lora_targets == ["q_proj"]
+    assert opts.state_bits == 8
+    assert opts.eps == 1e-6
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lr: fast\n", "lr: expected a float, got 'fast'"),
+    ("rounds: 1.5\n", "rounds: expected an integer, got 1.5"),
+    ("rounds: true\n", "rounds: expected an integer, got True"),
+    ("model: 3\n", "model: expected a string, got 3 (quote it)"),
+    ("text_column: 3\n", "text_column: expected a string or null, got 3 (quote it)"),
+    ("lr: null\n", "lr: expected a float, got null"),
+    ("iid: maybe\n", "iid: expected a boolean, got 'maybe'"),
+    ("adam_betas: [0.9]\n", "adam_betas: expected a list of 2 numbers, got [0.9]"),
+    ("clients: many\n", "clients: expected an integer or null, got 'many'"),
+    ("topology: star\n", "topology: expected one of ring, erdos_renyi"),
+    ("state_bits: 16\n", "state_bits: expected one of 32, 8; got 16"),
+    ("stepz_per_block: 3\n", "unknown option 'stepz_per_block' (did you mean 'steps_per_block'?)"),
+    ("steps-per-block: 3\n", "unknown option 'steps-per-block' (did you mean 'steps_per_block'?)"),
+    ("deepspeeed: {}\n", "unknown option 'deepspeeed' (did you mean 'deepspeed'?)"),
+    ("- lr\n", "must hold a mapping of options"),
+    ("lr: [\n", "is not valid YAML"),
+    ("deepspeed: {zero_optimization: {stage: 2}}\n", "ZeRO stages above 0"),
+    ("deepspeed: {optimiser: {}}\n", "unknown key(s) ['optimiser']"),
+    ("deepspeed: 3\n", "expected a mapping of DeepSpeed keys or a preset's name or path"),
+    ("deepspeed: {deca: {rounds: x}}\n", "\"deca\" section of "),
+    ("deepspeed: {deca: {rounds: x}}\n", "run.yaml: deepspeed: rounds: expected an integer, got 'x'"),
+])
+def test_bad_run_file_names_the_key_and_the_expected_type(tmp_path, text, message):
+    path = run_file(tmp_path, text)
+    with pytest.raises(ValueError) as err:
+        parse_args(["--config", path])
+    assert message in str(err.value)
+    if "deepspeed" not in text and "mapping" not in message and "YAML" not in message:
+        assert str(err.value).startswith(path)  # the file is named, then the key
+
+
+def test_run_file_holds_everything_and_the_command_line_wins(tmp_path):
+    text = ("rounds: 2\nlr: 3e-4\nmax_seq_len: 16\n"
+            "deepspeed:\n  train_micro_batch_size_per_gpu: 4\n  gradient_accumulation_steps: 2\n"
+            "  gradient_clipping: 1.0\n")
+    opts, ds = parse_args(["--config", run_file(tmp_path, text), "--rounds", "5"])
+    assert (opts.rounds, opts.lr, opts.max_seq_len) == (5, 3e-4, 16)
+    assert (opts.micro_batch, opts.grad_accum) == (4, 2)
+    assert ds == {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0}
+    # --micro-batch overrides the DeepSpeed key it names
+    opts, ds = parse_args(["--config", run_file(tmp_path, text), "--micro-batch", "8"])
+    assert opts.micro_batch == 8 and ds["train_micro_batch_size_per_gpu"] == 8
+
+
+def test_precedence_defaults_preset_run_file_command_line(tmp_path):
+    preset = json.loads((PRESET_DIR / "cpu_demo.json").read_text())
+    deca = preset["deca"]
+    assert deca["max_seq_len"] != RunOptions().max_seq_len  # the preset's deca section changes something
+    opts, ds = parse_args(["--preset", "cpu_demo"])
+    assert opts.max_seq_len == deca["max_seq_len"] and opts.rounds == deca.get("rounds", RunOptions().rounds)
+    assert ds["train_micro_batch_size_per_gpu"] == preset["train_micro_batch_size_per_gpu"]
+    # a run file naming the preset, then overriding one of its options; the command line over both
+    path = run_file(tmp_path, f"deepspeed: cpu_demo\nmax_seq_len: {deca['max_seq_len'] + 8}\n")
+    opts, _ = parse_args(["--config", path])
+    assert opts.max_seq_len == deca["max_seq_len"] + 8
+    assert opts.output_dir == deca["output_dir"]
+    opts, _ = parse_args(["--config", path, "--max-seq-len", "5"])
+    assert opts.max_seq_len == 5
+
+
+def test_ds_config_is_optional_and_every_spelling_selects_a_preset(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # away from the checkout: ds_configs/NAME.json is the shipped preset NAME
+    opts, ds = parse_args([])
+    assert ds == {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    assert (opts.micro_batch, opts.grad_accum) == (1, 1)
+    path = str(ROOT / "ds_configs" / "cpu_demo.json")
+    results = [parse_args([flag, value]) for flag in ("--preset", "--ds_config", "--ds-config")
+               for value in ("cpu_demo", "cpu_demo.json", path, "ds_configs/cpu_demo.json")]
+    assert all(r == results[0] for r in results)
+    assert results[0][1]["train_micro_batch_size_per_gpu"] == 16
+
+
+def test_wrong_preset_name_lists_the_available_presets(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["--preset", "cpu_dmeo", "--print-config"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "cpu_dmeo: no such file and no shipped preset of that name (did you mean 'cpu_demo'?" in err
+    for name in preset_names():
+        assert name in err
+
+
+def test_shipped_presets_are_the_ds_configs_and_all_load():
+    assert preset_names() == sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json"))
+    assert len(preset_names()) >= 6
+    for name in preset_names():
+        opts, ds = parse_args(["--preset", name])
+        assert ds["train_micro_batch_size_per_gpu"] == opts.micro_batch
+
+
+def test_help_shows_defaults_and_imports_no_torch():
+    code = ("import sys\nfrom deca_ds.train import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "heavy = ('torch', 'deepspeed', 'transformers', 'datasets', 'numpy')\n"
+            "heavy = sorted(m for m in heavy if m in sys.modules)\n"
+            "print('HEAVY', heavy)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.rstrip().endswith("HEAVY []")
+    text = " ".join(out.split())
+    assert "--lr LR learning rate γ (default: 5e-05)" in text
+    assert "--topology {ring,erdos_renyi,complete_bipartite,complete,torus,exponential,file}" in text
+    assert "(default: erdos_renyi)" in text
+    for group in options_module.GROUP_STARTS.values():
+        assert f"{group}:" in out
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    argv = ["--preset", "cpu_demo", "--lr", "2e-4", "--data-files", "train=a.jsonl", "test=b.jsonl",
+            "--dataset", "files", "--adam-betas", "0.8", "0.95", "--clients", "3",
+            "--output-dir", str(tmp_path / "never")]
+    train_main([*argv, "--print-config"])
+    text = capsys.readouterr().out
+    assert not (tmp_path / "never").exists()
+    loaded = yaml.safe_load(text)
+    assert loaded["lr"] == 2e-4 and loaded["deepspeed"]["train_micro_batch_size_per_gpu"] == 16
+    path = run_file(tmp_path, text, "resolved.yaml")
+    assert parse_args(["--config", path]) == parse_args(argv)
+    # and again: printing the printed config gives the same text
+    train_main(["--config", path, "--print-config"])
+    assert capsys.readouterr().out == text
+
+
+def test_print_config_as_a_module(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "deca_ds.train", "--preset", "cpu_demo", "--rounds", "7",
+                          "--print-config"], env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["rounds"] == 7
+
+
+def test_dump_config_keeps_every_option():
+    opts, ds = parse_args([])
+    values = yaml.safe_load(dump_config(opts, ds))
+    assert set(values) == {f for f in RunOptions.__dataclass_fields__} | {"deepspeed"}
+
+
+def test_choice_lists_agree_with_the_algorithm_modules():
+    from deca_ds.blocks import BLOCK_ORDERS
+    from deca_ds.config import VARIANTS
+    from deca_ds.datasets import TASKS
+    from deca_ds.memory import OFFLOAD_MODES
+    from deca_ds.methods import METHODS
+    from deca_ds.topology import TOPOLOGIES, WEIGHT_SCHEMES
+
+    assert set(options_module.VARIANTS) == set(VARIANTS)
+    assert set(options_module.TASK_NAMES) == set(TASKS)
+    assert set(options_module.METHOD_NAMES) == set(METHODS)
+    assert set(options_module.OFFLOAD_MODES) == set(OFFLOAD_MODES)
+    assert set(options_module.TOPOLOGIES) == set(TOPOLOGIES)
+    assert set(options_module.WEIGHT_SCHEMES) == set(WEIGHT_SCHEMES)
+    assert set(options_module.BLOCK_ORDERS) == set(BLOCK_ORDERS)
+
+
+def test_public_api_loads_lazily():
+    code = ("import sys, deca_ds\nassert 'torch' not in sys.modules\n"
+            "import deca_ds.simulate\nassert callable(deca_ds.simulate) and deca_ds.simulate.__name__ == 'simulate'\n"
+            "missing = [n for n in deca_ds.__all__ if getattr(deca_ds, n, None) is None]\n"
+            "assert not missing, missing\nprint('OK')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "OK", out.stderr
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """(where, arguments) of every deca-train / launch/train.py command in README.md and docs/."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "launch" / "demo.sh"]:
+        text = re.sub(r"\\\n\s*", " ", path.read_text())
+        for match in re.finditer(r"(?:launch/train\.py|deca-train|-m deca_ds\.train)((?: +[^`\s#][^`\s]*)*)", text):
+            args = [a for a in shlex.split(match.group(1)) if a != "$@"]
+            if args and args[0].startswith("-") and args != ["--help"]:  # a command, not prose
+                found.append((path.name, args))
+    return found
+
+
+def test_documented_commands_parse(monkeypatch, tmp_path):
+    commands = documented_commands()
+    assert any(where.startswith("README.md") for where, _ in commands)
+    assert len(commands) >= 8
+    # `--config run.yaml` in the docs means the run file docs/options.md shows
+    example = re.search(r"```yaml\n(.*?)```", (ROOT / "docs" / "options.md").read_text(), re.S).group(1)
+    run_yaml = run_file(tmp_path, example)
+    monkeypatch.chdir(ROOT)  # the docs' preset paths are relative to the checkout
+    for where, args in commands:
+        args = [run_yaml if a == "run.yaml" else a for a in args]
+        try:
+            parse_args(args)
+        except (ValueError, SystemExit) as err:
+            pytest.fail(f"{where}: {shlex.join(args)}: {err!r}")
+
+
+def test_wheel_ships_the_presets_and_the_commands(tmp_path):
+    # build from a copy (the build writes build/ and *.egg-info next to pyproject.toml), no network
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "ds_configs", src / "ds_configs")
+    shutil.copytree(ROOT / "deca_ds", src / "deca_ds", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "-w", str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    wheel = next((tmp_path / "wheel").glob("deca_ds-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+        z.extractall(tmp_path / "site")
+    assert {f"deca_ds/presets/{p}.json" for p in preset_names()} <= set(names)
+    for line in ("deca-train = deca_ds.train:main", "deca-eval = deca_ds.eval:main",
+                 "deca-estimate = deca_ds.estimate:main"):
+        assert line in entry_points
+    # the unpacked wheel, away from this checkout, finds its presets by name
+    code = ("from deca_ds.runtime.options import parse_args\nimport deca_ds\n"
+            "print(deca_ds.__file__)\nprint(parse_args(['--preset', 'cpu_demo'])[0].max_seq_len)\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    where, seq_len = out.stdout.split()
+    assert Path(where).is_relative_to(tmp_path / "site")
+    assert int(seq_len) == json.loads((ROOT / "ds_configs" / "cpu_demo.json").read_text())["deca"]["max_seq_len"]
+
+
+@pytest.mark.parametrize("module, expected", [
+    ("deca_ds.train", "--print-config"),
+    ("deca_ds.eval", "--questions"),
+    ("deca_ds.estimate", "--layers-per-block"),
+])
+def test_commands_run_as_modules(module, expected):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert expected in out.stdout
+
+
+def test_estimate_command_requires_a_model_config(capsys):
+    from deca_ds.estimate import main as estimate_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        estimate_main([])
+    assert exit_info.value.code == 2
+    assert "--config" in capsys.readouterr().err
+
+
+def test_option_reference_is_generated_from_the_parser(tmp_path):
+    from deca_ds.docs import main as docs_main
+    from deca_ds.docs import render_options
+
+    text = render_options()
+    assert (ROOT / "docs" / "options.md").read_text() == text, "docs/options.md is stale: python -m deca_ds.docs"
+    for f in RunOptions.__dataclass_fields__.values():
+        assert f"| `--{f.name.replace('_', '-')}` |" in text
+    assert "| `--lr` | a float | `5e-05` | learning rate γ |" in text
+    assert "| `--clients` | an integer or null | `none` |" in text
+    # the run file the reference shows is one
+    example = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
+    opts, ds = parse_args(["--config", run_file(tmp_path, example)])
+    assert opts.lr == 5e-5 and opts.dataset == "agnews" and ds["train_micro_batch_size_per_gpu"] >= 1
+    # --check fails on a stale file and passes on a fresh one
+    stale = tmp_path / "options.md"
+    stale.write_text(text.replace("learning rate", "step size"))
+    assert docs_main(["--check", "--out", str(stale)]) == 1
+    assert docs_main(["--out", str(stale)]) == 0 and docs_main(["--check", "--out", str(stale)]) == 0
+    assert stale.read_text() == text
+
+
+def test_option_help_is_short():
+    for f in RunOptions.__dataclass_fields__.values():
+        assert len(f.metadata["help"]) <= 160, f"--{f.name}: keep the help to one short sentence; detail goes to docs/"
+
+
+def test_run_file_trains_under_the_deepspeed_launcher_as_a_module(tmp_path):
+    """The issue's case end to end: a run file with `lr: 5e-5` (a string to YAML) and its DeepSpeed keys,
+    launched with `deepspeed --module deca_ds.train`; the run writes its resolved config as a run file."""
+    from helpers import free_port
+
+    out = tmp_path / "out"
+    path = run_file(tmp_path, "deepspeed: {train_micro_batch_size_per_gpu: 4, zero_optimization: {stage: 0}}\n"
+                              "topology: ring\nlayers_per_block: 2\nsteps_per_block: 2\nrounds: 1\nlr: 5e-5\n"
+                              f"max_seq_len: 16\neval_limit: 16\ntimeout: 60\noutput_dir: {out}\n")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           "--module", "deca_ds.train", "--config", path]
+    done = subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = json.loads((out / "run_config.json").read_text())
+    assert run["options"]["lr"] == 5e-5 and run["ds_config"]["train_micro_batch_size_per_gpu"] == 4
+    assert run["n_clients"] == 2
+    assert parse_args(["--config", str(out / "config.yaml")]) == parse_args(["--config", path])

@@ -1,0 +1,38 @@
+"""profiling/check_results.py: the README's GPU numbers equal their result files; stale results are found."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "profiling"))
+
+import check_results  # noqa: E402
+
+
+@pytest.mark.parametrize("claim", check_results.CLAIMS, ids=lambda c: f"{c[0]}:{c[1]}:{c[2]}")
+def test_readme_quotes_the_result_files(claim):
+    value, ok = check_results.quoted(check_results.README.read_text(), claim)
+    assert ok, f"profiling/README.md does not quote {value} ({claim})"
+
+
+def test_a_changed_number_is_caught():
+    text = check_results.README.read_text().replace("18.27 GiB", "18.30 GiB")
+    assert not check_results.quoted(text, check_results.CLAIMS[0])[1]
+
+
+def test_results_older_than_their_code_are_stale():
+    if subprocess.run(["git", "cat-file", "-e", "17f96e9^{commit}"], cwd=ROOT, check=False).returncode:
+        pytest.skip("this checkout's history lacks commit 17f96e9 (shallow clone)")
+    found = {s["file"]: s for s in check_results.stale()}
+    s = found["gpu_h100/profile_memory.json"]
+    assert s["commit"] == "17f96e9" and s["stale"] and s["newer_commits"]
+    assert s["code"] == ["deca_ds", "profiling/profile_memory.py"]
+    # HEAD itself is fresh for any code
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert check_results.newer_commits(head, ["deca_ds"]) == []

@@ -1,0 +1,87 @@
+"""profiling/matmul_efficiency.py and profiling/offload_sweep.py (issue 17's GPU measurements):
+the analytic FLOP count against torch's FlopCounterMode, and each tool's smoke run on CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "profiling"))
+
+import matmul_efficiency  # noqa: E402
+import offload_sweep  # noqa: E402
+
+TINY = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=50, tie_word_embeddings=False)
+# the sweep's runs at a CPU-sized sequence (its preset's 512 bf16 tokens cost minutes here)
+SMALL = ["--max-seq-len", "64", "--eval-limit", "4"]
+
+
+@pytest.mark.parametrize("batch,seq_len", [(1, 16), (3, 24)])
+def test_model_flops_equals_flop_counter(batch, seq_len):
+    """Eager attention: FlopCounterMode has no formula for CPU's fused SDPA kernel, while eager
+    attention is two matmuls over the full s × s, as the analytic count (and CUDA's SDPA count) has."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(TINY, attn_implementation="eager")
+    ids = torch.randint(0, 50, (batch, seq_len))
+    with FlopCounterMode(display=False) as forward:
+        loss = model(input_ids=ids, logits_to_keep=1, use_cache=False).logits.float().sum()
+    with FlopCounterMode(display=False) as backward:
+        loss.backward()
+    expected = matmul_efficiency.model_flops(TINY, batch, seq_len)
+    # by hand for (1, 16): per layer 16·2·(64·64 + 2·64·32 + 64·64 + 3·64·96) + 4·16²·64, head 2·64·50
+    if (batch, seq_len) == (1, 16):
+        assert expected == 2 * (16 * 2 * (4096 + 4096 + 4096 + 18432) + 4 * 256 * 64) + 2 * 64 * 50
+    assert forward.get_total_flops() == expected
+    assert backward.get_total_flops() == 2 * expected
+
+
+def test_matmul_efficiency_runs_on_cpu(tmp_path):
+    TINY.save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "m.json"
+    result = matmul_efficiency.main(["--config", str(tmp_path / "tiny"), "--micro-batches", "1", "2",
+                                     "--seq-len", "32", "--dtype", "fp32", "--device", "cpu", "--gemm-size", "128",
+                                     "--repeats", "3", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["gemm_peak_tflops"] > 0 and result["commit"]
+    assert [r["micro_batch"] for r in result["results"]] == [1, 2]
+    for r in result["results"]:
+        assert not r["oom"] and r["forward_ms"] > 0
+        assert r["forward_flops"] == matmul_efficiency.model_flops(TINY, r["micro_batch"], 32)
+        assert r["forward_tflops"] == pytest.approx(r["forward_flops"] / r["forward_ms"] / 1e9)
+        assert r["forward_of_peak"] == pytest.approx(r["forward_tflops"] / result["gemm_peak_tflops"])
+    with pytest.raises(SystemExit, match="needs --device cuda"):
+        matmul_efficiency.main(["--config", str(tmp_path / "tiny"), "--device", "cpu", "--card-gb", "32"])
+
+
+def test_offload_sweep_ratios_from_measured_times(tmp_path):
+    """One resident and one offloaded run (keep 1) of the built-in tiny model on one CPU rank at R = 2."""
+    out = tmp_path / "sweep.json"
+    result = offload_sweep.main(["--steps-per-block", "2", "--keep", "1", "--warmup", "1",
+                                 "--work-dir", str(tmp_path / "runs"), "--out", str(out), "--timeout", "600",
+                                 "--train-args", *SMALL])
+    assert json.loads(out.read_text()) == result
+    rows = result["results"]
+    assert [(r["offload"], r["offload_keep"]) for r in rows] == [("none", 0), ("frozen", 1)]
+    assert all(r["steps_per_block"] == 2 and r["step_ms"] > 0 and r["peak_gib"] > 0 for r in rows)
+    assert rows[0]["step_over_resident"] == 1.0
+    assert rows[1]["step_over_resident"] == rows[1]["step_ms"] / rows[0]["step_ms"]
+    assert rows[1]["meets_targets"] == (rows[1]["step_over_resident"] <= 1.5 and rows[1]["peak_gb"] <= 10)
+    assert result["best_keep"] == (1 if rows[1]["meets_targets"] else None) and result["commit"]
+    # --merge with no new run: the rows kept, the ratios recomputed from the (here doubled) resident time
+    out.write_text(json.dumps({**result, "results": [{**rows[0], "step_ms": 2 * rows[0]["step_ms"]}, rows[1]]}))
+    merged = offload_sweep.main(["--steps-per-block", "2", "--no-resident", "--keep", "--out", str(out),
+                                 "--merge"])["results"]
+    assert [(r["offload"], r["offload_keep"]) for r in merged] == [("none", 0), ("frozen", 1)]
+    assert merged[1]["step_over_resident"] == pytest.approx(rows[1]["step_ms"] / (2 * rows[0]["step_ms"]))
+
+
+def test_preset_r_is_the_papers():
+    assert offload_sweep.preset_steps_per_block(str(ROOT / "ds_configs" / "rtxpro6000_llama-3.1-8b.json")) == 48

@@ -1,0 +1,252 @@
+"""deca_ds.reproduce: a tiny grid end to end on a tiny pretrained Llama, resume, the tables' marks
+and mean ± std against hand-computed numbers, and the grid's refusals before any run."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+import torch
+import yaml
+from transformers import LlamaForCausalLM
+
+from deca_ds.models import load_model, load_tokenizer
+from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_finished, pretrain, run_grid
+from deca_ds.reproduce.figures import smooth, write_figures
+from deca_ds.reproduce.grid import Cell
+from deca_ds.reproduce.report import Table, build_table, marks, to_csv, to_markdown, write_report
+
+
+def tiny_grid(model: str, **overrides) -> dict:
+    grid = {
+        "name": "tiny",
+        "options": {"model": model, "dataset": "synthetic", "clients": 3, "steps_per_block": 2, "rounds": 1,
+                    "layers_per_block": 1, "micro_batch": 4, "max_seq_len": 32, "eval_limit": 40, "lr": 1e-3,
+                    "consensus_interval": 1},
+        "tasks": {"synthetic": {}},
+        "methods": ["deca", "dec_lora"],
+        "seeds": [0, 1],
+        "cell_timeout_s": 300,
+    }
+    grid.update(overrides)
+    return grid
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pretrained")
+    report = pretrain(PretrainOptions(str(out), steps=30, batch=8, seq_len=32, warmup=5,
+                                      model={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                             "num_attention_heads": 2, "num_key_value_heads": 1,
+                                             "max_position_embeddings": 64, "tie_word_embeddings": False}),
+                      log=lambda *_: None)
+    return out, report
+
+
+def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
+    out, report = pretrained
+    tokenizer = load_tokenizer(str(out))
+    model = load_model(str(out), dtype=torch.float32)
+    assert model.config.num_hidden_layers == 2 and model.config.vocab_size == len(tokenizer) == report["vocab"]
+    # the synthetic prompts' words and the label words all have their own ids (no <unk>)
+    ids = tokenizer("k0.1 w3 label2 =>", add_special_tokens=False)["input_ids"]
+    assert tokenizer.unk_token_id not in ids and len(ids) == 4
+    # 30 AdamW steps bring the LM loss down from about ln(vocab)
+    assert report["loss_first"] == pytest.approx(math.log(report["vocab"]), rel=0.25)
+    assert report["loss_last10"] < report["loss_first"] - 0.15
+    # the label words never occur in the unlabelled text: left out of the softmax, their head rows keep
+    # their initial directions (AdamW's decay only shrinks them) instead of being pushed down together;
+    # a word the text shows has moved
+    assert report["unseen_words"] >= 4
+    torch.manual_seed(0)
+    initial = LlamaForCausalLM(model.config).lm_head.weight
+    cosine = torch.nn.functional.cosine_similarity(model.lm_head.weight, initial, dim=1)
+    labels = [tokenizer.convert_tokens_to_ids(f"label{k}") for k in range(4)]
+    assert cosine[labels].min().item() > 0.9999
+    assert cosine[tokenizer.convert_tokens_to_ids("w3")].item() < 0.999
+
+
+def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
+    model = str(pretrained[0])
+    grid = build_grid(tiny_grid(model), runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
+    assert len(grid.cells) == 4
+    # DECA's T·B·R = 1 round x 2 blocks (2 layers, 1 per block) x 2 steps; Dec-LoRA gets the same
+    assert set(grid.budgets.values()) == {(4, 4)}
+    status = run_grid(grid, log=lambda *_: None)
+    assert set(status.values()) == {"done"}, status
+    written = write_report(grid, command=["test"]) + write_figures(grid)
+    names = {p.name for p in written}
+    assert {"main.csv", "ablation.csv", "tables.md", "results.json", "loss_synthetic.png",
+            "consensus_synthetic.png"} <= names
+
+    data = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert data["provenance"]["command"] == "test" and data["provenance"]["commit"]
+    for cell in data["cells"]:
+        assert cell["finished"] and cell["run_config"]["n_clients"] == 3
+        assert cell["run_config"]["options"]["method"] == ("deca" if cell["method"] == "deca" else "dec_lora")
+        assert cell["final"]["steps"] == 4 and 0 <= cell["final"]["accuracy"] <= 1
+        assert cell["final"]["n"] == 40 and cell["final"]["wall_s"] > 0
+    # the table holds the cells' own numbers: DECA's accuracy is the mean of its two seeds
+    deca = [c["final"]["accuracy"] for c in data["cells"] if c["method"] == "deca"]
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "results" / "main.csv").read_text())))
+    row = next(r for r in rows if r["method"] == "DECA")
+    assert float(row["synthetic Acc. mean"]) == pytest.approx(100 * sum(deca) / 2, abs=1e-3)
+    image = mpimg.imread(tmp_path / "results" / "loss_synthetic.png")
+    assert image.ndim == 3 and image.shape[0] > 100
+
+    # resume: every cell is finished with the same settings, nothing runs again
+    stamps = {c.key: (grid.cell_dir(c) / "final.json").stat().st_mtime_ns for c in grid.cells}
+    again = build_grid(tiny_grid(model), runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
+    assert set(run_grid(again, log=lambda *_: None).values()) == {"skipped"}
+    assert stamps == {c.key: (again.cell_dir(c) / "final.json").stat().st_mtime_ns for c in again.cells}
+
+    # the same cells with another learning rate would overwrite finished results: refused, naming it
+    changed = tiny_grid(model)
+    changed["options"]["lr"] = 2e-3
+    with pytest.raises(GridError, match=r"would be overwritten.*lr"):
+        check_finished(build_grid(changed, runs_dir=tmp_path / "runs"))
+
+
+def test_marks_mean_std_and_markdown_against_hand_computed_numbers():
+    assert marks([0.5, 0.9, 0.7, 0.9]) == ["", "best", "second", "best"]
+    assert marks([0.4]) == [""]
+    table = Table("main", "T", None, ["a Acc."], [
+        ("", "A", [[0.80, 0.90]]),  # 85.00 ± 7.07 (sample std: sqrt(0.005) = 0.0707)
+        ("", "B", [[0.70, 0.70]]),  # 70.00 ± 0.00
+        ("", "C", [[0.90, 0.92]]),  # 91.00 ± 1.41
+    ])
+    md = to_markdown(table)
+    assert "| A | <u>85.00 ± 7.07</u> |" in md
+    assert "| B | 70.00 ± 0.00 |" in md
+    assert "| C | **91.00 ± 1.41** |" in md
+    rows = list(csv.reader(io.StringIO(to_csv(table))))
+    assert rows[0] == ["method", "a Acc. mean", "a Acc. std", "a Acc. mark", "seeds"]
+    assert rows[1] == ["A", "85.0000", "7.0711", "second", "2"]
+    assert rows[3] == ["C", "91.0000", "1.4142", "best", "2"]
+
+
+def test_average_column_and_groups_from_cells():
+    def cell(task, method, seed, topology="ring"):
+        return Cell(task, method, topology, 4, 1, seed, {}, ("main", "topology"))
+
+    # per seed: the mean over tasks; then mean ± std over seeds
+    acc = {("t1", "deca", 0): 0.6, ("t2", "deca", 0): 0.8, ("t1", "deca", 1): 0.7, ("t2", "deca", 1): 0.7,
+           ("t1", "dec_lora", 0): 0.5, ("t2", "dec_lora", 0): 0.5,
+           ("t1", "dec_lora", 1): 0.6, ("t2", "dec_lora", 1): 0.8}
+    results = {cell(t, m, s): {"accuracy": a, "macro_f1": a / 2} for (t, m, s), a in acc.items()}
+    results[cell("t1", "deca", 0, "erdos_renyi")] = {"accuracy": 0.1, "macro_f1": 0.1}
+    table = build_table("main", "T", results, ("dec_lora", "deca"))
+    assert table.columns == ["t1 Acc.", "t1 F1", "t2 Acc.", "t2 F1", "Average Acc.", "Average F1"]
+    # two settings in the main cells: one group each; the ER group has DECA's one finished seed
+    groups = [(g, m) for g, m, _ in table.rows]
+    assert groups == [("Ring, N=4, lpb=1", "Dec-LoRA"), ("Ring, N=4, lpb=1", "DECA")]  # ER: t2 missing -> no row
+    deca = table.rows[1][2]
+    assert deca[4] == pytest.approx([0.7, 0.7]) and deca[5] == pytest.approx([0.35, 0.35])
+    assert "**70.00 ± 0.00**" in to_markdown(table) and "<u>60.00 ± 14.14</u>" in to_markdown(table)
+    topo = build_table("topology", "T", results, ("dec_lora", "deca"))
+    assert [g for g, _, _ in topo.rows] == ["Ring", "Ring"] and topo.group_name == "Topology"
+
+
+def test_smooth_is_a_trailing_mean():
+    assert smooth(np.array([1.0, 3.0, 5.0, 7.0]), 2) == pytest.approx([1.0, 2.0, 4.0, 6.0])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"methods": ["deca", "fedavg"]}, r"unknown method\(s\) \['fedavg'\]"),
+    ({"tasks": {"emotion": {}}}, r"unknown task 'emotion'"),
+    ({"method_options": {"dadam": {"steps": 5}}, "methods": ["deca", "dadam"]},
+     r"unequal step budgets.*deca: 8 steps x 4 examples.*dadam: 5 steps"),
+    ({"options": {"model": "tiny", "seed": 3}}, r"\['seed'\] are set per cell by the grid"),
+    ({"speed": 3}, r"unknown key\(s\) \['speed'\]"),
+    ({"options": {"model": "tiny", "clients": 3, "dirichlet_alpha": 0}}, r"dirichlet_alpha must be > 0"),
+    ({"options": {"model": "tiny"}}, r"clients must be integers >= 1, got \[None\]"),
+    ({"seeds": []}, r"seeds is empty"),
+])
+def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
+    with pytest.raises(GridError, match=message):
+        build_grid(tiny_grid("tiny", **change), runs_dir=tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_generation_tasks_and_stray_sweep_tasks_are_refused(tmp_path):
+    with pytest.raises(GridError, match="'alpaca' is a generation task"):
+        build_grid(tiny_grid("tiny", tasks={"alpaca": {}}), runs_dir=tmp_path)
+    with pytest.raises(GridError, match=r"tasks \['mnli'\] are not in the grid's `tasks`"):
+        build_grid(tiny_grid("tiny", sweeps=[{"table": "main", "tasks": ["mnli"]}]), runs_dir=tmp_path)
+
+
+def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
+    from deca_ds.reproduce import load_grid
+    from deca_ds.reproduce.cells import _deepspeed_command
+
+    grid = load_grid("reproduce/paper_qwen2.5-3b.yaml", runs_dir=tmp_path)
+    # Table 1 + ablation: 4 tasks x 6 methods; topology: 3 tasks x 4 methods x 2 more graphs; clients: x 2 more N
+    assert len(grid.cells) == 24 + 24 + 24
+    # the hub model's depth is unknown offline: one symbolic budget, the preset's 2 x 2 examples per step
+    assert set(grid.budgets.values()) == {("4·⌈L/2⌉·48", 4)}
+    cell = next(c for c in grid.cells if c.clients == 12 and c.method == "dec_lora")
+    d = tmp_path / "cell"
+    d.mkdir()
+    command = _deepspeed_command(grid, cell, d)
+    assert command[1:3] == ["--num_gpus", "12"] and command[3].endswith("launch/train.py")
+    written = yaml.safe_load((d / "options.yaml").read_text())
+    assert written["method"] == "dec_lora" and written["clients"] == 12 and written["dirichlet_alpha"] == 0.25
+    assert written["model"] == "Qwen/Qwen2.5-3B-Instruct" and written["output_dir"].endswith("seed0/train")
+    granularity = load_grid("reproduce/paper_llama-3.1-8b.yaml", runs_dir=tmp_path)
+    assert {c.layers_per_block for c in granularity.cells if "granularity" in c.tables} == {1, 2, 4}
+    synthetic = load_grid("reproduce/cpu_synthetic.yaml", runs_dir=tmp_path)
+    # main: 7 methods x 2 seeds; one seed each for 2 more graphs x 4 methods, N = 16 x 4 and 2 more granularities
+    assert len(synthetic.cells) == 14 + 8 + 4 + 2
+    assert {c.seed for c in synthetic.cells if "topology" in c.tables} == {0}
+    for name in ("cpu_synthetic", "cpu_ag_news"):
+        small = load_grid(f"reproduce/{name}.yaml", runs_dir=tmp_path)
+        assert {c.clients for c in small.cells if "main" in c.tables} == {8}
+        assert {c.options["dirichlet_alpha"] for c in small.cells} == {0.25}
+
+
+def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):
+    grid = build_grid(tiny_grid("tiny", methods=["deca"], seeds=[0], cell_timeout_s=0.5), runs_dir=tmp_path)
+    status = run_grid(grid, log=lambda *_: None)
+    assert list(status.values()) == [f"failed: over the cell time limit of 0.5 s (see {grid.cell_dir(grid.cells[0])}"
+                                     "/log.txt)"]
+    assert not (grid.cell_dir(grid.cells[0]) / "final.json").exists()
+    todo, done = check_finished(grid)
+    assert todo == grid.cells and done == []  # the next run tries it again
+
+
+def test_deepspeed_outputs_become_the_cell_files(tmp_path):
+    from deca_ds.reproduce.cells import collect_deepspeed
+
+    train = tmp_path / "train"
+    (train / "metrics").mkdir(parents=True)
+    (train / "run_config.json").write_text(json.dumps({"n_clients": 2, "method": "deca"}))
+    for client, (losses, distance) in enumerate((([3.0, 1.0], 0.2), ([5.0, 2.0], 0.4))):
+        records = [{"step": s, "round": 0, "block": 0, "r": s, "loss": loss, "t_forward": 0.1}
+                   | ({"consensus_distance": distance} if s == 0 else {}) for s, loss in enumerate(losses)]
+        (train / "metrics" / f"client_{client:03d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (train / "summary.json").write_text(json.dumps({
+        "consensus_eval": {"accuracy": 0.75, "macro_f1": 0.5, "n": 8, "chance": 0.25},
+        "final_consensus_distance": [0.1, 0.3]}))
+    collect_deepspeed(tmp_path, wall_s=12.0)
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [{"step": 0, "round": 0, "block": 0, "r": 0, "loss": 4.0, "consensus_distance": pytest.approx(0.3)},
+                     {"step": 1, "round": 0, "block": 0, "r": 1, "loss": 1.5}]
+    final = json.loads((tmp_path / "final.json").read_text())
+    assert final["accuracy"] == 0.75 and final["final_consensus_distance"] == pytest.approx(0.2)
+    assert final["loss_start"] == 4.0 and final["loss_end"] == 1.5 and final["steps"] == 2 and final["wall_s"] == 12.0
+
+
+def test_settings_changed_compares_what_changes_a_result():
+    from deca_ds.reproduce.cells import settings_changed
+
+    now = {"key": "k", "options": {"lr": 1e-3, "transport": "auto", "skip_nonfinite": False, "eval_limit": 100}}
+    old = {"key": "k", "options": {"lr": 1e-3, "eval_limit": 50}}  # made before transport/skip_nonfinite existed
+    assert settings_changed(old, now) == []  # new options at their defaults; eval_limit changes no result
+    assert settings_changed(old, {**now, "options": {**now["options"], "skip_nonfinite": True}}) == ["skip_nonfinite"]
+    assert settings_changed({**old, "options": {**old["options"], "lr": 2e-3}}, now) == ["lr"]
+    assert settings_changed(None, now) == ["no settings saved"]

@@ -1,0 +1,464 @@
+"""Nothing is lost: the output directory holds only what a run owns, divergence stops every rank,
+--resume refuses a different run, checkpoints verify, and errors name the problem (issue 20)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import test_runtime
+from deca_ds.runtime import outputs, trainer
+from deca_ds.train import STORE_LINGER_S
+from deca_ds.train import main as train_main
+from helpers import free_port
+from test_runtime import PRESET, start_ranks, wait_all
+
+TINY = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
+        "--rounds", "1", "--micro-batch", "4", "--max-seq-len", "32", "--eval-limit", "16", "--timeout", "60"]
+
+
+def snapshot(out: Path) -> dict:
+    return {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(argv)
+    assert exit_info.value.code == 1
+    return capsys.readouterr().err
+
+
+# ---- 1. the output directory -------------------------------------------------------------------
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """A directory of the user's own files, some under names a run also uses."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "mine"
+    (out / "metrics").mkdir(parents=True)
+    (out / "metrics" / "experiment_2024.csv").write_text("a,b\n1,2\n")
+    (out / "notes.txt").write_text("keep me")
+    return out
+
+
+def test_a_directory_without_a_run_is_refused_and_left_alone(user_dir, capsys):
+    before = snapshot(user_dir)
+    err = refused([*TINY, "--output-dir", str(user_dir)], capsys)
+    assert "is not empty and holds no deca-ds run" in err and "--overwrite" in err, err
+    # --overwrite does not make its metrics/ the run's: it is named and kept
+    err = refused([*TINY, "--output-dir", str(user_dir), "--overwrite"], capsys)
+    assert "holds no deca-ds run but has metrics" in err, err
+    assert snapshot(user_dir) == before
+
+
+def test_claim_removes_only_what_a_run_writes(tmp_path):
+    out = tmp_path / "run"
+    for name in ("checkpoints/step_00000003/client_000", "metrics", "consensus", "clients/client_000", "partition"):
+        (out / name).mkdir(parents=True)
+    for name in ("run_config.json", "summary.json", "summary.md", "loss_curve.png", "metrics/client_000.jsonl",
+                 "notes.txt", "analysis/plot.py"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    outputs.check_output_dir(out, resume=False, overwrite=True)  # a run: --overwrite may replace it
+    outputs.claim(out, resume=False)
+    assert sorted(p.name for p in out.iterdir()) == ["analysis", "notes.txt", "run_owner.json"]
+    owner = json.loads((out / "run_owner.json").read_text())
+    assert owner["tool"] == "deca-ds" and set(owner["outputs"]) == set(outputs.RUN_OUTPUTS)
+    # resuming drops only the finished run's results
+    (out / "summary.json").write_text("{}")
+    (out / "checkpoints").mkdir()
+    outputs.claim(out, resume=True)
+    assert sorted(p.name for p in out.iterdir()) == ["analysis", "checkpoints", "notes.txt", "run_owner.json"]
+
+
+def test_a_file_as_output_dir_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        outputs.check_output_dir(tmp_path / "f", resume=False, overwrite=True)
+
+
+_PORTS: dict[str, str] = {}
+
+
+def diverged_port() -> str:
+    return _PORTS["diverged"]
+
+
+# ---- 2 and 3: divergence stops every rank; --overwrite then a crash leaves no stale results -----
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    """An earlier run's directory (with a file of the user's) overwritten by a run with lr 1e30."""
+    tmp = tmp_path_factory.mktemp("diverged")
+    out = tmp / "run"
+    (out / "metrics").mkdir(parents=True)
+    for name, text in (("run_config.json", '{"old": 1}'), ("summary.json", '{"old": 1}'), ("summary.md", "old"),
+                       ("loss_curve.png", "old"), ("notes.txt", "keep me"), ("metrics/client_000.jsonl", "{}\n")):
+        (out / name).write_text(text)
+    port = free_port()
+    with pytest.MonkeyPatch.context() as mp:  # start_ranks' port, to look for its shared memory after
+        mp.setattr(test_runtime, "free_port", lambda: port)
+        procs = start_ranks([*TINY, "--output-dir", str(out), "--overwrite", "--lr", "1e30"], 2, tmp / "logs")
+    codes = wait_all(procs, timeout=300)
+    _PORTS["diverged"] = str(port)
+    return out, codes, [(tmp / "logs" / f"rank{r}.err").read_text() for r in range(2)]
+
+
+def test_divergence_stops_every_rank_naming_client_step_and_block(diverged):
+    out, codes, errs = diverged
+    assert codes == [1, 1], errs
+    for err in errs:
+        m = re.search(r"non-finite (loss|update) on client (\d) \(rank \d\) at step (\d+) \(round 0, block (\d)", err)
+        assert m, err[-3000:]
+    steps = {re.search(r"at step (\d+)", err).group(1) for err in errs}
+    assert len(steps) == 1, "every rank must stop at the same step"
+    assert not (out / "consensus").exists() and not (out / "summary.json").exists()
+    for c in range(2):  # what was logged is valid JSON and finite
+        for line in (out / "metrics" / f"client_{c:03d}.jsonl").read_text().splitlines():
+            json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_overwrite_then_crash_leaves_no_stale_results(diverged):
+    out, _, _ = diverged
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert (out / "run_owner.json").is_file() and "options" in json.loads((out / "run_config.json").read_text())
+    for stale in outputs.RESULT_FILES:
+        assert not (out / stale).exists(), stale
+
+
+def test_summary_of_no_records_is_valid_json():
+    from deca_ds.runtime.metrics import summarize, summary_table
+
+    summary = summarize([[{"step": 0, "loss": 1.0, "t_forward": 0.1}]])
+    json.dumps(summary, allow_nan=False)
+    assert summary["clients"][0]["last_consensus_distance"] is None and "| - |" in summary_table(summary)
+
+
+def test_every_json_the_project_writes_refuses_nan():
+    """json.dumps / json.dump without allow_nan=False would write bare NaN, which is not JSON."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    missing = []
+    for path in [*(root / "deca_ds").rglob("*.py"), *(root / "profiling").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("dump", "dumps")
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "json"
+                    and not any(k.arg == "allow_nan" and isinstance(k.value, ast.Constant) and k.value.value is False
+                                for k in node.keywords)):
+                missing.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not missing, missing
+
+
+def test_atomic_writes_get_the_umask_mode(tmp_path):
+    import os
+
+    from deca_ds.runtime import checkpoint
+
+    old = os.umask(0o022)
+    try:
+        checkpoint.write_json(tmp_path / "a.json", {"x": 1})
+        (tmp_path / "b.txt").write_text("plain")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644 == (tmp_path / "b.txt").stat().st_mode & 0o777
+    with pytest.raises(ValueError):
+        checkpoint.write_json(tmp_path / "nan.json", {"x": float("nan")})
+    assert not (tmp_path / "nan.json").exists() and not list(tmp_path.glob(".nan.json.*"))
+
+
+# ---- 9. messages that say what to do -------------------------------------------------------------
+
+def test_an_empty_training_file_is_named(tmp_path):
+    from deca_ds.datasets import load_task
+
+    (tmp_path / "train.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"data file for split 'train' is empty: .*train\.jsonl"):
+        load_task(data_files={"train": str(tmp_path / "train.jsonl")}, text_column="text", label_column="label")
+
+
+def test_a_latin1_csv_is_named_with_its_encoding(tmp_path):
+    from deca_ds.datasets import load_task
+
+    path = tmp_path / "train.csv"
+    path.write_bytes("text,label\ncafé au lait,a\nnaïve,b\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"not UTF-8 text \(encoding error at byte 14\).*train\.csv.*UTF-8"):
+        load_task(data_files={"train": str(path)}, text_column="text", label_column="label")
+
+
+def test_the_dirichlet_minimum_names_options_the_cli_has():
+    from deca_ds.data import dirichlet_partition
+    from deca_ds.runtime.options import parse_args
+
+    with pytest.raises(ValueError) as info:
+        dirichlet_partition([0, 0, 1, 1], 4, 0.01, min_size=2, max_tries=3)
+    flags = re.findall(r"--[a-z-]+", str(info.value))
+    assert flags and "min_size" not in str(info.value)
+    for flag in flags:  # every option the message names is one the command line accepts
+        parse_args(["--ds_config", PRESET, flag] + (["1"] if flag != "--iid" else []))
+
+
+# ---- 5. a checkpoint is complete only when its manifest verifies ---------------------------------
+
+def saved_steps(root: Path, steps=(3, 6), ranks_per_client: int = 2):
+    import torch
+
+    from deca_ds.runtime import checkpoint
+
+    model = torch.nn.Linear(4, 3)
+    for step in steps:
+        for local_rank in range(ranks_per_client):
+            checkpoint.save_client(root, step, 0, local_rank, model=model if local_rank == 0 else None,
+                                   optimizer_state={"m": torch.ones(3)} if local_rank == 0 else None,
+                                   rank_state={"step": step})
+    return checkpoint.client_dir
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("truncate_model", r"model\.safetensors has \d+ bytes, its manifest says \d+"),
+    ("flip_optimizer", r"optimizer\.pt does not match the sha256 in its manifest"),
+    ("no_manifest", r"manifest_1\.json is missing or unreadable .*not finished"),
+])
+def test_a_damaged_checkpoint_is_skipped_with_its_reason(tmp_path, damage, reason):
+    from deca_ds.runtime import checkpoint
+
+    client_dir = saved_steps(tmp_path)
+    d = client_dir(tmp_path, 6, 0)
+    if damage == "truncate_model":
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif damage == "flip_optimizer":
+        data = bytearray((d / "optimizer.pt").read_bytes())
+        data[-30] ^= 0xFF
+        (d / "optimizer.pt").write_bytes(bytes(data))
+    else:
+        (d / "manifest_1.json").unlink()
+    complete, problems = checkpoint.scan_steps(tmp_path, 0, 2)
+    assert complete == [3] and set(problems) == {6}
+    assert re.search(reason, problems[6]), problems[6]
+    start, lines = trainer.choose_resume_step([complete, complete], [problems, problems], 2)
+    assert start == 3
+    assert re.search(r"skipped checkpoint step 6 \(client 0: .*" + reason, lines[0]), lines
+    assert "resuming from step 3" in lines[-1]
+
+
+def test_resume_refuses_when_no_step_verifies_everywhere(tmp_path):
+    start, lines = trainer.choose_resume_step([[3, 6], [3, 6]], [{}, {}], 1)
+    assert (start, lines) == (6, [])
+    start, lines = trainer.choose_resume_step([[3, 6], [3]], [{}, {6: "x is missing"}], 1)
+    assert start == 3 and "client 1: x is missing" in lines[0]
+    with pytest.raises(ValueError, match=r"no checkpoint is complete for every client \(client 1: step 3: bad\)"):
+        trainer.choose_resume_step([[3], []], [{}, {3: "bad"}], 1)
+
+
+# ---- 4. --resume refuses a different run, accepts and records harmless changes -------------------
+
+def test_resume_refuses_every_change_that_alters_the_result(diverged, monkeypatch):
+    from deca_ds.runtime.options import parse_args
+
+    out, _, _ = diverged
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    same = [*TINY, "--output-dir", str(out), "--lr", "1e30", "--resume"]
+    opts, ds_config = parse_args([*same, "--micro-batch", "8", "--topology", "complete"])
+    with pytest.raises(ValueError) as info:
+        trainer.check_output_dir(opts, ds_config)
+    message = str(info.value)
+    for difference in ("micro_batch: 4 in the saved run, 8 now", "topology: 'ring' in the saved run, 'complete' now",
+                       "ds_config.train_micro_batch_size_per_gpu: 4 in the saved run, 8 now"):
+        assert difference in message, message
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="world_size: 2 in the saved run, 4 now"):
+        trainer.check_output_dir(*parse_args(same))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # timeouts, evaluation limits and intervals do not change the result: accepted, and named for the record
+    _, changes = trainer.check_output_dir(*parse_args([*same, "--timeout", "5", "--eval-limit", "8",
+                                                       "--consensus-interval", "3"]))
+    assert changes == {"timeout": [60.0, 5.0], "eval_limit": [16, 8], "consensus_interval": [5, 3]}
+
+
+def test_record_resume_appends_to_run_config(tmp_path):
+    (tmp_path / "run_config.json").write_text(json.dumps({"options": {"timeout": 60.0}}))
+    outputs.record_resume(tmp_path, {"timeout": [60.0, 5.0]})
+    saved = json.loads((tmp_path / "run_config.json").read_text())
+    assert saved["options"] == {"timeout": 60.0} and saved["resumes"][0]["changed"] == {"timeout": [60.0, 5.0]}
+
+
+def test_not_result_names_real_options():
+    import dataclasses
+
+    from deca_ds.runtime.options import NOT_RESULT, RunOptions
+
+    assert NOT_RESULT <= {f.name for f in dataclasses.fields(RunOptions)}
+
+
+# ---- 6. the judge's key goes only where the user said ---------------------------------------------
+
+@pytest.mark.parametrize("url, allow_http, problem", [
+    ("http://judge.example.com", False, "plain http"),
+    ("http://judge.example.com", True, "only to localhost"),
+    ("https://user:pw@judge.example.com", False, "credentials in the URL"),
+    ("ftp://judge.example.com", False, "not an https"),
+])
+def test_judge_urls_that_would_leak_the_key_are_refused(url, allow_http, problem):
+    from deca_ds.evaluation import judge_url
+
+    with pytest.raises(ValueError, match=problem):
+        judge_url(url, allow_http=allow_http)
+    assert judge_url("https://api.openai.com") == "https://api.openai.com/v1/chat/completions"
+    assert judge_url("http://127.0.0.1:8000", allow_http=True) == "http://127.0.0.1:8000/v1/chat/completions"
+
+
+def test_a_redirecting_judge_never_gets_the_key_forwarded(tmp_path, monkeypatch):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from deca_ds.evaluation import judge_answers
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append((self.server.server_port, self.headers.get("Authorization")))
+            self.send_response(302 if self.server is first else 200)
+            self.send_header("Location", f"http://127.0.0.1:{second.server_port}/v1/chat/completions")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    first, second = ThreadingHTTPServer(("127.0.0.1", 0), Handler), ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    for server in (first, second):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("JUDGE_KEY", "sk-SECRET")
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps({"question_id": 1, "turns": ["q"], "answers": ["a"]}) + "\n")
+    try:
+        with pytest.raises(ValueError, match=rf"HTTP 302, a redirect to http://127.0.0.1:{second.server_port}"):
+            judge_answers(answers, endpoint_url=f"http://127.0.0.1:{first.server_port}", model="m",
+                          api_key_env="JUDGE_KEY", allow_http=True)
+    finally:
+        first.shutdown(), second.shutdown()
+    assert seen == [(first.server_port, "Bearer sk-SECRET")]  # the second origin saw nothing
+
+
+def test_evaluate_checks_the_judge_before_generating(tmp_path, monkeypatch, capsys):
+    from deca_ds.runtime import evaluate
+
+    monkeypatch.delenv("NO_SUCH_KEY", raising=False)
+    generated = []
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: generated.append("model") or pytest.fail("loaded"))
+    base = ["--model", "tiny", "--questions", str(tmp_path / "q.jsonl"), "--out", str(tmp_path / "r.json")]
+    for extra, problem in ((["--judge-url", "http://judge.example.com"], "plain http"),
+                           (["--judge-url", "https://judge.example.com", "--judge-key-env", "NO_SUCH_KEY"],
+                            "NO_SUCH_KEY")):
+        with pytest.raises(SystemExit):
+            evaluate.main([*base, *extra])
+        assert problem in capsys.readouterr().err
+    assert generated == []
+
+
+# ---- 7 and 8: a dead rank under the deepspeed launcher is named; nothing is left in /dev/shm -----
+
+@pytest.mark.parametrize("how, timeout", [("SIGKILL", 120), ("SIGSTOP", 8)])
+def test_a_dead_or_stopped_rank_under_the_launcher_is_named_and_shm_is_freed(tmp_path, how, timeout):
+    """SIGKILL: the launcher SIGTERMs the survivor long before its --timeout, which names the dead
+    client first. SIGSTOP: the launch ends within --timeout plus the launcher's grace, not never."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from deca_ds.runtime import cleanup
+    from helpers import free_port
+    from test_runtime import LAUNCH, ROOT
+
+    out, port = tmp_path / "run", str(free_port())
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, LAUNCH,
+           *TINY, "--steps-per-block", "200", "--timeout", str(timeout), "--output-dir", str(out)]
+    log = open(tmp_path / "launcher.log", "w")
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    victim = None
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics" / "client_000.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and launcher.poll() is None, (tmp_path / "launcher.log").read_text()
+            time.sleep(0.2)
+        victim = next(p for p in psutil.Process(launcher.pid).children(recursive=True)
+                      if "--local_rank=1" in p.cmdline())
+        victim.send_signal(getattr(signal, how))
+        hit = time.monotonic()
+        code = launcher.wait(timeout=timeout + 90)
+        took = time.monotonic() - hit
+    finally:
+        for p in (launcher, victim):
+            if p is not None and (p.poll() if isinstance(p, subprocess.Popen) else p.is_running()) in (None, True):
+                p.kill()
+    text = (tmp_path / "launcher.log").read_text()
+    # --timeout, rank 0's STORE_LINGER_S, the launcher's 30 s before it SIGKILLs a rank that ignores SIGTERM
+    assert code != 0 and took < timeout + STORE_LINGER_S + 30 + 15, (code, took)
+    named = [line for line in text.splitlines() if line.startswith("[rank 0]") and "client 1 (rank 1)" in line]
+    assert named, text[-4000:]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    assert cleanup.shm_buffers(env) == [], "the job's shared-memory buffers were left in /dev/shm"
+
+
+def test_a_failed_run_leaves_no_shm_buffers(diverged):
+    """The diverged run's ranks (started as the launcher does) exited 1 and left nothing in /dev/shm."""
+    from deca_ds.runtime import cleanup
+
+    assert cleanup.shm_buffers({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": diverged_port()}) == []
+
+
+# ---- 2b. --skip-nonfinite skips on every rank, counts, and gives up on a diverged run -------------
+
+def test_skipped_update_runs_engine_step_without_the_optimizer_step():
+    import torch
+
+    class Counting(torch.optim.SGD):
+        steps = 0
+
+        def step(self, closure=None):
+            Counting.steps += 1
+
+    opt = Counting([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with trainer.skipped_update(opt, True):
+        opt.step()
+    with trainer.skipped_update(opt, False):
+        opt.step()
+    opt.step()
+    assert Counting.steps == 2 and "step" not in vars(opt)
+
+
+def test_nonfinite_problem_sees_losses_and_gradients():
+    import torch
+
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    assert trainer.nonfinite_problem([1.0, 2.0], model) == 0
+    assert trainer.nonfinite_problem([1.0, float("nan")], model) == 1
+    model.weight.grad[0, 0] = float("inf")
+    assert trainer.nonfinite_problem([1.0], model) == 2
+
+
+def test_skip_nonfinite_skips_on_every_rank_then_stops_a_diverged_run(tmp_path):
+    out = tmp_path / "run"
+    procs = start_ranks([*TINY, "--output-dir", str(out), "--lr", "1e30", "--skip-nonfinite"], 2, tmp_path / "logs")
+    codes = wait_all(procs, timeout=300)
+    outs = [(tmp_path / "logs" / f"rank{r}.out").read_text() for r in range(2)]
+    errs = [(tmp_path / "logs" / f"rank{r}.err").read_text() for r in range(2)]
+    assert codes == [1, 1], errs
+    skips = re.findall(r"--skip-nonfinite: skipped step (\d+) .*; (\d+) skipped so far", outs[0])
+    assert len(skips) == trainer.MAX_CONSECUTIVE_SKIPS + 1, outs[0][-3000:]
+    assert [int(n) for _, n in skips] == list(range(1, len(skips) + 1))
+    assert len({s for s, _ in skips}) == 1, "a skipped step does not advance the schedule"
+    for err in errs:
+        assert f"{trainer.MAX_CONSECUTIVE_SKIPS + 1} consecutive steps non-finite" in err, err[-2000:]
+    assert not (out / "consensus").exists()

@@ -1,0 +1,322 @@
+"""The transport: layout rules and their refusals, the host-staged exchange driven with CPU tensors
+(bit-identical to the direct exchange and to W @ X), and a distributed run through the staged
+path equal to the simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deca_ds import make_topology
+from deca_ds.mixing import InProcessMixer, mixing_order
+from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
+from deca_ds.runtime.options import RunOptions
+from deca_ds.runtime.transport import (
+    HostStaging,
+    RankPlace,
+    check_placement,
+    parse_device_map,
+    place_ranks,
+    resolve_transport,
+)
+from helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+N, SIZE = 4, 23
+
+
+# ---- layout rules ------------------------------------------------------------------------------
+
+def test_auto_transport_is_nccl_on_gpus_and_gloo_on_cpus():
+    assert resolve_transport("auto", True) == "nccl"
+    assert resolve_transport("auto", False) == "gloo"
+    assert resolve_transport("gloo", True) == "gloo"
+    with pytest.raises(ValueError, match="--transport nccl needs GPU ranks"):
+        resolve_transport("nccl", False)
+    with pytest.raises(ValueError, match="--transport must be one of"):
+        resolve_transport("mpi", True)
+
+
+def test_unknown_transport_and_bad_device_map_are_refused_as_options():
+    with pytest.raises(ValueError, match="transport must be one of"):
+        RunOptions(transport="tcp")
+    with pytest.raises(ValueError, match="--device-map takes 'auto' or GPU indices"):
+        RunOptions(device_map="first")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        RunOptions(device_map="0,-1")
+
+
+def test_ranks_map_to_gpus_by_local_rank_modulo_the_gpus():
+    places = place_ranks(8, 4, 2, None)  # two nodes of 4 ranks, 2 GPUs each
+    assert [(p.node, p.gpu) for p in places] == [(0, 0), (0, 1), (0, 0), (0, 1), (1, 0), (1, 1), (1, 0), (1, 1)]
+    assert [p.gpu for p in place_ranks(4, 4, 1, None)] == [0, 0, 0, 0]
+    assert [p.gpu for p in place_ranks(4, 4, 2, parse_device_map("0,0,1,1"))] == [0, 0, 1, 1]
+    assert [p.gpu for p in place_ranks(2, 2, 0, None)] == [None, None]
+    with pytest.raises(ValueError, match="only 2 are visible"):
+        place_ranks(2, 2, 2, [0, 2])
+    with pytest.raises(ValueError, match="names 2 GPUs but this node runs local rank 2"):
+        place_ranks(4, 4, 2, [0, 1])
+
+
+def test_clients_sharing_a_gpu_need_gloo_and_are_counted():
+    places = place_ranks(8, 8, 1, None)  # 8 clients on one GPU
+    with pytest.raises(ValueError, match="8 ranks share GPU 0 of node 0, which NCCL refuses; run them with "
+                                         "--transport gloo"):
+        check_placement(places, 1, "nccl")
+    assert check_placement(places, 1, "gloo") == {0: 8}
+    assert check_placement(place_ranks(4, 2, 2, None), 1, "nccl") == {0: 1, 1: 1}  # a GPU each: NCCL is fine
+    assert check_placement(place_ranks(4, 4, 0, None), 2, "gloo") == {}
+
+
+def test_two_ranks_of_one_client_on_one_gpu_are_refused_whatever_the_transport():
+    # G = 2 on one node with 2 GPUs and 4 ranks, mapped 0,0,1,1: client 0 is ranks 0 and 1, both on GPU 0
+    places = place_ranks(4, 4, 2, [0, 0, 1, 1])
+    for transport in ("gloo", "nccl"):
+        with pytest.raises(ValueError, match="client 0 would have 2 of its 2 ranks on GPU 0 of node 0"):
+            check_placement(places, 2, transport)
+    # by modulo instead, each client's two ranks are on GPUs 0 and 1, and two clients share each GPU
+    assert check_placement(place_ranks(4, 4, 2, None), 2, "gloo") == {0: 2, 1: 2}
+    # the same GPU index on two nodes is two GPUs
+    assert check_placement([RankPlace(0, 0), RankPlace(1, 0)], 2, "nccl") == {0: 1}
+
+
+# ---- the staged exchange on CPU ranks ----------------------------------------------------------
+
+def payload(i: int) -> torch.Tensor:
+    return torch.randn(SIZE, generator=torch.Generator().manual_seed(i), dtype=torch.float64).float()
+
+
+def staged_worker(rank: int, port: int, W: np.ndarray, chunk: int, staged: bool, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=N)
+    try:
+        layout = ClientLayout(rank, N, 1)
+        mixer = DistributedMixer(W, layout, ClientGroups(layout, W, 30.0), timeout_s=30.0, chunk=chunk,
+                                 staging=HostStaging(torch.device("cpu")) if staged else None)
+        x_half = payload(rank)
+        x_plus = mixer.mix(x_half)
+        terms = mixer.exchange(payload(rank))  # DeCAF's path: every neighbor's vector, staged too
+        results[rank] = (x_plus.clone(), x_plus.data_ptr() == x_half.data_ptr(), mixer.total_bytes_sent,
+                         [(w, t.clone()) for w, t in terms])
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(W, chunk, staged):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(staged_worker, args=(free_port(), W, chunk, staged, results), nprocs=N)
+        return [results[r] for r in range(N)]
+
+
+@pytest.mark.parametrize("chunk", [5, 2**25])
+def test_staged_mix_equals_the_direct_exchange_bit_for_bit(chunk):
+    """Chunks of 5 of a 23-element block: 5 chunks, the last one short, so both send slots and the
+    receive buffers' resizing are exercised."""
+    W = make_topology("ring", N).W
+    got = run_ranks(W, chunk, staged=True)
+    xs = [payload(i) for i in range(N)]
+    want = [view.mix(x) for view, x in zip(InProcessMixer(W).views(xs), xs)]
+    X = np.stack([x.double().numpy() for x in xs])
+    for i, (x_plus, in_place, sent, terms) in enumerate(got):
+        assert torch.equal(x_plus, want[i]), f"client {i}"
+        assert in_place
+        assert sent == 2 * 2 * SIZE * 4  # ring: 2 neighbors, mix + exchange
+        order = mixing_order(W, i)
+        assert [w for w, _ in terms] == [float(W[i, j]) for j in order]
+        assert all(torch.equal(t, xs[j]) for (_, t), j in zip(terms, order))  # own + 2 neighbors, in order
+    np.testing.assert_allclose(np.stack([g[0].double().numpy() for g in got]), W @ X, rtol=1e-6, atol=1e-6)
+
+
+def test_host_staging_alternates_send_slots_and_reuses_buffers():
+    staging = HostStaging(torch.device("cpu"))
+    a, b, c = (torch.full((7,), float(v)) for v in (1, 2, 3))
+    ha, _ = staging.stage_out(a)
+    hb, _ = staging.stage_out(b)
+    assert ha.data_ptr() != hb.data_ptr() and ha.data_ptr() != a.data_ptr()
+    assert torch.equal(ha, a) and torch.equal(hb, b), "slot k+1 must not overwrite slot k"
+    hc, _ = staging.stage_out(c[:5])  # a shorter last chunk reuses slot 0's buffer
+    assert hc.data_ptr() == ha.data_ptr() and torch.equal(hc, c[:5])
+    recv = staging.recv_buffers(hc, [1, 3])
+    recv[1].fill_(4.0)
+    recv[3].fill_(5.0)
+    device = {j: torch.empty(5) for j in (1, 3)}
+    staging.stage_in(recv, device)
+    assert torch.equal(device[1], torch.full((5,), 4.0)) and torch.equal(device[3], torch.full((5,), 5.0))
+
+
+# ---- a whole run through the staged path -------------------------------------------------------
+
+def test_distributed_run_through_host_staging_equals_simulator(tmp_path, monkeypatch):
+    """4 CPU ranks with DECA_STAGE_ON_CPU=1 (every block goes out and back through separate host
+    buffers, as gloo on GPU ranks does) against the simulator at the ranks' thread count."""
+    import deca_ds
+    from deca_ds.data import ClientStream
+    from deca_ds.runtime import trainer
+    from deca_ds.runtime.options import parse_args
+    from test_runtime import PRESET, client_params, start_ranks, wait_all
+
+    run = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
+           "--rounds", "1", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16",
+           "--save-clients", "--timeout", "60", "--transport", "gloo"]
+    out = tmp_path / "staged"
+    monkeypatch.setenv("DECA_STAGE_ON_CPU", "1")
+    codes = wait_all(start_ranks([*run, "--output-dir", str(out)], N, tmp_path / "logs"), timeout=600)
+    assert codes == [0] * N, (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
+    config = json.loads((out / "run_config.json").read_text())
+    assert config["host_staging"] is True and config["transport"] == "gloo" and config["clients_per_gpu"] == {}
+
+    opts, _ = parse_args([*run, "--output-dir", "unused"])
+    task = trainer.build_task(opts, N)
+    model = trainer.build_model(opts, len(task.tokenizer))
+    streams = [ClientStream(task.features, task.client_indices[c], opts.micro_batch,
+                            pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c) for c in range(N)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // N))  # as each rank (dist.init_process_group)
+    try:
+        simulated = deca_ds.simulate(model, streams, make_topology("ring", N).W, opts.deca_config())
+    finally:
+        torch.set_num_threads(threads)
+    init = dict(model.named_parameters())
+    for c in range(N):
+        got = client_params(out, c)
+        for name, want in simulated[c].items():
+            torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6)
+        assert max((w - init[n]).abs().max().item() for n, w in simulated[c].items()) > 1e-4, "vacuous"
+
+
+# ---- several clients per GPU: memory -----------------------------------------------------------
+
+def test_clients_sharing_a_gpu_each_need_their_peak_and_reserve():
+    from deca_ds.memory import GPUS, GiB, estimate_memory
+
+    est = estimate_memory(ROOT / "profiling" / "configs" / "qwen2-1.5b.json", 2, micro_batch=4, seq_len=512,
+                          checkpointing=True, n_neighbors=2)
+    for k in (1, 3, 8):
+        assert est.headroom("H100 80GB", GiB, clients=k) == GPUS["H100 80GB"] - k * (GiB + est.peak)
+    assert est.fits(GPUS["H100 80GB"], GiB, clients=1) and not est.fits(8 * (est.peak + GiB) - 1, GiB, clients=8)
+    with pytest.raises(ValueError, match="clients per GPU must be >= 1"):
+        est.headroom("H100 80GB", clients=0)
+
+
+def test_the_one_gpu_preset_fits_eight_clients_on_an_h100_and_the_estimator_says_so(tmp_path):
+    from dataclasses import asdict
+
+    from deca_ds.memory import GiB
+    from deca_ds.runtime.options import estimate_run, parse_args
+
+    opts, ds = parse_args(["--ds_config", str(ROOT / "ds_configs" / "one_gpu_8x_qwen2-1.5b.json")])
+    assert opts.transport == "gloo" and opts.topology == "ring"
+    est = estimate_run(asdict(opts), ROOT / "profiling" / "configs" / "qwen2-1.5b.json", ds, n_neighbors=2,
+                       loss_positions=opts.max_seq_len)
+    assert est.fits("H100 80GB", GiB, clients=8) and est.fits("RTX PRO 6000", GiB, clients=8)
+    assert not est.fits("RTX 5090", GiB, clients=8)
+    subprocess.run([sys.executable, str(ROOT / "profiling" / "estimate.py"), "--config",
+                    str(ROOT / "profiling" / "configs" / "qwen2-1.5b.json"), "--layers-per-block", "2",
+                    "--offload", "none", "--micro-batch", "4", "--clients-per-gpu", "8", "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=300)
+    row = json.loads((tmp_path / "estimate.json").read_text())["rows"][0]
+    assert row["clients_per_gpu"] == 8 and row["peak"] == est.peak
+    assert row["headroom H100 80GB"] == est.headroom("H100 80GB", GiB, clients=8)
+
+
+# ---- multi-node without a shared file system ---------------------------------------------------
+
+def start_nodes(args: list[str], outs: list[Path], logs: Path) -> list:
+    """Two "nodes" of two ranks each on this machine, as torchrun --nnodes 2 numbers them, each
+    node writing to its own output directory."""
+    import subprocess as sp
+
+    from test_runtime import LAUNCH
+
+    logs.mkdir(parents=True, exist_ok=True)
+    port, per_node, procs = str(free_port()), 2, []
+    for rank in range(len(outs) * per_node):
+        node, local = divmod(rank, per_node)
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(outs) * per_node), "LOCAL_RANK": str(local),
+               "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port}
+        procs.append(sp.Popen([sys.executable, LAUNCH, *args, "--output-dir", str(outs[node])], env=env, cwd=ROOT,
+                              stdout=open(logs / f"rank{rank}.out", "w"), stderr=open(logs / f"rank{rank}.err", "w")))
+    return procs
+
+
+def test_two_nodes_with_separate_output_directories_summarize_and_resume(tmp_path):
+    from safetensors.torch import load_file
+
+    from test_runtime import PRESET, wait_all
+
+    run = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
+           "--rounds", "1", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16",
+           "--save-clients", "--timeout", "60", "--checkpoint-interval", "2", "--keep-checkpoints", "1"]
+    outs = [tmp_path / "site_a", tmp_path / "site_b"]
+    codes = wait_all(start_nodes(run, outs, tmp_path / "logs"), timeout=600)
+    assert codes == [0] * 4, (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
+    summary = json.loads((outs[0] / "summary.json").read_text())
+    assert len(summary["clients"]) == 4 and len(summary["final_consensus_distance"]) == 4
+    assert summary["transport"] == "gloo" and summary["host_staging"] is False and summary["clients_per_gpu"] == {}
+    losses = [json.loads(line)["loss"] for line in (outs[1] / "metrics" / "client_003.jsonl").read_text().splitlines()]
+    assert len(losses) == 6  # node b's records reached rank 0 over the process group:
+    assert summary["clients"][3]["loss_end"] == pytest.approx(np.mean(losses[-10:]), rel=1e-12)
+    assert not (outs[1] / "summary.json").exists() and not (outs[1] / "consensus").exists()
+    for node, out in enumerate(outs):
+        mine = [f"client_{c:03d}" for c in (2 * node, 2 * node + 1)]
+        assert (out / "run_config.json").is_file()
+        assert sorted(p.stem for p in (out / "metrics").glob("*.jsonl")) == mine
+        assert sorted(p.name for p in (out / "clients").iterdir()) == mine
+        checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+        assert checkpoints == [checkpoints[-1]], "--keep-checkpoints 1 prunes on every node"
+        assert sorted(p.name for p in (out / "checkpoints" / checkpoints[-1]).iterdir()) == mine
+    first = {c: load_file(outs[c // 2] / "clients" / f"client_{c:03d}" / "model.safetensors") for c in range(4)}
+
+    codes = wait_all(start_nodes([*run, "--resume"], outs, tmp_path / "logs_resume"), timeout=600)
+    assert codes == [0] * 4, (tmp_path / "logs_resume" / "rank0.err").read_text()[-3000:]
+    assert "resumed from step 4" in (tmp_path / "logs_resume" / "rank0.out").read_text()
+    for c in range(4):
+        again = load_file(outs[c // 2] / "clients" / f"client_{c:03d}" / "model.safetensors")
+        assert all(torch.equal(again[k], v) for k, v in first[c].items()), f"client {c} after resume"
+    resumed = json.loads((outs[0] / "summary.json").read_text())
+    assert [c["loss_end"] for c in resumed["clients"]] == [c["loss_end"] for c in summary["clients"]]
+
+
+# ---- bad input, before anything is written ------------------------------------------------------
+
+def test_nccl_without_gpus_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from deca_ds.runtime import trainer
+    from deca_ds.runtime.options import parse_args
+    from test_runtime import PRESET
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "run"
+    opts, ds = parse_args(["--ds_config", PRESET, "--transport", "nccl", "--output-dir", str(out)])
+    with pytest.raises(ValueError, match="--transport nccl needs GPU ranks"):
+        trainer.train(opts, ds)
+    assert not out.exists()
+
+
+def test_a_rendezvous_port_that_cannot_be_bound_is_named(monkeypatch):
+    import socket
+
+    from deca_ds.runtime.dist import init_process_group
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for var, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(taken.getsockname()[1])}.items():
+            monkeypatch.setenv(var, value)
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        with pytest.raises(ValueError, match=f"cannot bind the rendezvous port 127.0.0.1:{taken.getsockname()[1]}"):
+            init_process_group(5.0, "gloo")
+    assert not dist.is_initialized()
