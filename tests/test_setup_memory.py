@@ -52,7 +52,14 @@ def peak_in_fresh_process(setup: str, measured: str) -> int:
 
 # ---- the scoring forward holds no KV cache --------------------------------------------------------
 
-def test_labelled_logits_equal_with_and_without_cache():
+def test_labelled_logits_fill_no_cache_and_equal_the_cached_forward(monkeypatch):
+    """Exactly what the measurement below shows in bytes: labelled_logits stores no layer's keys and
+    values (no Cache.update), the eval-mode forward as it was called stores every layer's."""
+    from transformers.cache_utils import Cache
+
+    stored = []
+    update = Cache.update
+    monkeypatch.setattr(Cache, "update", lambda self, *a, **k: stored.append(1) or update(self, *a, **k))
     model = small_llama()
     ids = torch.randint(0, 100, (3, 12))
     labels = torch.full_like(ids, -100)
@@ -60,8 +67,10 @@ def test_labelled_logits_equal_with_and_without_cache():
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     with torch.no_grad():
         logits, targets = labelled_logits(model, batch)
+        assert stored == []
         keep = (labels[:, 1:] != -100).any(0).nonzero().squeeze(1)
         cached = model(input_ids=ids, attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
+        assert len(stored) == model.config.num_hidden_layers
     torch.testing.assert_close(logits, cached, rtol=0, atol=0)
     assert torch.equal(targets, labels[:, 1:][:, keep])
 
@@ -85,7 +94,10 @@ EVAL_SETUP = """
 def test_scoring_forward_holds_no_kv_cache():
     """Old: the eval-mode forward as it was called (config.use_cache, True) keeps every layer's keys
     and values until it returns. New: labelled_logits. The cache is 16 layers × (k, v) × 16 × 512
-    × 4 kv heads × 32 × 4 bytes = 128 MiB; the new peak must be lower by at least half of that."""
+    × 4 kv heads × 32 × 4 bytes = 128 MiB; the new peak must be lower by at least half of that.
+    No upper bound: the resident peak also measures where the allocator places the forward's
+    temporaries around the cache (the old peak was 1.6-1.8 cache sizes higher, varying by 45 MiB
+    between runs); that nothing else is stored is checked exactly above."""
     cache = 16 * 2 * 16 * 512 * 4 * 32 * 4
     old = peak_in_fresh_process(EVAL_SETUP, """
         with torch.no_grad():
@@ -97,7 +109,6 @@ def test_scoring_forward_holds_no_kv_cache():
             labelled_logits(model, batch)
     """)
     assert old - new >= cache / 2, (old / MiB, new / MiB, cache / MiB)
-    assert old - new <= 1.5 * cache, (old / MiB, new / MiB, cache / MiB)
 
 
 # ---- checkpoint weights load in place, one tensor at a time ---------------------------------------
