@@ -334,6 +334,7 @@ def test_judge_refuses_a_redirect_and_never_sends_the_key_elsewhere(tmp_path, ju
     ("http://judge.example.com", True, "only to localhost"),
     ("http://127.0.0.1:9", False, "--judge-allow-http"),
     ("ftp://judge.example.com", False, "not an https URL"),
+    ("https://user:pw@judge.example.com", False, "credentials in the URL"),
 ])
 def test_judge_url_is_https_unless_http_to_localhost_is_allowed(url, allow, message, tmp_path, judges):
     with pytest.raises(ValueError, match=message):
