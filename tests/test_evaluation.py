@@ -18,6 +18,7 @@ from deca_ds.evaluation import (
     judge_answers,
     judge_prompt,
     judge_url,
+    load_references,
     parse_rating,
     read_questions,
     rouge_l,
@@ -79,6 +80,22 @@ def test_rouge_of_answers_uses_references_only(tmp_path):
     path.write_text('{"question_id": 1, "turns": ["x"], "reference": ["a", "b"]}\n')
     with pytest.raises(ValueError, match="one string per turn"):
         read_questions(path)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"question_id": 1, "text": "x"}\n\n{"question_id": 2, "text": "y"\n', r"q.jsonl:3: not JSON"),
+    ('["not", "a", "question"]\n', r"q.jsonl:1: a question needs 'question_id'"),
+])
+def test_question_and_reference_files_name_the_bad_line(tmp_path, text, problem):
+    path = tmp_path / "q.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=problem):
+        read_questions(path)
+    path.write_text('{"question_id": 1, "choices": [{"turns": ["r1"]}]}\n\n{"question_id": 2}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:3: not a reference answer line \(KeyError"):
+        load_references(path)
+    path.write_text('{"question_id": 1, "choices": [{"turns": ["r1", "r2"]}]}\n{"question_id": 2, "reference": "r"}\n')
+    assert load_references(path) == {1: ["r1", "r2"], 2: ["r"]}
 
 
 def test_parse_rating():

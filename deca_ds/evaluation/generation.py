@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,27 +33,32 @@ def read_questions(path: str | os.PathLike) -> list[dict]:
     """Vicuna-80 / MT-Bench style questions: one JSON object a line with "question_id" and
     "turns": [str, ...] (MT-Bench) or "text": str (Vicuna); "category" is kept where present."""
     questions = []
+    for n, q in read_jsonl(path):
+        turns = q.get("turns", [q["text"]] if "text" in q else None) if isinstance(q, dict) else None
+        if not turns or "question_id" not in q or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{path}:{n}: a question needs 'question_id' and 'turns' (list of str) or 'text'")
+        reference = q.get("reference")
+        if isinstance(reference, str):
+            reference = [reference]
+        if reference is not None and (len(reference) > len(turns) or not all(isinstance(r, str) for r in reference)):
+            raise ValueError(f"{path}:{n}: 'reference' must be a string or one string per turn")
+        questions.append({"question_id": q["question_id"], "turns": list(turns),
+                          **({"category": q["category"]} if "category" in q else {}),
+                          **({"reference": list(reference)} if reference is not None else {})})
+    return questions
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of every non-blank line of a JSON-lines file (questions, answers,
+    reference answers); a line that is not JSON raises, naming the file and the line."""
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                q = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON: {e}") from e
-            turns = q.get("turns", [q["text"]] if "text" in q else None)
-            if "question_id" not in q or not turns or not all(isinstance(t, str) for t in turns):
-                raise ValueError(f"{path}:{n}: a question needs 'question_id' and 'turns' (list of str) or 'text'")
-            reference = q.get("reference")
-            if isinstance(reference, str):
-                reference = [reference]
-            if reference is not None and (len(reference) > len(turns)
-                                          or not all(isinstance(r, str) for r in reference)):
-                raise ValueError(f"{path}:{n}: 'reference' must be a string or one string per turn")
-            questions.append({"question_id": q["question_id"], "turns": list(turns),
-                              **({"category": q["category"]} if "category" in q else {}),
-                              **({"reference": list(reference)} if reference is not None else {})})
-    return questions
+            if line.strip():
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not JSON: {e}") from e
+                yield n, value
 
 
 def conversation_prompt(tokenizer, turns: Sequence[str], answers: Sequence[str], *, use_chat_template: bool) -> str:

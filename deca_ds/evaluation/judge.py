@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .endpoint import RedirectRefused, judge_api_key, judge_url, safe_opener
+from .generation import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +102,14 @@ def load_references(path: str | os.PathLike) -> dict:
     """Reference answers by question id from FastChat's `reference_answer/<model>.jsonl`
     ({"question_id", "choices": [{"turns": [...]}]}) or {"question_id", "reference": str | [str]} lines."""
     refs = {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                turns = row["choices"][0]["turns"] if "choices" in row else row["reference"]
-                refs[row["question_id"]] = [turns] if isinstance(turns, str) else list(turns)
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a reference answer line ({type(e).__name__}: {e}); expected "
-                                 '{"question_id", "choices": [{"turns": [...]}]} or '
-                                 '{"question_id", "reference"}') from None
+    for n, row in read_jsonl(path):
+        try:
+            turns = row["choices"][0]["turns"] if "choices" in row else row["reference"]
+            refs[row["question_id"]] = [turns] if isinstance(turns, str) else list(turns)
+        except (KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a reference answer line ({type(e).__name__}: {e}); expected "
+                             '{"question_id", "choices": [{"turns": [...]}]} or '
+                             '{"question_id", "reference"}') from None
     return refs
 
 
@@ -211,7 +208,7 @@ def judge_answers(
     opener = opener if opener is not None else safe_opener()
     answers_path = Path(answers_path)
     out_path = Path(out_path) if out_path is not None else answers_path.with_suffix(".judgments.jsonl")
-    rows = [json.loads(line) for line in answers_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [row for _, row in read_jsonl(answers_path)]
     if not isinstance(references, Mapping):
         references = load_references(references) if references is not None else {}
 
