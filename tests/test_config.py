@@ -317,22 +317,3 @@ def test_option_reference_is_generated_from_the_parser(tmp_path):
 def test_option_help_is_short():
     for f in RunOptions.__dataclass_fields__.values():
         assert len(f.metadata["help"]) <= 160, f"--{f.name}: keep the help to one short sentence; detail goes to docs/"
-
-
-def test_run_file_trains_under_the_deepspeed_launcher_as_a_module(tmp_path):
-    """The issue's case end to end: a run file with `lr: 5e-5` (a string to YAML) and its DeepSpeed keys,
-    launched with `deepspeed --module deca_ds.train`; the run writes its resolved config as a run file."""
-    from helpers import free_port
-
-    out = tmp_path / "out"
-    path = run_file(tmp_path, "deepspeed: {train_micro_batch_size_per_gpu: 4, zero_optimization: {stage: 0}}\n"
-                              "topology: ring\nlayers_per_block: 2\nsteps_per_block: 2\nrounds: 1\nlr: 5e-5\n"
-                              f"max_seq_len: 16\neval_limit: 16\ntimeout: 60\noutput_dir: {out}\n")
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           "--module", "deca_ds.train", "--config", path]
-    done = subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = json.loads((out / "run_config.json").read_text())
-    assert run["options"]["lr"] == 5e-5 and run["ds_config"]["train_micro_batch_size_per_gpu"] == 4
-    assert run["n_clients"] == 2
-    assert parse_args(["--config", str(out / "config.yaml")]) == parse_args(["--config", path])

@@ -40,6 +40,25 @@ RUN = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "
        "--rounds", "2", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "64",
        "--consensus-interval", "2", "--checkpoint-interval", "3", "--save-clients", "--timeout", "60",
        "--eval-interval", "7", "--eval-clients"]  # x̄ is swapped in and out mid-run: results must not change
+# RUN as a run file, its DeepSpeed keys inline; YAML 1.1 reads 1e-3 (no dot) as a string
+RUN_FILE = """\
+deepspeed: {train_micro_batch_size_per_gpu: 4, steps_per_print: 1000000000, wall_clock_breakdown: false,
+            zero_optimization: {stage: 0}}
+topology: ring
+layers_per_block: 2
+steps_per_block: 5
+rounds: 2
+lr: 1e-3
+bma_betas: [0.9, 0.999]
+max_seq_len: 32
+eval_limit: 64
+consensus_interval: 2
+checkpoint_interval: 3
+save_clients: true
+timeout: 60
+eval_interval: 7
+eval_clients: true
+"""
 
 
 def start_ranks(args: list[str], world: int, logs: Path) -> list[subprocess.Popen]:
@@ -81,14 +100,29 @@ def client_params(out: Path, client: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    """The uninterrupted run, through the real deepspeed launcher."""
+    """The uninterrupted run, through the real deepspeed launcher as a user starts it from any
+    directory: `deepspeed --module deca_ds.train --config run.yaml`."""
     out = tmp_path_factory.mktemp("reference")
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(N),
-           "--master_port", str(free_port()), LAUNCH, *RUN, "--output-dir", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    run_file = out.parent / f"{out.name}.yaml"
+    run_file.write_text(RUN_FILE)
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(N), "--master_port", str(free_port()),
+           "--module", "deca_ds.train", "--config", str(run_file), "--output-dir", str(out)]
+    done = subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "DECA_RANK_THREADS": str(RANK_THREADS)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, done.stdout
+
+
+def test_reference_run_file_is_the_command_line_and_is_written_back(reference_run):
+    """The run file resolves to RUN (so the comparisons below, built from RUN, are the run's); its
+    lr, a string to YAML, is the declared float; the run writes its resolved config as a run file."""
+    out, _ = reference_run
+    given = ["--config", str(out.parent / f"{out.name}.yaml"), "--output-dir", str(out)]
+    assert parse_args(given) == parse_args([*RUN, "--output-dir", str(out)])
+    run = json.loads((out / "run_config.json").read_text())
+    assert run["options"]["lr"] == 1e-3 and run["ds_config"]["train_micro_batch_size_per_gpu"] == 4
+    assert run["n_clients"] == N
+    assert parse_args(["--config", str(out / "config.yaml")]) == parse_args(given)
 
 
 def test_distributed_run_equals_simulator(reference_run):
