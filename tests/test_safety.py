@@ -398,3 +398,15 @@ def test_skip_nonfinite_skips_on_every_rank_then_stops_a_diverged_run(tmp_path):
     for err in errs:
         assert f"{trainer.MAX_CONSECUTIVE_SKIPS + 1} consecutive steps non-finite" in err, err[-2000:]
     assert not (out / "consensus").exists()
+
+
+def test_a_clients_other_rank_prunes_its_files_and_the_folders_left_empty(tmp_path):
+    """On a node apart from its client's first rank, rank 1 is alone with its step folders: keeping
+    the newest, it removes its state file and its manifest of the older ones, then the empty folders."""
+    from deca_ds.runtime import checkpoint as ckpt
+
+    for step in (3, 6, 9):
+        ckpt.save_client(tmp_path, step, 0, 1, model=None, optimizer_state=None, rank_state={"step": step})
+    ckpt.prune_rank(tmp_path, 0, 1, keep=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000009"]
+    assert sorted(p.name for p in ckpt.client_dir(tmp_path, 9, 0).iterdir()) == ["manifest_1.json", "rank_1.pt"]

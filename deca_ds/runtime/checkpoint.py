@@ -228,15 +228,16 @@ def prune(root: Path, client: int, keep: list[int]) -> None:
 
 
 def prune_rank(root: Path, client: int, local_rank: int, keep: int) -> None:
-    """A client's other rank (local_rank > 0) keeps its own state file of its `keep` newest steps
-    and removes the older ones: on a node apart from the client's first rank, no one else would
-    (on a shared file system prune has removed them already)."""
+    """A client's other rank (local_rank > 0) keeps its own files (state and manifest) of its `keep`
+    newest steps and removes the older ones, and the folders that leaves empty: on a node apart from
+    the client's first rank, no one else would (on a shared file system prune has removed them already)."""
     base = root / "checkpoints"
     mine = sorted(int(m.group(1)) for d in (base.iterdir() if base.is_dir() else ())
                   if (m := _STEP.match(d.name)) and (d / f"client_{client:03d}" / f"rank_{local_rank}.pt").is_file())
     for step in mine[:-keep]:
         d = client_dir(root, step, client)
-        (d / f"rank_{local_rank}.pt").unlink(missing_ok=True)
+        for name in (*rank_files(local_rank), manifest_name(local_rank)):
+            (d / name).unlink(missing_ok=True)
         for empty in (d, d.parent):
             try:
                 empty.rmdir()
