@@ -30,6 +30,7 @@ from deca_ds.runtime import trainer
 from deca_ds.runtime.options import parse_args
 from deca_ds.train import main as train_main
 from helpers import RANK_THREADS, free_port, torch_threads
+from ranks import Rank, start_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = str(ROOT / "launch" / "train.py")
@@ -61,7 +62,8 @@ eval_clients: true
 """
 
 
-def start_ranks(args: list[str], world: int, logs: Path) -> list[subprocess.Popen]:
+def start_ranks(args: list[str], world: int, logs: Path) -> list[Rank]:
+    """`world` ranks of launch/train.py on this machine, numbered as torchrun numbers them."""
     logs.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
     procs = []
@@ -69,9 +71,7 @@ def start_ranks(args: list[str], world: int, logs: Path) -> list[subprocess.Pope
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                "DECA_RANK_THREADS": str(RANK_THREADS)}
-        procs.append(subprocess.Popen([sys.executable, LAUNCH, *args], env=env, cwd=ROOT,
-                                      stdout=open(logs / f"rank{rank}.out", "w"),
-                                      stderr=open(logs / f"rank{rank}.err", "w")))
+        procs.append(start_rank(args, env, ROOT, logs / f"rank{rank}.out", logs / f"rank{rank}.err"))
     return procs
 
 

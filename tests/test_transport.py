@@ -234,9 +234,7 @@ def test_the_one_gpu_preset_fits_eight_clients_on_an_h100_and_the_estimator_says
 def start_nodes(args: list[str], outs: list[Path], logs: Path) -> list:
     """Two "nodes" of two ranks each on this machine, as torchrun --nnodes 2 numbers them, each
     node writing to its own output directory."""
-    import subprocess as sp
-
-    from test_runtime import LAUNCH
+    from ranks import start_rank
 
     logs.mkdir(parents=True, exist_ok=True)
     port, per_node, procs = str(free_port()), 2, []
@@ -245,8 +243,8 @@ def start_nodes(args: list[str], outs: list[Path], logs: Path) -> list:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(outs) * per_node), "LOCAL_RANK": str(local),
                "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port}
-        procs.append(sp.Popen([sys.executable, LAUNCH, *args, "--output-dir", str(outs[node])], env=env, cwd=ROOT,
-                              stdout=open(logs / f"rank{rank}.out", "w"), stderr=open(logs / f"rank{rank}.err", "w")))
+        procs.append(start_rank([*args, "--output-dir", str(outs[node])], env, ROOT, logs / f"rank{rank}.out",
+                                logs / f"rank{rank}.err"))
     return procs
 
 

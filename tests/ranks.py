@@ -1,0 +1,90 @@
+"""Rank processes for the tests, forked from a server that has imported the trainer once.
+
+A rank started as `python launch/train.py` spends about 10 s of CPU importing torch, transformers
+and DeepSpeed before it does anything, and a tiny run trains for under a second: on a 2-core machine
+the imports were most of the suite's time. Here a multiprocessing forkserver imports the trainer
+once; each rank is a fork of it that runs `deca_ds.train.main()` as the command does, with its own
+environment, argv, working directory and output files, and SIGTERM handling installed by `main`.
+Nothing but imports runs in the server (no thread pool, no process group), so each fork starts as a
+fresh rank would after its imports. The launchers themselves (deepspeed, `--module`, the console
+scripts) start real processes in the tests that are about them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+LAUNCH = str(Path(__file__).resolve().parents[1] / "launch" / "train.py")
+
+_FORKS = multiprocessing.get_context("forkserver")
+# what a rank imports on the way, the fused update's compiler and the rank-0 report's figures included
+_FORKS.set_forkserver_preload(["deca_ds.train", "deca_ds.runtime.trainer", "deepspeed", "torch._inductor.compile_fx",
+                               "matplotlib.pyplot"])
+
+
+def _run(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
+    """The body of a rank: `launch/train.py argv` with this environment, exiting as that process would."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, stdout), (2, stderr)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.argv = [LAUNCH, *argv]
+    from deca_ds.train import main
+
+    code = 0
+    try:
+        main()
+    except SystemExit as done:  # as the interpreter reads it: None is 0, a message is printed and is 1
+        if isinstance(done.code, int) or done.code is None:
+            code = done.code or 0
+        else:
+            print(done.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # what the interpreter's exit runs (the rank's /dev/shm cleanup); a fork skips it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Rank:
+    """A started rank, with the part of subprocess.Popen's interface the tests use."""
+
+    def __init__(self, process: multiprocessing.Process) -> None:
+        self._process = process
+        self.pid = process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(LAUNCH, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # a reaped pid may belong to another process by now
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_rank(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path) -> Rank:
+    """`launch/train.py argv` as one rank with exactly `env`, its output in the two files."""
+    process = _FORKS.Process(target=_run, args=(argv, env, str(cwd), str(stdout), str(stderr)), daemon=False)
+    process.start()
+    return Rank(process)
