@@ -18,8 +18,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
+from typing import Any, Callable
+
+import torch
 
 LAUNCH = str(Path(__file__).resolve().parents[1] / "launch" / "train.py")
 
@@ -88,3 +93,37 @@ def start_rank(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, st
     process = _FORKS.Process(target=_run, args=(argv, env, str(cwd), str(stdout), str(stderr)), daemon=False)
     process.start()
     return Rank(process)
+
+
+def _call(fn: Callable, rank: int, args: tuple, path: str) -> None:
+    try:
+        result = ("returned", fn(rank, *args))
+    except BaseException:
+        result = ("raised", traceback.format_exc())
+    torch.save(result, path)
+
+
+def run_on_ranks(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0) -> list:
+    """fn(rank, *args) on `world` forked processes at once (a test's own gloo job), returning what
+    each returned, in rank order; a rank's exception is raised here with its traceback. `fn` lives
+    in a module (a test file) and returns tensors, numbers, strings and containers of them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"rank{rank}.pt") for rank in range(world)]
+        procs = [_FORKS.Process(target=_call, args=(fn, rank, args, path)) for rank, path in enumerate(paths)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        if any(p.exitcode is None for p in procs):
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"ranks still running after {timeout} s")
+        results = []
+        for rank, (p, path) in enumerate(zip(procs, paths)):
+            assert p.exitcode == 0 and os.path.exists(path), f"rank {rank} exited {p.exitcode} with no result"
+            kind, value = torch.load(path, weights_only=True)
+            if kind == "raised":
+                raise AssertionError(f"rank {rank} raised:\n{value}")
+            results.append(value)
+        return results

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from deca_ds import make_topology
 from deca_ds.mixing import InProcessMixer, weighted_sum
 from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
 from helpers import free_port
+from ranks import run_on_ranks
 
 N, SIZE = 4, 23
 
@@ -18,7 +18,7 @@ def payload(i: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(SIZE, generator=torch.Generator().manual_seed(i), dtype=torch.float64).to(dtype)
 
 
-def worker(rank: int, port: int, W: np.ndarray, chunk: int, transfer, results) -> None:
+def worker(rank: int, port: int, W: np.ndarray, chunk: int, transfer) -> tuple:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=N)
     try:
         layout = ClientLayout(rank, N, 1)
@@ -26,16 +26,13 @@ def worker(rank: int, port: int, W: np.ndarray, chunk: int, transfer, results) -
                                  transfer_dtype=transfer, chunk=chunk)
         x_half = payload(rank)
         x_plus = mixer.mix(x_half)
-        results[rank] = (x_plus.clone(), x_plus.data_ptr() == x_half.data_ptr(), mixer.total_bytes_sent)
+        return x_plus.clone(), x_plus.data_ptr() == x_half.data_ptr(), mixer.total_bytes_sent
     finally:
         dist.destroy_process_group()
 
 
 def run_ranks(W, chunk, transfer=None):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(worker, args=(free_port(), W, chunk, transfer, results), nprocs=N)
-        return [results[r] for r in range(N)]
+    return run_on_ranks(worker, N, free_port(), W, chunk, transfer)
 
 
 @pytest.mark.parametrize("chunk", [5, SIZE, 2**25])

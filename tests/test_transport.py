@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from deca_ds import make_topology
 from deca_ds.mixing import InProcessMixer, mixing_order
@@ -28,7 +27,8 @@ from deca_ds.runtime.transport import (
     place_ranks,
     resolve_transport,
 )
-from helpers import free_port
+from helpers import free_port, torch_threads
+from ranks import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def payload(i: int) -> torch.Tensor:
     return torch.randn(SIZE, generator=torch.Generator().manual_seed(i), dtype=torch.float64).float()
 
 
-def staged_worker(rank: int, port: int, W: np.ndarray, chunk: int, staged: bool, results) -> None:
+def staged_worker(rank: int, port: int, W: np.ndarray, chunk: int, staged: bool) -> tuple:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=N)
     try:
         layout = ClientLayout(rank, N, 1)
@@ -105,17 +105,14 @@ def staged_worker(rank: int, port: int, W: np.ndarray, chunk: int, staged: bool,
         x_half = payload(rank)
         x_plus = mixer.mix(x_half)
         terms = mixer.exchange(payload(rank))  # DeCAF's path: every neighbor's vector, staged too
-        results[rank] = (x_plus.clone(), x_plus.data_ptr() == x_half.data_ptr(), mixer.total_bytes_sent,
-                         [(w, t.clone()) for w, t in terms])
+        return (x_plus.clone(), x_plus.data_ptr() == x_half.data_ptr(), mixer.total_bytes_sent,
+                [(w, t.clone()) for w, t in terms])
     finally:
         dist.destroy_process_group()
 
 
 def run_ranks(W, chunk, staged):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(staged_worker, args=(free_port(), W, chunk, staged, results), nprocs=N)
-        return [results[r] for r in range(N)]
+    return run_on_ranks(staged_worker, N, free_port(), W, chunk, staged)
 
 
 @pytest.mark.parametrize("chunk", [5, 2**25])
@@ -180,12 +177,8 @@ def test_distributed_run_through_host_staging_equals_simulator(tmp_path, monkeyp
     model = trainer.build_model(opts, len(task.tokenizer))
     streams = [ClientStream(task.features, task.client_indices[c], opts.micro_batch,
                             pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c) for c in range(N)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // N))  # as each rank (dist.init_process_group)
-    try:
+    with torch_threads():  # the ranks' count (start_ranks sets DECA_RANK_THREADS)
         simulated = deca_ds.simulate(model, streams, make_topology("ring", N).W, opts.deca_config())
-    finally:
-        torch.set_num_threads(threads)
     init = dict(model.named_parameters())
     for c in range(N):
         got = client_params(out, c)
