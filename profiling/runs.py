@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,20 +21,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_rank(argv: list[str], env: dict[str, str], stderr: Path) -> subprocess.Popen:
+    """One rank: `launch/train.py argv` with exactly `env`, its stderr in a file."""
+    with open(stderr, "w") as err:
+        return subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), *argv], env=env, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=err)
+
+
 def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> Path:
-    """Run launch/train.py with `args` on `ranks` ranks into `out`; exit naming `what` if a rank fails."""
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), *args, "--output-dir", str(out), "--overwrite"]
+    """Run launch/train.py with `args` on `ranks` ranks into `out`; exit naming `what` if a rank fails
+    or the ranks are still running after `timeout` seconds."""
+    argv = [*args, "--output-dir", str(out), "--overwrite"]
     port = str(free_port())
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True))
-    errors = [(p.wait(timeout=timeout), p.stderr.read()) for p in procs]
-    for code, err in errors:
-        if code:
-            raise SystemExit(f"{what}: a rank exited {code}:\n{err[-2000:]}")
+    # stderr to files: a pipe would fill with a long run's progress bar and block the rank
+    with tempfile.TemporaryDirectory() as logs:
+        procs = [start_rank(argv, {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks),
+                                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(ranks),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}, Path(logs) / f"{rank}.err")
+                 for rank in range(ranks)]
+        deadline = time.monotonic() + timeout
+        try:
+            codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise SystemExit(f"{what}: the ranks were still running after {timeout:g} s") from None
+        for rank, code in enumerate(codes):
+            if code:
+                err = (Path(logs) / f"{rank}.err").read_text()
+                raise SystemExit(f"{what}: rank {rank} exited {code}:\n{err[-2000:]}")
     return out
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -26,3 +31,17 @@ def no_shm_left_behind():
     for path in left:
         path.unlink(missing_ok=True)
     assert not left, f"jobs left {len(left)} shared-memory buffers: {[p.name for p in left]}"
+
+
+@pytest.fixture
+def profiling_runs(monkeypatch):
+    """profiling/runs.py, its ranks started as forks of the test's rank server (tests/ranks.py)
+    rather than fresh interpreters; the tools that train through it are called in-process."""
+    from ranks import start_rank
+
+    monkeypatch.syspath_prepend(str(ROOT / "profiling"))
+    import runs
+
+    monkeypatch.setattr(runs, "start_rank",
+                        lambda argv, env, stderr: start_rank(argv, env, ROOT, Path(os.devnull), stderr))
+    return runs

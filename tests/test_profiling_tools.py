@@ -61,7 +61,7 @@ def test_matmul_efficiency_runs_on_cpu(tmp_path):
         matmul_efficiency.main(["--config", str(tmp_path / "tiny"), "--device", "cpu", "--card-gb", "32"])
 
 
-def test_offload_sweep_ratios_from_measured_times(tmp_path):
+def test_offload_sweep_ratios_from_measured_times(tmp_path, profiling_runs):
     """One resident and one offloaded run (keep 1) of the built-in tiny model on one CPU rank at R = 2."""
     out = tmp_path / "sweep.json"
     result = offload_sweep.main(["--steps-per-block", "2", "--keep", "1", "--warmup", "1",
@@ -85,3 +85,14 @@ def test_offload_sweep_ratios_from_measured_times(tmp_path):
 
 def test_preset_r_is_the_papers():
     assert offload_sweep.preset_steps_per_block(str(ROOT / "ds_configs" / "rtxpro6000_llama-3.1-8b.json")) == 48
+
+
+def test_a_failing_run_is_named_with_its_error(tmp_path):
+    """runs.train as the tools run it, real processes: a rank's failure ends the tool naming the run,
+    the rank and the rank's own message (kept in a file, so a long run's output cannot block it)."""
+    import runs
+
+    failed = r"(?s)the bad run: rank 0 exited 2:.*argument --steps-per-block: invalid int value"
+    with pytest.raises(SystemExit, match=failed):
+        runs.train(["--steps-per-block", "ten"], 2, tmp_path / "run", 60, "the bad run")
+    assert not (tmp_path / "run").exists()

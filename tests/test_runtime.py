@@ -473,14 +473,13 @@ def test_client_exports_are_complete_model_directories(reference_run, tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text())["classification"]["n"] == 64
 
 
-def test_profile_memory_tool(tmp_path):
+def test_profile_memory_tool(tmp_path, profiling_runs):
     """profiling/profile_memory.py runs training per granularity and reports memory per client."""
-    done = subprocess.run([sys.executable, str(ROOT / "profiling" / "profile_memory.py"), "--ranks", "2",
-                           "--layers-per-block", "2", "4", "--offload", "none", "frozen", "--steps-per-block", "2",
-                           "--warmup", "1", "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
-                           "--train-args", "--topology", "ring", "--micro-batch", "4"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    import profile_memory
+
+    profile_memory.main(["--ranks", "2", "--layers-per-block", "2", "4", "--offload", "none", "frozen",
+                         "--steps-per-block", "2", "--warmup", "1", "--work-dir", str(tmp_path / "runs"),
+                         "--out", str(tmp_path / "out"), "--train-args", "--topology", "ring", "--micro-batch", "4"])
     summary = json.loads((tmp_path / "out" / "profile_memory.json").read_text())
     rows = summary["results"]
     assert [(r["layers_per_block"], r["offload"], r["blocks"], r["steps"]) for r in rows] == [
@@ -571,15 +570,15 @@ def test_offload_with_ranks_per_client_and_accumulation_equals_resident(tmp_path
         assert [json.loads(r)["loss"] for r in metrics[0]] == [json.loads(r)["loss"] for r in metrics[1]]
 
 
-def test_profile_resources_tool(tmp_path):
+def test_profile_resources_tool(tmp_path, profiling_runs):
     """profiling/profile_resources.py trains each method on the same ranks, with the eager and the
     fused update, and reports Table 9's columns."""
-    done = subprocess.run([sys.executable, str(ROOT / "profiling" / "profile_resources.py"), "--ranks", "2",
-                           "--methods", "deca", "dadam", "--updates", "eager", "fused", "--steps-per-block", "2",
-                           "--warmup", "1", "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
-                           "--train-args", "--topology", "ring", "--micro-batch", "4", "--layers-per-block", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    import profile_resources
+
+    profile_resources.main(["--ranks", "2", "--methods", "deca", "dadam", "--updates", "eager", "fused",
+                            "--steps-per-block", "2", "--warmup", "1", "--work-dir", str(tmp_path / "runs"),
+                            "--out", str(tmp_path / "out"), "--train-args", "--topology", "ring", "--micro-batch",
+                            "4", "--layers-per-block", "2"])
     summary = json.loads((tmp_path / "out" / "profile_resources.json").read_text())
     deca, dadam, deca_fused, dadam_fused = summary["results"]
     assert [r["method"] for r in summary["results"]] == ["DECA", "D-Adam", "DECA (fused)", "D-Adam (fused)"]
