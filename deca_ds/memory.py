@@ -190,6 +190,7 @@ class ModelSpec:
     tied: bool
     total_params: int  # d: every parameter once (a tied embedding/LM head counted once)
     layer_params: tuple[int, ...]  # per decoder layer
+    largest_param: int  # the largest tensor's elements (setup's transient copy)
 
     @classmethod
     def from_config(cls, source, name: str | None = None) -> "ModelSpec":
@@ -211,6 +212,7 @@ class ModelSpec:
             vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
             total_params=sum(p.numel() for p in model.parameters()),
             layer_params=tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
+            largest_param=max(p.numel() for p in model.parameters()),
         )
 
     @property
@@ -312,8 +314,8 @@ def eval_forward_bytes(spec: ModelSpec, batch: int, seq_len: int, working_bytes:
 def _setup_terms(spec: ModelSpec, working_bytes: int, *, offload: str, seq_len: int, eval_batch: int,
                  eval_positions: int, eval_kv_cache: bool) -> dict:
     """MemoryEstimate's setup fields (module docstring, setup phases)."""
-    largest = max(p.numel() for p in spec.model.parameters())
-    return {"init_transient": 0 if offload == "frozen" else largest * working_bytes, "eval_batch": eval_batch,
+    return {"init_transient": 0 if offload == "frozen" else spec.largest_param * working_bytes,
+            "eval_batch": eval_batch,
             "eval_forward": eval_forward_bytes(spec, eval_batch, seq_len, working_bytes, positions=eval_positions,
                                                kv_cache=eval_kv_cache) if eval_batch else 0}
 

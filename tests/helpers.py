@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import runpy
 import socket
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -55,3 +59,29 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         PORTS.append(s.getsockname()[1])
         return PORTS[-1]
+
+
+def exit_status(done: SystemExit) -> int:
+    """The status the interpreter exits with on `done`: None is 0, a message is printed and is 1."""
+    if done.code is None or isinstance(done.code, int):
+        return done.code or 0
+    print(done.code, file=sys.stderr)
+    return 1
+
+
+def run_script(path: Path, *args: str) -> int:
+    """`python path args` in this process (the script's __main__ block, its folder first on the
+    path), without a new interpreter's imports; its exit status."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", [str(path), *args])
+        mp.syspath_prepend(str(path.parent))
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as done:
+            return exit_status(done)
+    return 0
+
+
+def run_script_in_fork(rank: int, path: Path, *args: str) -> int:
+    """run_script in a forked process (ranks.run_on_ranks), for a script that changes process-wide state."""
+    return run_script(path, *args)

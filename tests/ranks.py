@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+from helpers import exit_status
+
 LAUNCH = str(Path(__file__).resolve().parents[1] / "launch" / "train.py")
 
 _FORKS = multiprocessing.get_context("forkserver")
@@ -49,12 +51,8 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: st
     code = 0
     try:
         main()
-    except SystemExit as done:  # as the interpreter reads it: None is 0, a message is printed and is 1
-        if isinstance(done.code, int) or done.code is None:
-            code = done.code or 0
-        else:
-            print(done.code, file=sys.stderr)
-            code = 1
+    except SystemExit as done:
+        code = exit_status(done)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -29,7 +29,8 @@ from deca_ds.memory import (
 )
 from deca_ds.mixing import MIX_CHUNK
 from deca_ds.models import enable_activation_checkpointing
-from helpers import tiny_llama
+from helpers import run_script, run_script_in_fork, tiny_llama
+from ranks import run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "profiling" / "configs"
@@ -314,18 +315,18 @@ def test_checkpointing_keeps_lower_layer_inputs_unless_input_grads_are_disabled(
 
 # ---- the command ------------------------------------------------------------------------------
 
-def test_command_writes_all_outputs(tmp_path):
-    help_text = subprocess.run([sys.executable, str(ROOT / "profiling" / "estimate.py"), "--help"],
-                               capture_output=True, text=True, check=True).stdout
+def test_command_writes_all_outputs(tmp_path, capsys):
+    script = ROOT / "profiling" / "estimate.py"
+    assert run_script(script, "--help") == 0
+    help_text = capsys.readouterr().out
     assert "--layers-per-block" in help_text and "--offload" in help_text
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "profiling" / "estimate.py"), "--config", str(CONFIGS / "qwen2-1.5b.json"),
-         "--layers-per-block", "1", "2", "--out", str(tmp_path)],
-        capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 0, run.stderr
+    code = run_script(script, "--config", str(CONFIGS / "qwen2-1.5b.json"), "--layers-per-block", "1", "2",
+                      "--out", str(tmp_path))
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
     md = (tmp_path / "estimate.md").read_text()
     assert "estimated, not measured." in md and "qwen2-1.5b" in md
-    assert md.strip() in run.stdout
+    assert md.strip() in printed.out
     with (tmp_path / "estimate.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4 and {r["offload"] for r in rows} == {"none", "frozen"}
@@ -363,7 +364,7 @@ def test_offload_budget_keeps_the_most_layers_that_fit():
 
     from deca_ds.runtime.options import estimate_run, offload_keep_for_budget, parse_args
 
-    config = CONFIGS / "llama-3.1-8b-instruct.json"
+    config = ModelSpec.from_config(CONFIGS / "llama-3.1-8b-instruct.json")
     opts, ds = parse_args(["--ds_config", str(ROOT / "ds_configs" / "profile_bf16.json"), "--offload", "frozen",
                            "--steps-per-block", "48", "--offload-budget", "1"])
     options = asdict(opts)
@@ -383,11 +384,10 @@ def test_update_cost_tool(tmp_path):
     """profiling/update_cost.py times the update of one block, eager and fused, against a copy pass
     and writes its tables."""
     tiny_llama(layers=2).config.to_json_file(tmp_path / "config.json")
-    done = subprocess.run([sys.executable, str(ROOT / "profiling" / "update_cost.py"), "--config", str(tmp_path),
-                           "--steps", "2", "--warmup", "1", "--variants", "deca", "no_bma",
-                           "--out", str(tmp_path / "out")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # forked: the tool sets this process's malloc options
+    assert run_on_ranks(run_script_in_fork, 1, ROOT / "profiling" / "update_cost.py", "--config", str(tmp_path),
+                        "--steps", "2", "--warmup", "1", "--variants", "deca", "no_bma",
+                        "--out", str(tmp_path / "out"), timeout=300) == [0]
     summary = json.loads((tmp_path / "out" / "update_cost.json").read_text())
     layer = sum(p.numel() for p in tiny_llama(layers=2).model.layers[0].parameters())
     assert summary["allocator"].startswith("glibc malloc keeping freed memory")  # the CPU default
@@ -407,7 +407,7 @@ def test_update_cost_tool(tmp_path):
     assert md.count("\n| deca | eager |") == 1 and md.count("\n| no_bma | fused_alone |") == 1
 
 
-def test_update_share_tool(tmp_path):
+def test_update_share_tool(tmp_path, capsys):
     """profiling/update_share.py swaps a measured eager update for the fused update's traffic at the
     given bandwidth: DECA's resident rows only, every number from the formula it states."""
     tiny_llama(layers=2).config.to_json_file(tmp_path / "config.json")
@@ -422,10 +422,9 @@ def test_update_share_tool(tmp_path):
     memory.write_text(json.dumps({**common, "results": [
         {"offload": "none", "layers_per_block": 2, "micro_batch": 8, "step_ms": 50.0, "update_ms": 20.0},
         {"offload": "frozen", "layers_per_block": 2, "micro_batch": 8, "step_ms": 90.0, "update_ms": 20.0}]}))
-    tool = [sys.executable, str(ROOT / "profiling" / "update_share.py")]
-    done = subprocess.run([*tool, str(resources), str(memory), "--bandwidth", "1e-6", "--overhead-ms", "0.5",
-                           "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    tool = ROOT / "profiling" / "update_share.py"
+    assert run_script(tool, str(resources), str(memory), "--bandwidth", "1e-6", "--overhead-ms", "0.5",
+                      "--out", str(tmp_path / "out")) == 0
     rows = json.loads((tmp_path / "out" / "update_share.json").read_text())["rows"]
     layer = sum(p.numel() for p in tiny_llama(layers=2).model.layers[0].parameters())
     bf16_floor = (2 + 3 * 4) + (2 + 3 * 4 + 3 * 4 + 2)  # one client, in place: g,x,m,v | g,x,m,v → x,m,v,w
@@ -440,9 +439,9 @@ def test_update_share_tool(tmp_path):
 
     old = tmp_path / "old.json"
     old.write_text(json.dumps({**common, "results": [{"offload": "none", "step_ms": 50.0}]}))
-    done = subprocess.run([*tool, str(old), "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode != 0 and "has no update time" in done.stderr
+    capsys.readouterr()
+    assert run_script(tool, str(old), "--out", str(tmp_path / "out")) == 1
+    assert "has no update time" in capsys.readouterr().err
 
 
 def test_loss_memory_tool(tmp_path):

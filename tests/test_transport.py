@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +25,7 @@ from deca_ds.runtime.transport import (
     place_ranks,
     resolve_transport,
 )
-from helpers import free_port, torch_threads
+from helpers import free_port, run_script, torch_threads
 from ranks import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,10 +211,9 @@ def test_the_one_gpu_preset_fits_eight_clients_on_an_h100_and_the_estimator_says
                        loss_positions=opts.max_seq_len)
     assert est.fits("H100 80GB", GiB, clients=8) and est.fits("RTX PRO 6000", GiB, clients=8)
     assert not est.fits("RTX 5090", GiB, clients=8)
-    subprocess.run([sys.executable, str(ROOT / "profiling" / "estimate.py"), "--config",
-                    str(ROOT / "profiling" / "configs" / "qwen2-1.5b.json"), "--layers-per-block", "2",
-                    "--offload", "none", "--micro-batch", "4", "--clients-per-gpu", "8", "--out", str(tmp_path)],
-                   check=True, capture_output=True, timeout=300)
+    assert run_script(ROOT / "profiling" / "estimate.py", "--config",
+                      str(ROOT / "profiling" / "configs" / "qwen2-1.5b.json"), "--layers-per-block", "2",
+                      "--offload", "none", "--micro-batch", "4", "--clients-per-gpu", "8", "--out", str(tmp_path)) == 0
     row = json.loads((tmp_path / "estimate.json").read_text())["rows"][0]
     assert row["clients_per_gpu"] == 8 and row["peak"] == est.peak
     assert row["headroom H100 80GB"] == est.headroom("H100 80GB", GiB, clients=8)

@@ -475,18 +475,21 @@ def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: i
 def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_neighbors: int,
                             loss_positions: int) -> int:
     """The most top decoder layers --offload frozen can keep resident within --offload-budget GB of
-    estimated peak."""
+    estimated peak: a binary search, as every layer kept adds to the peak."""
     from ..memory import ModelSpec
 
     spec = ModelSpec.from_config(model_config)
     budget = options["offload_budget"] * 1e9
     peak = lambda keep: estimate_run(options, spec, ds_config, n_neighbors=n_neighbors,  # noqa: E731
                                      loss_positions=loss_positions, offload_keep=keep).peak
-    fits = [keep for keep in range(spec.num_layers + 1) if peak(keep) <= budget]
-    if not fits:
+    if peak(0) > budget:
         raise ValueError(f"--offload-budget {options['offload_budget']:g} GB: even with every frozen decoder layer "
                          f"offloaded the estimated peak is {peak(0) / 1e9:.2f} GB")
-    return max(fits)
+    fits, over = 0, spec.num_layers + 1  # peak(fits) <= budget; every keep >= over is past it
+    while over - fits > 1:
+        keep = (fits + over) // 2
+        fits, over = (keep, over) if peak(keep) <= budget else (fits, keep)
+    return fits
 
 
 # Options that do not change what a run computes (its weights, data order and split): --resume
