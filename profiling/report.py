@@ -25,7 +25,7 @@ def provenance(tool: str, argv: list[str] | None, *, cuda: bool = False, threads
     return {"command": " ".join([f"python profiling/{tool}", *(sys.argv[1:] if argv is None else argv)]),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
             "device": torch.cuda.get_device_name() if cuda else cpu,
-            "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+            "versions": {"torch": str(torch.__version__), "python": platform.python_version()}}
 
 
 def commit() -> str:

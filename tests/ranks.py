@@ -36,15 +36,19 @@ _FORKS.set_forkserver_preload(["deca_ds.train", "deca_ds.runtime.trainer", "deep
                                "matplotlib.pyplot"])
 
 
+def _redirect(stdout: str, stderr: str) -> None:
+    for fd, path in ((1, stdout), (2, stderr)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+
+
 def _run(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
     """The body of a rank: `launch/train.py argv` with this environment, exiting as that process would."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    for fd, path in ((1, stdout), (2, stderr)):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(file, fd)
-        os.close(file)
+    _redirect(stdout, stderr)
     sys.argv = [LAUNCH, *argv]
     from deca_ds.train import main
 
@@ -94,6 +98,7 @@ def start_rank(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, st
 
 
 def _call(fn: Callable, rank: int, args: tuple, path: str) -> None:
+    _redirect(path + ".out", path + ".err")
     try:
         result = ("returned", fn(rank, *args))
     except BaseException:
@@ -116,10 +121,13 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args, timeout: float = 120
         if any(p.exitcode is None for p in procs):
             for p in procs:
                 p.kill()
+                p.join()
             raise AssertionError(f"ranks still running after {timeout} s")
         results = []
         for rank, (p, path) in enumerate(zip(procs, paths)):
-            assert p.exitcode == 0 and os.path.exists(path), f"rank {rank} exited {p.exitcode} with no result"
+            if p.exitcode != 0 or not os.path.exists(path):
+                with open(path + ".err") as err:
+                    raise AssertionError(f"rank {rank} exited {p.exitcode} with no result:\n{err.read()[-3000:]}")
             kind, value = torch.load(path, weights_only=True)
             if kind == "raised":
                 raise AssertionError(f"rank {rank} raised:\n{value}")

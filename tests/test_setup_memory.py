@@ -1,14 +1,13 @@
 """The setup phase (before the first training step): no second copy of the weights while loading a
 checkpoint, no KV cache in the scoring forward, and the estimator's setup terms.
 
-The memory claims are measured: each path runs in a fresh process, its resident peak above the
-resident set before it (VmHWM reset through /proc/self/clear_refs), old and new side by side."""
+The memory claims are measured: each path runs in a process of its own (forked after the imports),
+its resident peak above the resident set before it (VmHWM reset through /proc/self/clear_refs), old
+and new side by side."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from deca_ds.models import labelled_logits
 from deca_ds.runtime.checkpoint import load_weights, save_client
+from ranks import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -32,22 +32,34 @@ def small_llama(layers: int = 2, tied: bool = False, seed: int = 0) -> LlamaForC
                                         tie_word_embeddings=tied)).eval()
 
 
-def peak_in_fresh_process(setup: str, measured: str) -> int:
-    """Run `setup`, then `measured`, in a new interpreter: the resident peak of `measured` above
-    the resident set after `setup`, in bytes."""
-    code = textwrap.dedent(setup) + textwrap.dedent("""
-        import gc, json
+def _peak(rank: int, code: str) -> int:
+    namespace: dict = {}
+    exec(code, namespace)
+    return namespace["peak"]
+
+
+def peak_in_fork(setup: str, measured: str) -> int:
+    """Run `setup`, then `measured`, in a process forked from one that has only imported the
+    libraries (tests/ranks.py), as a fresh interpreter would after its imports: the resident peak
+    of `measured` above the resident set after `setup`, in bytes."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "profiling")!r})
+    """) + textwrap.dedent(setup) + textwrap.dedent("""
+        import gc
         from peaks import rss, rss_peak, reset_rss_peak
         gc.collect()
         start = rss()
         reset_rss_peak()
-    """) + textwrap.dedent(measured) + "\nprint(json.dumps(rss_peak() - start))\n"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "profiling")]),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """) + textwrap.dedent(measured) + "\npeak = rss_peak() - start\n"
+    return run_on_ranks(_peak, 1, code, timeout=600)[0]
+
+
+def _setup_peaks(rank: int) -> dict:
+    sys.path.insert(0, str(ROOT / "profiling"))
+    import setup_peaks
+
+    return setup_peaks.main([])
 
 
 # ---- the scoring forward holds no KV cache --------------------------------------------------------
@@ -99,12 +111,12 @@ def test_scoring_forward_holds_no_kv_cache():
     temporaries around the cache (the old peak was 1.6-1.8 cache sizes higher, varying by 45 MiB
     between runs); that nothing else is stored is checked exactly above."""
     cache = 16 * 2 * 16 * 512 * 4 * 32 * 4
-    old = peak_in_fresh_process(EVAL_SETUP, """
+    old = peak_in_fork(EVAL_SETUP, """
         with torch.no_grad():
             keep = (labels[:, 1:] != -100).any(0).nonzero().squeeze(1)
             model(input_ids=ids, attention_mask=batch["attention_mask"], logits_to_keep=keep)
     """)
-    new = peak_in_fresh_process(EVAL_SETUP, """
+    new = peak_in_fork(EVAL_SETUP, """
         with torch.no_grad():
             labelled_logits(model, batch)
     """)
@@ -155,10 +167,10 @@ def test_load_weights_holds_one_tensor_not_a_second_model(tmp_path):
     setup = LOAD_SETUP.replace("PATH", repr(str(tmp_path / "m.safetensors")))
     path = repr(str(tmp_path / "m.safetensors"))
     model_bytes, tensor_bytes = 256 * MiB, 16 * MiB
-    old = peak_in_fresh_process(setup, f"""
+    old = peak_in_fork(setup, f"""
         load_model(model, {path})
     """)
-    new = peak_in_fresh_process(setup, f"""
+    new = peak_in_fork(setup, f"""
         load_weights(model, {path})
     """)
     assert old >= 0.9 * model_bytes, old / MiB
@@ -237,11 +249,7 @@ def test_setup_peaks_against_the_estimator():
     are the estimator's optimizer_state to 5 %; the setup peak is within 15 % of the estimator's. The
     evaluation's forward is at least the estimator's term and at most that plus the attention scores
     CPU's SDPA (math path) materialises, b·heads·s²·(2 + 4) bytes, which CUDA's fused kernels do not."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "profiling" / "setup_peaks.py")], check=False,
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    result = run_on_ranks(_setup_peaks, 1, timeout=900)[0]
     rows = {r["phase"]: r for r in result["rows"]}
     assert abs(rows["optimizer"]["measured_over_estimated"] - 1) < 0.05, rows
     assert abs(result["setup_peak_measured"] / result["setup_peak_estimated"] - 1) < 0.15, result
