@@ -29,7 +29,7 @@ from deca_ds.models import tiny_llama
 from deca_ds.runtime import trainer
 from deca_ds.runtime.options import parse_args
 from deca_ds.train import main as train_main
-from helpers import RANK_THREADS, free_port, torch_threads
+from helpers import RANK_THREADS, free_port, run_script, torch_threads
 from ranks import Rank, start_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -431,11 +431,9 @@ def test_standalone_evaluation_of_the_export(reference_run, tmp_path):
                                      "reference": ["label0", "label1"]}) + "\n"
                          + json.dumps({"question_id": 2, "text": "k0.1 =>"}) + "\n")
     result_path = tmp_path / "eval.json"
-    done = subprocess.run([sys.executable, str(ROOT / "launch" / "evaluate.py"), "--model", str(out / "consensus"),
-                           "--dataset", "synthetic", "--max-seq-len", "32", "--eval-limit", "64",
-                           "--questions", str(questions), "--max-new-tokens", "3", "--out", str(result_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_script(ROOT / "launch" / "evaluate.py", "--model", str(out / "consensus"), "--dataset", "synthetic",
+                      "--max-seq-len", "32", "--eval-limit", "64", "--questions", str(questions),
+                      "--max-new-tokens", "3", "--out", str(result_path)) == 0
     result = json.loads(result_path.read_text())
     summary = json.loads((out / "summary.json").read_text())
     assert result["classification"] == summary["consensus_eval"]

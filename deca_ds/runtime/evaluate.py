@@ -13,21 +13,21 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from .options import TASK_NAMES, RunOptions
 
-from ..datasets import TASKS
-from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
-from ..methods import load_adapters, saved_adapters
-from ..models import load_model, load_tokenizer
-from .options import RunOptions
-from .task import build_task
+if TYPE_CHECKING:
+    import torch
+
+# torch, transformers and the tasks load in the functions that use them: `--help` and a refused
+# argument answer at once.
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch/evaluate.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="exported model directory (or hub id)")
-    p.add_argument("--dataset", default=None, choices=("synthetic", *TASKS, "files"),
+    p.add_argument("--dataset", default=None, choices=("synthetic", *TASK_NAMES, "files"),
                    help="classification task to score (as in launch/train.py)")
     p.add_argument("--data-files", nargs="+", default=None, help="split=path, as in launch/train.py")
     for col in ("text-column", "text-pair-column", "label-column", "response-column"):
@@ -55,12 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
 def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False):
     """An exported model (consensus/ or clients/client_NNN/) as it computes: a Dec-Adapter
     export is its base plus the adapters in its adapter/ folder; every other export is complete."""
+    from ..methods import load_adapters, saved_adapters
+    from ..models import load_model
+
     model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
     adapters = saved_adapters(path)
     return model if adapters is None else load_adapters(model, adapters)
 
 
 def evaluate(args: argparse.Namespace) -> dict:
+    from ..evaluation import judge_api_key, judge_url
+
     if args.dataset is None and args.questions is None:
         raise ValueError("nothing to evaluate: give --dataset (classification) and/or --questions (generation)")
     if args.judge_url:  # a bad judge URL or a missing key is reported before any model is loaded
@@ -68,6 +73,12 @@ def evaluate(args: argparse.Namespace) -> dict:
             raise ValueError("--judge-url grades generated answers: give --questions too")
         judge_url(args.judge_url, allow_http=args.judge_allow_http)
         judge_api_key(args.judge_key_env)
+    import torch
+
+    from ..evaluation import generate_answers, judge_answers, rouge_l_of_answers
+    from ..models import load_tokenizer
+    from .task import build_task
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_export(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                         trust_remote_code=args.trust_remote_code).to(device)
