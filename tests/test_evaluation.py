@@ -376,12 +376,13 @@ def test_missing_key_sends_nothing(tmp_path, judges, monkeypatch):
 
 
 def test_evaluate_checks_the_judge_before_loading_any_model(tmp_path, monkeypatch, capsys):
+    from deca_ds import models
     from deca_ds.runtime import evaluate
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the judge's settings were checked")
 
-    monkeypatch.setattr(evaluate, "load_model", no_model)
+    monkeypatch.setattr(models, "load_model", no_model)
     monkeypatch.delenv("JUDGE_KEY", raising=False)
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"question_id": 1, "text": "hi"}\n')
