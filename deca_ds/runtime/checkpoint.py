@@ -118,20 +118,22 @@ def step_problem(root: Path, step: int, client: int, ranks_per_client: int, *, h
     return None
 
 
+def step_dirs(root: Path) -> dict[int, Path]:
+    """{step: folder} of every checkpoints/step_N folder of the run in `root`."""
+    base = root / "checkpoints"
+    return {int(m.group(1)): d for d in (base.iterdir() if base.is_dir() else ()) if (m := _STEP.match(d.name))}
+
+
 def scan_steps(root: Path, client: int, ranks_per_client: int, *,
                hashes: bool = True) -> tuple[list[int], dict[int, str]]:
     """(steps whose every file of `client` verifies, ascending; {other step: why not})."""
-    base = root / "checkpoints"
     complete, problems = [], {}
-    for d in base.iterdir() if base.is_dir() else ():
-        m = _STEP.match(d.name)
-        if m:
-            step = int(m.group(1))
-            problem = step_problem(root, step, client, ranks_per_client, hashes=hashes)
-            if problem is None:
-                complete.append(step)
-            else:
-                problems[step] = problem
+    for step in step_dirs(root):
+        problem = step_problem(root, step, client, ranks_per_client, hashes=hashes)
+        if problem is None:
+            complete.append(step)
+        else:
+            problems[step] = problem
     return sorted(complete), problems
 
 
@@ -216,10 +218,8 @@ def prune(root: Path, client: int, keep: list[int]) -> None:
 
     Called only after a barrier that follows the newest save, so no other client can still
     need an older step to resume from."""
-    base = root / "checkpoints"
-    for d in base.iterdir() if base.is_dir() else ():
-        m = _STEP.match(d.name)
-        if m and int(m.group(1)) not in keep:
+    for step, d in step_dirs(root).items():
+        if step not in keep:
             shutil.rmtree(d / f"client_{client:03d}", ignore_errors=True)
             try:
                 d.rmdir()
@@ -231,9 +231,8 @@ def prune_rank(root: Path, client: int, local_rank: int, keep: int) -> None:
     """A client's other rank (local_rank > 0) keeps its own files (state and manifest) of its `keep`
     newest steps and removes the older ones, and the folders that leaves empty: on a node apart from
     the client's first rank, no one else would (on a shared file system prune has removed them already)."""
-    base = root / "checkpoints"
-    mine = sorted(int(m.group(1)) for d in (base.iterdir() if base.is_dir() else ())
-                  if (m := _STEP.match(d.name)) and (d / f"client_{client:03d}" / f"rank_{local_rank}.pt").is_file())
+    mine = sorted(step for step, d in step_dirs(root).items()
+                  if (d / f"client_{client:03d}" / f"rank_{local_rank}.pt").is_file())
     for step in mine[:-keep]:
         d = client_dir(root, step, client)
         for name in (*rank_files(local_rank), manifest_name(local_rank)):
