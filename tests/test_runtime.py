@@ -170,6 +170,11 @@ def test_export_is_the_mean_of_clients_and_loads_with_transformers(reference_run
         assert [r["step"] for r in evaluated] == [6, 13]
         assert all(r["eval_consensus_n"] == 64 and "eval_client_accuracy" in r for r in evaluated)
     assert "consensus model: accuracy" in stdout and "bytes sent" in stdout
+    before = summary["initial_eval"]  # what the run printed before its first step, kept in client 0's metrics
+    assert before["n"] == 64 and f"accuracy before training: {before['accuracy']:.3f}" in stdout
+    first = json.loads((out / "metrics" / "client_000.jsonl").read_text().splitlines()[0])
+    assert {k: v for k, v in first.items() if k.startswith("eval_initial_")} == {
+        f"eval_initial_{k}": v for k, v in before.items()}
 
 
 def test_sigkill_mid_block_then_resume_is_bit_identical(reference_run, tmp_path):
@@ -203,6 +208,8 @@ def test_sigkill_mid_block_then_resume_is_bit_identical(reference_run, tmp_path)
             assert torch.equal(got[name], want[name]), (c, name)
     steps = [json.loads(line)["step"] for line in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
     assert steps == list(range(20)), "metrics must read as one run after resume"
+    summary = lambda run: json.loads((run / "summary.json").read_text())  # noqa: E731
+    assert summary(out)["initial_eval"] == summary(ref)["initial_eval"] is not None
 
 
 def test_hung_peer_fails_every_rank_within_the_timeout(tmp_path):

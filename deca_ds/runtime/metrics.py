@@ -55,7 +55,8 @@ def _mean(records: list[dict], key: str, scale: float = 1.0) -> float | None:
 
 
 def summarize(records: list[list[dict]], window: int = 10) -> dict:
-    """Start/end loss (mean of the first/last `window` steps), bytes and step-time split per client."""
+    """Start/end loss (mean of the first/last `window` steps), bytes and step-time split per client;
+    x̄'s evaluation before training (client 0's first record), None without one."""
     clients = []
     for c, recs in enumerate(records):
         dist = [r["consensus_distance"] for r in recs if "consensus_distance" in r]
@@ -69,7 +70,9 @@ def summarize(records: list[list[dict]], window: int = 10) -> dict:
             "mix_update_ms": _mean(recs, "t_mix_update", 1e3),
             "last_consensus_distance": dist[-1] if dist else None,
         })
-    return {"steps": len(records[0]) if records else 0, "clients": clients}
+    first = records[0][0] if records and records[0] else {}
+    initial = {k.removeprefix("eval_initial_"): v for k, v in first.items() if k.startswith("eval_initial_")}
+    return {"steps": len(records[0]) if records else 0, "clients": clients, "initial_eval": initial or None}
 
 
 def summary_table(summary: dict) -> str:

@@ -394,6 +394,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             write_run_config(out, opts, ds_config, topology, partition, layout, task, trainable, placement)
     dist.barrier()
     metrics = MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard) if lead else None
+    before = None  # x̄ before training: client 0's first record keeps it, so a resumed run's summary has it too
     if rank == 0 and not opts.resume:
         before = task.evaluate(engine.module, opts.eval_limit or None)
         if before:
@@ -481,6 +482,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                 record["nonfinite_skipped"] = skipped
             if step == start:
                 record["mem_setup_peak"] = setup.get("mem_peak", setup.get("mem_rss"))
+            if step == 0 and before:
+                record.update({f"eval_initial_{k}": v for k, v in before.items()})
             if metrics:
                 metrics.write(record)
             bar.set_postfix(**where, loss=f"{record['loss']:.4f}")
