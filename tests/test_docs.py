@@ -58,3 +58,16 @@ def test_api_doc_names_every_public_name():
     code = " ".join(re.findall(r"`([^`\n]+)`", api))
     missing = [name for name in deca_ds.__all__ if not re.search(rf"(?<![\w.]){re.escape(name)}\b", code)]
     assert not missing, f"docs/api.md does not name {missing}"
+
+
+def test_readme_demo_numbers_are_the_committed_runs():
+    """The README's demo accuracies are docs/demo/summary.json's, as the trainer wrote them."""
+    import json
+
+    summary = json.loads((ROOT / "docs" / "demo" / "summary.json").read_text())
+    after, before = summary["consensus_eval"], summary["initial_eval"]
+    text = " ".join((ROOT / "README.md").read_text().split())
+    claim = (f"scores {after['accuracy']:.3f} accuracy on {after['n']} held-out examples "
+             f"({before['accuracy']:.3f} before training, chance {after['chance']:.3f})")
+    assert claim in text, claim
+    assert before["n"] == after["n"]
