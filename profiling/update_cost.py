@@ -33,7 +33,6 @@ import argparse
 import ctypes
 import ctypes.util
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -133,14 +132,6 @@ def measure(args, variant: str, update: str) -> dict:
             "copy_gbps": 8 * n / (t_copy / 1e3) / 1e9}
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def keep_freed_memory() -> str:
     """glibc: serve every allocation from the heap and never trim it, so a freed buffer is reused
     without page faults, as a caching allocator does."""
@@ -159,7 +150,7 @@ def main(argv=None) -> dict:
     args.working_dtype = args.working_dtype or ("bf16" if cuda else "fp32")
     rows = [measure(args, v, u) for v in args.variants for u in args.updates]
     summary = {
-        **provenance("update_cost.py", argv, cuda=cuda, threads=torch.get_num_threads()), "commit": commit(),
+        **provenance("update_cost.py", argv, cuda=cuda, threads=torch.get_num_threads()),
         "allocator": allocator,
         "rows": rows,
     }
