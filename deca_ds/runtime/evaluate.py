@@ -64,7 +64,11 @@ def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = Fals
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    from ..evaluation import judge_api_key, judge_url
+    import torch
+
+    from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
+    from ..models import load_tokenizer
+    from .task import build_task
 
     if args.dataset is None and args.questions is None:
         raise ValueError("nothing to evaluate: give --dataset (classification) and/or --questions (generation)")
@@ -73,12 +77,6 @@ def evaluate(args: argparse.Namespace) -> dict:
             raise ValueError("--judge-url grades generated answers: give --questions too")
         judge_url(args.judge_url, allow_http=args.judge_allow_http)
         judge_api_key(args.judge_key_env)
-    import torch
-
-    from ..evaluation import generate_answers, judge_answers, rouge_l_of_answers
-    from ..models import load_tokenizer
-    from .task import build_task
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_export(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                         trust_remote_code=args.trust_remote_code).to(device)
