@@ -97,6 +97,21 @@ def start_rank(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, st
     return Rank(process)
 
 
+def wait_all(procs: list[Rank], timeout: float) -> list[int]:
+    """Each rank's exit status, waiting at most `timeout` seconds for them all; past it every rank
+    is killed and the test fails."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"ranks still running after {timeout} s") from None
+    return codes
+
+
 def _call(fn: Callable, rank: int, args: tuple, path: str) -> None:
     _redirect(path + ".out", path + ".err")
     try:
@@ -115,19 +130,12 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args, timeout: float = 120
         procs = [_FORKS.Process(target=_call, args=(fn, rank, args, path)) for rank, path in enumerate(paths)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        if any(p.exitcode is None for p in procs):
-            for p in procs:
-                p.kill()
-                p.join()
-            raise AssertionError(f"ranks still running after {timeout} s")
+        codes = wait_all([Rank(p) for p in procs], timeout)
         results = []
-        for rank, (p, path) in enumerate(zip(procs, paths)):
-            if p.exitcode != 0 or not os.path.exists(path):
+        for rank, (code, path) in enumerate(zip(codes, paths)):
+            if code != 0 or not os.path.exists(path):
                 with open(path + ".err") as err:
-                    raise AssertionError(f"rank {rank} exited {p.exitcode} with no result:\n{err.read()[-3000:]}")
+                    raise AssertionError(f"rank {rank} exited {code} with no result:\n{err.read()[-3000:]}")
             kind, value = torch.load(path, weights_only=True)
             if kind == "raised":
                 raise AssertionError(f"rank {rank} raised:\n{value}")

@@ -30,7 +30,7 @@ from deca_ds.runtime import trainer
 from deca_ds.runtime.options import parse_args
 from deca_ds.train import main as train_main
 from helpers import RANK_THREADS, free_port, run_script, torch_threads
-from ranks import Rank, start_rank
+from ranks import Rank, start_rank, wait_all
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = str(ROOT / "launch" / "train.py")
@@ -73,19 +73,6 @@ def start_ranks(args: list[str], world: int, logs: Path) -> list[Rank]:
                "DECA_RANK_THREADS": str(RANK_THREADS)}
         procs.append(start_rank(args, env, ROOT, logs / f"rank{rank}.out", logs / f"rank{rank}.err"))
     return procs
-
-
-def wait_all(procs, timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"ranks still running after {timeout} s")
-    return codes
 
 
 def last_step(out: Path, client: int = 0) -> int:

@@ -21,7 +21,8 @@ from deca_ds.runtime import trainer
 from deca_ds.runtime.evaluate import load_export
 from deca_ds.runtime.options import parse_args
 from helpers import torch_threads
-from test_runtime import PRESET, N, client_params, start_ranks, wait_all
+from ranks import wait_all
+from test_runtime import PRESET, N, client_params, start_ranks
 
 STEPS = 6
 RUN = ["--ds_config", PRESET, "--topology", "ring", "--steps", str(STEPS), "--micro-batch", "4", "--lr", "3e-3",

@@ -14,7 +14,8 @@ from deca_ds.runtime import outputs, trainer
 from deca_ds.train import STORE_LINGER_S
 from deca_ds.train import main as train_main
 from helpers import free_port
-from test_runtime import PRESET, start_ranks, wait_all
+from ranks import wait_all
+from test_runtime import PRESET, start_ranks
 
 TINY = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
         "--rounds", "1", "--micro-batch", "4", "--max-seq-len", "32", "--eval-limit", "16", "--timeout", "60"]

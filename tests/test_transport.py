@@ -158,7 +158,8 @@ def test_distributed_run_through_host_staging_equals_simulator(tmp_path, monkeyp
     from deca_ds.data import ClientStream
     from deca_ds.runtime import trainer
     from deca_ds.runtime.options import parse_args
-    from test_runtime import PRESET, client_params, start_ranks, wait_all
+    from ranks import wait_all
+    from test_runtime import PRESET, client_params, start_ranks
 
     run = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
            "--rounds", "1", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16",
@@ -241,7 +242,8 @@ def start_nodes(args: list[str], outs: list[Path], logs: Path) -> list:
 def test_two_nodes_with_separate_output_directories_summarize_and_resume(tmp_path):
     from safetensors.torch import load_file
 
-    from test_runtime import PRESET, wait_all
+    from ranks import wait_all
+    from test_runtime import PRESET
 
     run = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
            "--rounds", "1", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16",
