@@ -10,6 +10,8 @@ device memory in use (the CUDA context and other processes included).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 
 import torch
@@ -38,6 +40,20 @@ def rss_peak() -> int:
 def reset_rss_peak() -> None:
     """Set the high-water mark to the resident set now (Linux >= 4.0: write 5 to clear_refs)."""
     _CLEAR_REFS.write_text("5")
+
+
+def map_each_allocation(threshold: int = 64 * 1024) -> str:
+    """glibc malloc: every allocation of `threshold` bytes or more gets pages of its own, returned to
+    the system when it is freed, so the resident set rises by what a phase allocates, as
+    torch.cuda's allocated counter does. Left as it is, malloc raises the threshold as it frees
+    large chunks and serves later tensors from heap pages that are already resident (this
+    process's earlier frees, or in a forked process its parent's), and a phase measures low by
+    whatever it happened to reuse."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    M_MMAP_THRESHOLD = -3
+    if not libc.mallopt(M_MMAP_THRESHOLD, threshold):
+        raise RuntimeError("mallopt failed: the resident-set peaks need glibc's malloc")
+    return f"glibc malloc, a mapping for each allocation of {threshold} bytes or more (mallopt M_MMAP_THRESHOLD)"
 
 
 class PhasePeaks:

@@ -8,8 +8,9 @@ peaks.PhasePeaks, and the increment each one adds is compared with the term that
 
 DeepSpeed's engine setup is not run here: at stage 0 it wraps the module without copying it
 (the estimator counts nothing for it; a GPU run through launch/train.py measures it). On CPU the
-peak is the resident set's high-water mark (VmHWM), so the model must be large against the
-interpreter's own allocations; on a GPU (`--device cuda`) torch.cuda's allocated peak.
+peak is the resident set's high-water mark (VmHWM), with every tensor in pages of its own
+(peaks.map_each_allocation), so the model must be large against the interpreter's own
+allocations; on a GPU (`--device cuda`) torch.cuda's allocated peak.
 
     python profiling/setup_peaks.py --out profiling/results/cpu/setup_peaks.json
 """
@@ -26,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "profiling"))
 
-from peaks import PhasePeaks, rss  # noqa: E402
+from peaks import PhasePeaks, map_each_allocation, rss  # noqa: E402
 from report import emit, provenance  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -69,7 +70,7 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
         model = _from_config(config, dtype=DTYPES[dtype], seed=0).eval()
     before["optimizer"] = now()
     peaks.mark("optimizer")
-    DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))
+    optimizer = DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))  # held, as in a run
     ids = torch.randint(0, config.vocab_size, (eval_batch, seq_len), device=dev)
     labels = torch.full_like(ids, -100)
     labels[:, -1] = ids[:, -1]
@@ -80,6 +81,7 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
     with torch.no_grad():
         labelled_logits(model, batch)
     peaks.mark("end")
+    del optimizer
     key = "cuda_allocated_peak" if cuda else "rss_peak"
     measured = {r["phase"]: r[key] - before[r["phase"]] for r in peaks.rows if r["phase"] in before}
 
@@ -107,8 +109,10 @@ def main(argv=None) -> dict:
     p.add_argument("--out", help="JSON file to write")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    allocator = "the CUDA caching allocator" if args.device.startswith("cuda") else map_each_allocation()
     result = measure(tiny_config(args.hidden, args.layers, args.vocab), dtype=args.dtype,
                      eval_batch=args.eval_batch, seq_len=args.seq_len, device=args.device)
+    result["allocator"] = allocator
     result["provenance"] = provenance("setup_peaks.py", argv, cuda=args.device.startswith("cuda"), threads=1)
     emit(result, args.out, indent=1)
     return result
