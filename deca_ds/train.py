@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 
 from .runtime import cleanup
 from .runtime.options import build_parser, dump_config, resolve
 
-# How long rank 0, failing because of a peer, keeps the rendezvous store up for the others to
-# read the heartbeat board (they post their own failure within a few step times).
+# How long at most rank 0, failing because of a peer, keeps the rendezvous store up for the others
+# to read the heartbeat board (they post their own failure within a few step times).
 STORE_LINGER_S = 10.0
 
 
@@ -29,7 +28,7 @@ def _fail(err: Exception, *, peer: bool = False) -> None:
     print(f"\n[rank {rank}] error: {err}", file=sys.stderr, flush=True)
     if cleanup.installed():  # a rank process: exit now, whatever a destructor would wait for
         if rank == "0" and peer:
-            time.sleep(STORE_LINGER_S)  # the rendezvous store lives here: the others read the board from it
+            cleanup.linger(STORE_LINGER_S)  # the rendezvous store lives here: the others read the board from it
         cleanup.exit_now(1)
     sys.exit(1)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -27,6 +28,7 @@ from deca_ds.data import ClientStream
 from deca_ds.memory import offload_block_stream
 from deca_ds.models import tiny_llama
 from deca_ds.runtime import trainer
+from deca_ds.runtime.dist import ClientLayout, Heartbeat
 from deca_ds.runtime.options import parse_args
 from deca_ds.train import main as train_main
 from helpers import RANK_THREADS, free_port, run_script, torch_threads
@@ -221,6 +223,21 @@ def test_hung_peer_fails_every_rank_within_the_timeout(tmp_path):
         assert "client 1 (rank 1)" in err and "within 8 s" in err, err[-2000:]
     err = (tmp_path / "logs" / "rank3.err").read_text()
     assert "silent" in err and "client 1 (rank 1)" in err, err[-2000:]
+
+
+def test_heartbeat_board_names_the_silent_and_rank0_waits_only_for_its_readers():
+    """Rank 2 stopped at step 4; rank 1 reports its own failure and reads the board, then rank 0
+    does. Rank 0, which hosts the store, has then no one left to wait for: rank 1 has read and
+    rank 2 is silent. Before a rank has read, rank 0 waits for it (to the timeout)."""
+    store = dist.HashStore()
+    boards = [Heartbeat(store, ClientLayout(r, 3, 1)) for r in range(3)]
+    for r, step in enumerate([5, 5, 4]):
+        boards[r].beat(step)
+    assert boards[0].wait_for_readers(0.0) == [1, 2]
+    boards[1].silent_ranks(5, 0.0)
+    said = boards[0].silent_ranks(5, 0.0)
+    assert said == "silent for 0 s (dead or hung): client 2 (rank 2) at step 4", said
+    assert boards[0].wait_for_readers(60.0) == []
 
 
 def test_bad_world_layout_fails_on_every_rank(tmp_path):

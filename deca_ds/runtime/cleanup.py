@@ -18,11 +18,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 SHM = Path("/dev/shm")
-_SIGTERM: dict = {"describe": None}  # what the SIGTERM line says, set once the heartbeat board exists
+# what the SIGTERM line says, and how rank 0 waits for the others to read the heartbeat board
+# before its exit takes the store down: set once the board exists
+_SIGTERM: dict = {"describe": None, "linger": None}
 
 
 def shm_buffers(env: dict | None = None) -> list[Path]:
@@ -79,6 +82,16 @@ def installed() -> bool:
     return _SIGTERM.get("installed", False)
 
 
-def set_describe(describe: Callable[[], str]) -> None:
-    """What the SIGTERM line says (the heartbeat board's silent ranks), once it can be read."""
-    _SIGTERM["describe"] = describe
+def set_board(describe: Callable[[], str], linger: Callable[[float], object]) -> None:
+    """Once the heartbeat board can be read: what the SIGTERM line says (its silent ranks), and
+    how rank 0 waits, a given time at most, for the other ranks to read it."""
+    _SIGTERM["describe"], _SIGTERM["linger"] = describe, linger
+
+
+def linger(timeout_s: float) -> None:
+    """Rank 0, failing because of a peer: keep the store up until the others have read the board
+    (all of `timeout_s` when there is no board yet)."""
+    if _SIGTERM["linger"] is None:
+        time.sleep(timeout_s)
+    else:
+        _SIGTERM["linger"](timeout_s)

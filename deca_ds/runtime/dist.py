@@ -138,6 +138,7 @@ class Heartbeat:
 
     def __init__(self, store: dist.Store, layout: ClientLayout) -> None:
         self.store, self.layout = dist.PrefixStore("deca", store), layout
+        self.silent: set[int] = set()  # the ranks this one last found silent
 
     def beat(self, step: int) -> None:
         self.store.set(f"step/{self.layout.rank}", str(step))
@@ -156,13 +157,27 @@ class Heartbeat:
             before = self._board()
             time.sleep(grace_s)
             after = self._board()
+            self.store.set(f"read/{self.layout.rank}", str(step))
         except Exception:  # the store lives in rank 0: no answer means rank 0 is gone
             return f"the rendezvous store on {self._name(0)} does not answer: {self._name(0)} is down"
         silent = [r for r in after if r != self.layout.rank and not after[r][1] and after[r][0] == before[r][0]]
+        self.silent = set(silent)
         if not silent:
             return "every other rank is alive or has reported its own failure"
         return (f"silent for {grace_s:g} s (dead or hung): "
                 + ", ".join(f"{self._name(r)} at step {after[r][0]}" for r in silent))
+
+    def wait_for_readers(self, timeout_s: float) -> list[int]:
+        """Rank 0 hosts the store, so before it exits on a peer's failure it waits, `timeout_s` at
+        most, until every other rank it did not find silent has read the board; those that have
+        not by then."""
+        deadline = time.monotonic() + timeout_s
+        waiting = [r for r in range(self.layout.world_size) if r != self.layout.rank and r not in self.silent]
+        while True:
+            waiting = [r for r in waiting if not self.store.check([f"read/{r}"])]
+            if not waiting or time.monotonic() >= deadline:
+                return waiting
+            time.sleep(0.05)
 
     def _name(self, r: int) -> str:
         return f"client {r // self.layout.ranks_per_client} (rank {r})"

@@ -365,7 +365,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     model.to(device)
     optimizer = method.optimizer(model, mixer)
     # stopped by the launcher (another rank failed): name who went silent before exiting
-    cleanup.set_describe(lambda: heartbeat.silent_ranks(optimizer.global_step, 1.0))
+    cleanup.set_board(lambda: heartbeat.silent_ranks(optimizer.global_step, 1.0), heartbeat.wait_for_readers)
     prefix = None
     if offload.enabled:
         optimizer.before_activate = offload.activate
