@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from deca_ds.runtime.dist import torchrun_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,9 +37,7 @@ def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> 
     port = str(free_port())
     # stderr to files: a pipe would fill with a long run's progress bar and block the rank
     with tempfile.TemporaryDirectory() as logs:
-        procs = [start_rank(argv, {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks),
-                                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(ranks),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}, Path(logs) / f"{rank}.err")
+        procs = [start_rank(argv, {**os.environ, **torchrun_env(rank, ranks, port)}, Path(logs) / f"{rank}.err")
                  for rank in range(ranks)]
         deadline = time.monotonic() + timeout
         try:

@@ -28,7 +28,7 @@ from deca_ds.data import ClientStream
 from deca_ds.memory import offload_block_stream
 from deca_ds.models import tiny_llama
 from deca_ds.runtime import trainer
-from deca_ds.runtime.dist import ClientLayout, Heartbeat
+from deca_ds.runtime.dist import ClientLayout, Heartbeat, torchrun_env
 from deca_ds.runtime.options import parse_args
 from deca_ds.train import main as train_main
 from helpers import RANK_THREADS, free_port, run_script, torch_threads
@@ -70,9 +70,7 @@ def start_ranks(args: list[str], world: int, logs: Path) -> list[Rank]:
     port = str(free_port())
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "DECA_RANK_THREADS": str(RANK_THREADS)}
+        env = {**os.environ, **torchrun_env(rank, world, port), "DECA_RANK_THREADS": str(RANK_THREADS)}
         procs.append(start_rank(args, env, ROOT, logs / f"rank{rank}.out", logs / f"rank{rank}.err"))
     return procs
 

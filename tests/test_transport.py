@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from deca_ds import make_topology
 from deca_ds.mixing import InProcessMixer, mixing_order
-from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
+from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer, torchrun_env
 from deca_ds.runtime.options import RunOptions
 from deca_ds.runtime.transport import (
     HostStaging,
@@ -230,12 +230,9 @@ def start_nodes(args: list[str], outs: list[Path], logs: Path) -> list:
     logs.mkdir(parents=True, exist_ok=True)
     port, per_node, procs = str(free_port()), 2, []
     for rank in range(len(outs) * per_node):
-        node, local = divmod(rank, per_node)
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(outs) * per_node), "LOCAL_RANK": str(local),
-               "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port}
-        procs.append(start_rank([*args, "--output-dir", str(outs[node])], env, ROOT, logs / f"rank{rank}.out",
-                                logs / f"rank{rank}.err"))
+        env = {**os.environ, **torchrun_env(rank, len(outs) * per_node, port, per_node)}
+        procs.append(start_rank([*args, "--output-dir", str(outs[rank // per_node])], env, ROOT,
+                                logs / f"rank{rank}.out", logs / f"rank{rank}.err"))
     return procs
 
 

@@ -85,6 +85,16 @@ def rank_threads(local_ranks: int, device: torch.device) -> int | None:
     return max(1, (os.cpu_count() or 1) // local_ranks) if device.type == "cpu" else None
 
 
+def torchrun_env(rank: int, world_size: int, port: int | str, per_node: int | None = None) -> dict[str, str]:
+    """The variables torchrun gives `rank` of `world_size` ranks on nodes of `per_node` (all on one
+    node by default), its rendezvous on this machine's `port`: what init_process_group reads, for
+    tools and tests that start the ranks themselves."""
+    node, local = divmod(rank, per_node or world_size)
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(per_node or world_size), "GROUP_RANK": str(node),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def init_process_group(timeout_s: float, transport: str = "auto",
                        device_map: str = "auto") -> tuple[int, int, torch.device, dist.Store]:
     """Join the job started by deepspeed/torchrun over `transport` (resolve_transport: NCCL on GPUs
