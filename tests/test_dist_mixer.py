@@ -8,6 +8,7 @@ import torch.distributed as dist
 from deca_ds import make_topology
 from deca_ds.mixing import InProcessMixer, weighted_sum
 from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
+from deca_ds.runtime.transport import HostStaging
 from helpers import free_port
 from ranks import run_on_ranks
 
@@ -18,21 +19,26 @@ def payload(i: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(SIZE, generator=torch.Generator().manual_seed(i), dtype=torch.float64).to(dtype)
 
 
-def worker(rank: int, port: int, W: np.ndarray, chunk: int, transfer) -> tuple:
+def worker(rank: int, port: int, W: np.ndarray, chunk: int, transfer=None, staged: bool = False) -> dict:
+    """Rank `rank` of N mixes payload(rank), then exchanges it (DeCAF's path: every neighbor's
+    vector), directly or staged through host buffers (test_transport)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=N)
     try:
         layout = ClientLayout(rank, N, 1)
-        mixer = DistributedMixer(W, layout, ClientGroups(layout, W, 30.0), timeout_s=30.0,
-                                 transfer_dtype=transfer, chunk=chunk)
+        mixer = DistributedMixer(W, layout, ClientGroups(layout, W, 30.0), timeout_s=30.0, transfer_dtype=transfer,
+                                 chunk=chunk, staging=HostStaging(torch.device("cpu")) if staged else None)
         x_half = payload(rank)
         x_plus = mixer.mix(x_half)
-        return x_plus.clone(), x_plus.data_ptr() == x_half.data_ptr(), mixer.total_bytes_sent
+        mixed = {"x_plus": x_plus.clone(), "in_place": x_plus.data_ptr() == x_half.data_ptr(),
+                 "mix_bytes": mixer.total_bytes_sent}
+        terms = mixer.exchange(payload(rank))
+        return {**mixed, "terms": [(w, t.clone()) for w, t in terms], "bytes": mixer.total_bytes_sent}
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(W, chunk, transfer=None):
-    return run_on_ranks(worker, N, free_port(), W, chunk, transfer)
+def run_ranks(W, chunk, transfer=None, staged=False) -> list[dict]:
+    return run_on_ranks(worker, N, free_port(), W, chunk, transfer, staged)
 
 
 @pytest.mark.parametrize("chunk", [5, SIZE, 2**25])
@@ -42,21 +48,21 @@ def test_chunked_mix_equals_in_process_mixer_bit_for_bit(chunk):
     xs = [payload(i) for i in range(N)]
     want = [view.mix(x) for view, x in zip(InProcessMixer(W).views(xs), xs)]
     degree = [(W[i] > 0).sum() - 1 for i in range(N)]
-    for i, (x_plus, in_place, sent) in enumerate(got):
-        assert torch.equal(x_plus, want[i]), f"client {i}"
-        assert in_place, "x⁺ is written over x½ (no block-sized output buffer)"
-        assert sent == degree[i] * SIZE * 4
+    for i, r in enumerate(got):
+        assert torch.equal(r["x_plus"], want[i]), f"client {i}"
+        assert r["in_place"], "x⁺ is written over x½ (no block-sized output buffer)"
+        assert r["mix_bytes"] == degree[i] * SIZE * 4
     X = np.stack([payload(i).double().numpy() for i in range(N)])
-    np.testing.assert_allclose(np.stack([g[0].double().numpy() for g in got]), W @ X, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.stack([r["x_plus"].double().numpy() for r in got]), W @ X, rtol=1e-6, atol=1e-6)
 
 
 def test_chunked_mix_in_working_dtype_sends_half_the_bytes():
     W = make_topology("ring", N).W
     got = run_ranks(W, 5, transfer=torch.bfloat16)
     X = np.stack([payload(i).double().numpy() for i in range(N)])
-    for i, (x_plus, _, sent) in enumerate(got):
-        assert x_plus.dtype == torch.float32 and sent == 2 * SIZE * 2
-        np.testing.assert_allclose(x_plus.double().numpy(), W[i] @ X, rtol=1e-2, atol=1e-2)
+    for i, r in enumerate(got):
+        assert r["x_plus"].dtype == torch.float32 and r["mix_bytes"] == 2 * SIZE * 2
+        np.testing.assert_allclose(r["x_plus"].double().numpy(), W[i] @ X, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from deca_ds import make_topology
 from deca_ds.mixing import InProcessMixer, mixing_order
-from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer, torchrun_env
+from deca_ds.runtime.dist import torchrun_env
 from deca_ds.runtime.options import RunOptions
 from deca_ds.runtime.transport import (
     HostStaging,
@@ -26,11 +26,10 @@ from deca_ds.runtime.transport import (
     resolve_transport,
 )
 from helpers import free_port, run_script, torch_threads
-from ranks import run_on_ranks
+from test_dist_mixer import SIZE, N, payload, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
-N, SIZE = 4, 23
 
 
 # ---- layout rules ------------------------------------------------------------------------------
@@ -90,29 +89,6 @@ def test_two_ranks_of_one_client_on_one_gpu_are_refused_whatever_the_transport()
 
 # ---- the staged exchange on CPU ranks ----------------------------------------------------------
 
-def payload(i: int) -> torch.Tensor:
-    return torch.randn(SIZE, generator=torch.Generator().manual_seed(i), dtype=torch.float64).float()
-
-
-def staged_worker(rank: int, port: int, W: np.ndarray, chunk: int, staged: bool) -> tuple:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=N)
-    try:
-        layout = ClientLayout(rank, N, 1)
-        mixer = DistributedMixer(W, layout, ClientGroups(layout, W, 30.0), timeout_s=30.0, chunk=chunk,
-                                 staging=HostStaging(torch.device("cpu")) if staged else None)
-        x_half = payload(rank)
-        x_plus = mixer.mix(x_half)
-        terms = mixer.exchange(payload(rank))  # DeCAF's path: every neighbor's vector, staged too
-        return (x_plus.clone(), x_plus.data_ptr() == x_half.data_ptr(), mixer.total_bytes_sent,
-                [(w, t.clone()) for w, t in terms])
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(W, chunk, staged):
-    return run_on_ranks(staged_worker, N, free_port(), W, chunk, staged)
-
-
 @pytest.mark.parametrize("chunk", [5, 2**25])
 def test_staged_mix_equals_the_direct_exchange_bit_for_bit(chunk):
     """Chunks of 5 of a 23-element block: 5 chunks, the last one short, so both send slots and the
@@ -122,14 +98,14 @@ def test_staged_mix_equals_the_direct_exchange_bit_for_bit(chunk):
     xs = [payload(i) for i in range(N)]
     want = [view.mix(x) for view, x in zip(InProcessMixer(W).views(xs), xs)]
     X = np.stack([x.double().numpy() for x in xs])
-    for i, (x_plus, in_place, sent, terms) in enumerate(got):
-        assert torch.equal(x_plus, want[i]), f"client {i}"
-        assert in_place
-        assert sent == 2 * 2 * SIZE * 4  # ring: 2 neighbors, mix + exchange
+    for i, r in enumerate(got):
+        assert torch.equal(r["x_plus"], want[i]), f"client {i}"
+        assert r["in_place"]
+        assert r["bytes"] == 2 * 2 * SIZE * 4  # ring: 2 neighbors, mix + exchange
         order = mixing_order(W, i)
-        assert [w for w, _ in terms] == [float(W[i, j]) for j in order]
-        assert all(torch.equal(t, xs[j]) for (_, t), j in zip(terms, order))  # own + 2 neighbors, in order
-    np.testing.assert_allclose(np.stack([g[0].double().numpy() for g in got]), W @ X, rtol=1e-6, atol=1e-6)
+        assert [w for w, _ in r["terms"]] == [float(W[i, j]) for j in order]
+        assert all(torch.equal(t, xs[j]) for (_, t), j in zip(r["terms"], order))  # own + 2 neighbors, in order
+    np.testing.assert_allclose(np.stack([r["x_plus"].double().numpy() for r in got]), W @ X, rtol=1e-6, atol=1e-6)
 
 
 def test_host_staging_alternates_send_slots_and_reuses_buffers():
