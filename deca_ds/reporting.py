@@ -1,11 +1,16 @@
-"""What deca-estimate and the profiling tools write: <name>.md, .csv and .json side by side, and an
-Agg pyplot."""
+"""What deca-estimate, the profiling tools and the reproduction grid write: <name>.md, .csv and
+.json side by side, an Agg pyplot, and the provenance every result names."""
 
 from __future__ import annotations
 
 import csv
 import json
+import platform
+import subprocess
+from datetime import datetime, timezone
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_results(out: Path, name: str, *, markdown: str, rows: list[dict], payload: dict) -> None:
@@ -32,3 +37,32 @@ def pyplot():
 def setting(row: dict) -> str:
     """A result row's offload mode, with the decoder layers it keeps resident."""
     return row["offload"] + (f", keep {row['offload_keep']}" if row.get("offload_keep") else "")
+
+
+def commit(exclude: Path | None = None) -> str:
+    """HEAD's short hash, "+dirty" when tracked files differ from it (aside from those under
+    `exclude`, the result's own directory); "unknown" outside a checkout."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+
+    skip = [f":(exclude){Path(exclude).resolve()}"] if exclude is not None else []
+    try:
+        head = git("rev-parse", "--short=7", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", str(REPO), *skip) else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance(command: str, *, cuda: bool = False, cpu: str | None = None, exclude: Path | None = None) -> dict:
+    """What a result names: the command that made it, the UTC date, the commit of the code
+    (profiling/check_results.py compares it with the code's last change), the device (on CPU with
+    `cpu`, e.g. its thread count) and the versions."""
+    import torch
+
+    arch = platform.processor() or platform.machine()
+    return {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit(exclude),
+            "device": torch.cuda.get_device_name() if cuda else f"CPU ({arch}" + (f", {cpu})" if cpu else ")"),
+            "versions": {"torch": str(torch.__version__), "python": platform.python_version()}}

@@ -36,3 +36,18 @@ def test_results_older_than_their_code_are_stale():
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
     assert check_results.newer_commits(head, ["deca_ds"]) == []
+
+
+def test_provenance_names_the_checkout_s_head(tmp_path):
+    """A result's commit is HEAD's short hash, "+dirty" with uncommitted changes to tracked files
+    outside the result's own directory (`exclude`), which the result itself may be."""
+    from deca_ds import reporting
+
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.strip())
+    made = reporting.provenance("python profiling/x.py --out y", cpu="2 threads")
+    assert made["commit"] == head + ("+dirty" if dirty else "")
+    assert made["command"] == "python profiling/x.py --out y" and made["device"].endswith(", 2 threads)")
+    assert reporting.commit(exclude=ROOT) == head  # every change is inside `exclude`

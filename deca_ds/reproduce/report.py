@@ -12,14 +12,12 @@ import csv
 import io
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
+from .. import reporting
 from .cells import FINAL, METRICS, RUN_CONFIG, read_json
 from .grid import METHODS, Cell, Grid
 
@@ -170,27 +168,12 @@ TABLES = (
 
 
 def provenance(command: list[str] | None = None, *, outputs: Path | None = None) -> dict:
-    """The commit, UTC date, device, command and versions that made a result (uncommitted changes
-    flagged, except in `outputs`, the result's own directory)."""
+    """deca_ds.reporting.provenance of a grid's results (`outputs`, their directory, aside when
+    looking for uncommitted changes)."""
     import torch
 
-    from .cells import REPO
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-
-    commit = git("rev-parse", "HEAD")
-    skip = [f":(exclude){Path(outputs).resolve()}"] if outputs is not None else []
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", str(REPO), *skip))
-    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
-              else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
-    return {"commit": commit + (" (with uncommitted changes)" if dirty else ""),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device,
-            "command": " ".join(command if command is not None else [Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+    return reporting.provenance(" ".join(command if command is not None else [Path(sys.argv[0]).name, *sys.argv[1:]]),
+                                cuda=torch.cuda.is_available(), cpu=f"{os.cpu_count()} cores", exclude=outputs)
 
 
 def finished_results(grid: Grid) -> dict[Cell, dict]:
