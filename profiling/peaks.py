@@ -42,6 +42,18 @@ def reset_rss_peak() -> None:
     _CLEAR_REFS.write_text("5")
 
 
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+
+
+def mallopt(settings: dict[int, int], otherwise: str) -> None:
+    """Set glibc malloc's parameters {M_*: value} for this process; RuntimeError naming `otherwise`
+    (what to do instead) where there is no glibc."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not all(libc.mallopt(param, value) for param, value in settings.items()):
+        raise RuntimeError(f"mallopt failed: not glibc? {otherwise}")
+
+
 def map_each_allocation(threshold: int = 64 * 1024) -> str:
     """glibc malloc: every allocation of `threshold` bytes or more gets pages of its own, returned to
     the system when it is freed, so the resident set rises by what a phase allocates, as
@@ -49,10 +61,7 @@ def map_each_allocation(threshold: int = 64 * 1024) -> str:
     large chunks and serves later tensors from heap pages that are already resident (this
     process's earlier frees, or in a forked process its parent's), and a phase measures low by
     whatever it happened to reuse."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    M_MMAP_THRESHOLD = -3
-    if not libc.mallopt(M_MMAP_THRESHOLD, threshold):
-        raise RuntimeError("mallopt failed: the resident-set peaks need glibc's malloc")
+    mallopt({M_MMAP_THRESHOLD: threshold}, "the resident-set peaks need glibc's malloc")
     return f"glibc malloc, a mapping for each allocation of {threshold} bytes or more (mallopt M_MMAP_THRESHOLD)"
 
 

@@ -30,8 +30,6 @@ allocator reuses the buffer. By default the tool therefore asks glibc to keep fr
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +39,7 @@ import torch
 from deca_ds import DecaConfig, DecaOptimizer
 from deca_ds.config import parse_dtype
 from deca_ds.memory import load_config, meta_model
+from peaks import M_MMAP_MAX, M_TRIM_THRESHOLD, mallopt
 from report import provenance, write_results
 
 HERE = Path(__file__).resolve().parent
@@ -135,10 +134,7 @@ def measure(args, variant: str, update: str) -> dict:
 def keep_freed_memory() -> str:
     """glibc: serve every allocation from the heap and never trim it, so a freed buffer is reused
     without page faults, as a caching allocator does."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)):
-        raise RuntimeError("mallopt failed: not glibc? run with --system-allocator")
+    mallopt({M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}, "run with --system-allocator")
     return "glibc malloc keeping freed memory (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1)"
 
 
