@@ -10,7 +10,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the checkout: its commit, its launch/ scripts
 
 
 def write_results(out: Path, name: str, *, markdown: str, rows: list[dict], payload: dict) -> None:

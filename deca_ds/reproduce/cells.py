@@ -26,10 +26,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ..reporting import REPO
 from .grid import Cell, Grid, GridError
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def read_json(path: Path):
