@@ -73,12 +73,13 @@ def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
 
 def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
     model = str(pretrained[0])
-    grid = build_grid(tiny_grid(model), runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
+    # two cells at a time, as on this machine's two cores
+    grid = build_grid(tiny_grid(model, jobs=2), runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
     assert len(grid.cells) == 4
     # DECA's T·B·R = 1 round x 2 blocks (2 layers, 1 per block) x 2 steps; Dec-LoRA gets the same
     assert set(grid.budgets.values()) == {(4, 4)}
     status = run_grid(grid, log=lambda *_: None)
-    assert set(status.values()) == {"done"}, status
+    assert list(status) == [c.key for c in grid.cells] and set(status.values()) == {"done"}, status
     written = write_report(grid, command=["test"]) + write_figures(grid)
     names = {p.name for p in written}
     assert {"main.csv", "ablation.csv", "tables.md", "results.json", "loss_synthetic.png",
@@ -166,6 +167,9 @@ def test_smooth_is_a_trailing_mean():
     ({"options": {"model": "tiny", "clients": 3, "dirichlet_alpha": 0}}, r"dirichlet_alpha must be > 0"),
     ({"options": {"model": "tiny"}}, r"clients must be integers >= 1, got \[None\]"),
     ({"seeds": []}, r"seeds is empty"),
+    ({"jobs": 0}, r"jobs must be an integer >= 1, got 0"),
+    ({"backend": "deepspeed", "ds_config": "ds_configs/cpu_demo.json", "jobs": 2},
+     r"jobs 2: a cell of the deepspeed backend takes every GPU"),
 ])
 def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     with pytest.raises(GridError, match=message):
@@ -207,6 +211,7 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
         small = load_grid(f"reproduce/{name}.yaml", runs_dir=tmp_path)
         assert {c.clients for c in small.cells if "main" in c.tables} == {8}
         assert {c.options["dirichlet_alpha"] for c in small.cells} == {0.25}
+    assert small.jobs == 2
 
 
 def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):
@@ -217,6 +222,42 @@ def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):
     assert not (grid.cell_dir(grid.cells[0]) / "final.json").exists()
     todo, done = check_finished(grid)
     assert todo == grid.cells and done == []  # the next run tries it again
+
+
+def test_a_stopped_grid_stops_its_running_cells(tmp_path):
+    """launch/reproduce.py under SIGTERM (a scheduler's, or Ctrl-C's KeyboardInterrupt the same way)
+    stops both cells it runs at once, although each has a session of its own, and exits 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from test_runtime import ROOT
+
+    grid = tiny_grid("tiny", seeds=[0], jobs=2, runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
+    grid["options"]["steps_per_block"] = 100_000  # runs until stopped
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    log = open(tmp_path / "grid.log", "w")
+    cli = subprocess.Popen([sys.executable, "launch/reproduce.py", str(tmp_path / "grid.yaml")], cwd=ROOT,
+                           stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline and cli.poll() is None, (tmp_path / "grid.log").read_text()
+            cells = [p for p in psutil.Process(cli.pid).children(recursive=True)
+                     if "deca_ds.reproduce.cells" in p.cmdline()]
+            if len(cells) == 2:
+                break
+            time.sleep(0.2)
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert not [p for p in cells if p.is_running()]
+    assert not list((tmp_path / "runs").rglob("final.json"))
 
 
 def test_deepspeed_outputs_become_the_cell_files(tmp_path):

@@ -22,7 +22,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -83,11 +85,17 @@ def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
 
 
 def run_grid(grid: Grid, *, log=print) -> dict[str, str]:
-    """Run every unfinished cell; returns cell key -> 'done' / 'skipped' / 'failed: why'."""
+    """Run every unfinished cell, `grid.jobs` at a time; returns cell key -> 'done' / 'skipped' /
+    'failed: why' in the grid's order. Interrupted (Ctrl-C, or launch/reproduce.py's SIGTERM), it
+    stops every running cell with all the cell started before re-raising: a cell left running would
+    go on writing into the directory the next run starts afresh."""
     todo, done = check_finished(grid)
     status = {c.key: "skipped" for c in done}
-    log(f"{grid.name}: {len(grid.cells)} cells, {len(done)} finished, {len(todo)} to run ({grid.backend})")
-    for i, cell in enumerate(todo, 1):
+    log(f"{grid.name}: {len(grid.cells)} cells, {len(done)} finished, {len(todo)} to run ({grid.backend}"
+        + (f", {grid.jobs} at a time)" if grid.jobs > 1 else ")"))
+    running = Running()
+
+    def run(i: int, cell: Cell) -> str:
         d = grid.cell_dir(cell)
         if d.exists():
             shutil.rmtree(d)  # an unfinished earlier attempt: start clean
@@ -96,12 +104,72 @@ def run_grid(grid: Grid, *, log=print) -> dict[str, str]:
                               "budget": list(grid.budgets[cell.key])})
         start = time.perf_counter()
         log(f"[{i}/{len(todo)}] {cell.key} ...")
-        status[cell.key] = _run_one(grid, cell, d)
-        log(f"[{i}/{len(todo)}] {cell.key}: {status[cell.key]} ({time.perf_counter() - start:.0f} s)")
-    return status
+        result = _run_one(grid, cell, d, running)
+        log(f"[{i}/{len(todo)}] {cell.key}: {result} ({time.perf_counter() - start:.0f} s)")
+        return result
+
+    # threads only wait: each cell is a process of its own
+    with ThreadPoolExecutor(max_workers=grid.jobs) as pool:
+        futures = {cell.key: pool.submit(run, i, cell) for i, cell in enumerate(todo, 1)}
+        try:
+            for key, future in futures.items():
+                status[key] = future.result()
+        except BaseException:
+            for future in futures.values():
+                future.cancel()
+            running.stop_all()
+            raise
+    return {c.key: status[c.key] for c in grid.cells}
 
 
-def _run_one(grid: Grid, cell: Cell, d: Path) -> str:
+class Running:
+    """The cells' processes running now. Each has a session of its own (so a cell over its time is
+    stopped with every rank it started), which also keeps a terminal's Ctrl-C from reaching it: the
+    grid stops them itself."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self._stopped = False
+
+    def start(self, command: list[str], **kwargs) -> subprocess.Popen | None:
+        """The started process, or None once the grid is stopping."""
+        with self._lock:
+            if self._stopped:
+                return None
+            proc = subprocess.Popen(command, start_new_session=True, **kwargs)
+            self._procs.add(proc)
+            return proc
+
+    def wait(self, proc: subprocess.Popen, timeout_s: float) -> bool:
+        """Whether `proc` ended within `timeout_s`; if not, it is stopped with its session."""
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            kill_session(proc)
+            return False
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            self._stopped = True
+            procs = list(self._procs)
+        for proc in procs:
+            kill_session(proc)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # its session is gone already
+        pass
+    proc.wait(timeout=60)
+
+
+def _run_one(grid: Grid, cell: Cell, d: Path, running: Running) -> str:
     if grid.backend == "simulate":
         command = [sys.executable, "-m", "deca_ds.reproduce.cells", str(d)]
     else:
@@ -111,14 +179,11 @@ def _run_one(grid: Grid, cell: Cell, d: Path) -> str:
     if grid.threads:
         env["OMP_NUM_THREADS"] = str(grid.threads)
     with (d / LOG).open("w") as out:
-        # in the caller's directory: the grid's relative paths (runs, models, data) are read from there;
-        # a session of its own, so a cell over its time is stopped with everything it started (ranks)
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            proc.wait(timeout=grid.cell_timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
+        # in the caller's directory: the grid's relative paths (runs, models, data) are read from there
+        proc = running.start(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        if proc is None:
+            return "failed: the grid was stopped before this cell started"
+        if not running.wait(proc, grid.cell_timeout_s):
             return f"failed: over the cell time limit of {grid.cell_timeout_s:g} s (see {d / LOG})"
     if proc.returncode != 0:
         tail = (d / LOG).read_text().strip().splitlines()[-1:] or [""]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from functools import partial
 
@@ -17,12 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("grid", help="grid file (YAML), e.g. reproduce/cpu_synthetic.yaml")
     p.add_argument("--runs-dir", help="where the cells run (default: the grid's runs_dir)")
     p.add_argument("--results-dir", help="where tables and figures go (default: the grid's results_dir)")
+    p.add_argument("--jobs", type=int, help="cells run at once (simulate backend; default: the grid's jobs, else 1)")
     p.add_argument("--dry-run", action="store_true", help="check the grid and list its cells; run nothing")
     p.add_argument("--report-only", action="store_true", help="write tables and figures of the finished cells only")
     args = p.parse_args(argv)
     log = partial(print, flush=True)
     try:
-        grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir)
+        grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs)
         todo, done = check_finished(grid)
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
         log(f"{len(grid.cells)} cells, {len(todo)} to run ({grid.backend}, timeout {grid.cell_timeout_s:g} s per cell)")
         return 0
+    # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     status = {} if args.report_only else run_grid(grid, log=log)
     command = ["python", "launch/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
     for path in write_report(grid, command=command) + write_figures(grid):

@@ -93,6 +93,7 @@ class Grid:
     ds_config: str | None
     ranks: int  # deepspeed backend: ranks per cell (one per client unless ranks_per_client > 1)
     threads: int | None  # torch threads of each cell's process (None: torch's default)
+    jobs: int  # cells run at once (simulate backend only)
     deepspeed_args: list[str]  # the deepspeed launcher's arguments (default: --num_gpus <ranks of the cell>)
     source: dict = field(repr=False, default_factory=dict)
 
@@ -100,8 +101,8 @@ class Grid:
         return self.runs_dir / cell.key
 
 
-_TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "ds_config", "deepspeed_args",
-        "options", "tasks", "methods", "method_options", "seeds", "sweeps"}
+_TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "ds_config",
+        "deepspeed_args", "options", "tasks", "methods", "method_options", "seeds", "sweeps"}
 _SWEEP = {"table", "tasks", "seeds", "methods", *AXES}
 
 
@@ -177,17 +178,18 @@ def step_budget(options: dict, method: str) -> tuple[int | str, int]:
     return options["steps"], examples
 
 
-def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_dir: str | Path | None = None) -> Grid:
-    """Read and check a grid file; `runs_dir` / `results_dir` override the file's."""
+def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_dir: str | Path | None = None,
+              jobs: int | None = None) -> Grid:
+    """Read and check a grid file; `runs_dir`, `results_dir` and `jobs` override the file's."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise GridError(f"grid file {path} does not exist") from None
-    return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, where=str(path))
+    return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, where=str(path))
 
 
-def build_grid(data: dict, *, runs_dir=None, results_dir=None, where: str = "grid") -> Grid:
+def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where: str = "grid") -> Grid:
     _check_keys(where, data, _TOP)
     for key in ("tasks", "methods", "seeds"):
         if key not in data:
@@ -273,13 +275,19 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, where: str = "gri
     threads = data.get("threads", 1 if backend == "simulate" else None)
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise GridError(f"{where}: threads must be an integer >= 1 or null, got {threads!r}")
+    jobs = data.get("jobs", 1) if jobs is None else jobs
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise GridError(f"{where}: jobs must be an integer >= 1, got {jobs!r}")
+    if jobs > 1 and backend != "simulate":
+        raise GridError(f"{where}: jobs {jobs}: a cell of the deepspeed backend takes every GPU its launch names, so "
+                        "its cells run one at a time (jobs 1); run several grids with other deepspeed_args instead")
     timeout = data.get("cell_timeout_s", 3600)
     if not isinstance(timeout, (int, float)) or not timeout > 0:
         raise GridError(f"{where}: cell_timeout_s must be a number > 0, got {timeout!r}")
     return Grid(name=data.get("name", path_stem(where)), backend=backend, runs_dir=runs,
                 results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
                 cells=list(cells.values()), budgets=budgets,
-                cell_timeout_s=float(timeout), ds_config=ds_config, ranks=ranks, threads=threads,
+                cell_timeout_s=float(timeout), ds_config=ds_config, ranks=ranks, threads=threads, jobs=jobs,
                 deepspeed_args=[str(a) for a in data.get("deepspeed_args") or []], source=data)
 
 
