@@ -71,6 +71,25 @@ def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
     assert cosine[tokenizer.convert_tokens_to_ids("w3")].item() < 0.999
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"device": "gpu"}, r"device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    ({"device": "meta"}, r"device must be auto, cpu, cuda or cuda:N, got 'meta'"),
+    ({"steps": 0}, r"steps must be >= 1, got 0"),
+    ({"seq_len": 512}, r"seq_len 512 exceeds the model's max_position_embeddings"),
+    ({"dataset": "emotion"}, r"emotion"),
+])
+def test_bad_pretrain_options_are_refused(change, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        PretrainOptions(str(tmp_path / "out"), **change)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_pretrain_on_a_gpu_is_refused_where_none_is_visible(tmp_path):
+    with pytest.raises(ValueError, match="device cuda:0: no GPU is visible"):
+        PretrainOptions(str(tmp_path / "out"), device="cuda:0")
+
+
 def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
     model = str(pretrained[0])
     # two cells at a time, as on this machine's two cores
@@ -207,11 +226,11 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     # main: 7 methods x 2 seeds; one seed each for 2 more graphs x 4 methods, N = 16 x 4 and 2 more granularities
     assert len(synthetic.cells) == 14 + 8 + 4 + 2
     assert {c.seed for c in synthetic.cells if "topology" in c.tables} == {0}
-    for name in ("cpu_synthetic", "cpu_ag_news"):
+    for name in ("cpu_synthetic", "cpu_ag_news", "gpu_ag_news"):
         small = load_grid(f"reproduce/{name}.yaml", runs_dir=tmp_path)
         assert {c.clients for c in small.cells if "main" in c.tables} == {8}
         assert {c.options["dirichlet_alpha"] for c in small.cells} == {0.25}
-    assert small.jobs == 2
+    assert (small.jobs, len(small.cells)) == (4, 14)
 
 
 def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
             steps, examples = grid.budgets[cell.key]
             state = "finished" if cell in done else "to run"
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
-        log(f"{len(grid.cells)} cells, {len(todo)} to run ({grid.backend}, timeout {grid.cell_timeout_s:g} s per cell)")
+        log(f"{len(grid.cells)} cells, {len(todo)} to run ({grid.backend}, {grid.jobs} at a time, "
+            f"timeout {grid.cell_timeout_s:g} s per cell)")
         return 0
     # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -50,6 +50,7 @@ class PretrainOptions:
     lr: float = 3e-3
     warmup: int = 20
     seed: int = 0
+    device: str = "auto"  # auto: the first GPU if one is visible, else the CPU
     model: dict = field(default_factory=lambda: dict(SMALL_LLAMA))
 
     def __post_init__(self) -> None:
@@ -62,6 +63,20 @@ class PretrainOptions:
             raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_position_embeddings")
         # the task options are launch/train.py's: RunOptions checks them (dataset name, data_files form)
         RunOptions(dataset=self.dataset, data_files=self.data_files)
+        self.torch_device()
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: no GPU is visible to torch")
+        return device
 
 
 def training_text(opts: PretrainOptions) -> tuple[list[str], list[str]]:
@@ -98,22 +113,23 @@ def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = No
     start = time.perf_counter()
     prompts, keep = training_text(opts)
     tokenizer = build_tokenizer(prompts, keep, opts.vocab_size)
-    rows = packed_rows(tokenizer, prompts, opts.seq_len)
+    device = opts.torch_device()
+    rows = packed_rows(tokenizer, prompts, opts.seq_len).to(device)
     torch.manual_seed(opts.seed)
     model = LlamaForCausalLM(LlamaConfig(**{**SMALL_LLAMA, **opts.model}, vocab_size=len(tokenizer),
                                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                         bos_token_id=None))
+                                         bos_token_id=None)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
     # linear warmup, then cosine to zero
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, opts.warmup)) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / opts.steps))))
-    generator = torch.Generator().manual_seed(opts.seed)
+    generator = torch.Generator().manual_seed(opts.seed)  # on the CPU: the same rows on any device
     losses = []
     model.train()
-    unseen = torch.ones(len(tokenizer), dtype=torch.bool)
+    unseen = torch.ones(len(tokenizer), dtype=torch.bool, device=device)
     unseen[rows.unique()] = False
     for step in range(opts.steps):
-        batch = rows[torch.randint(len(rows), (opts.batch,), generator=generator)]
+        batch = rows[torch.randint(len(rows), (opts.batch,), generator=generator).to(device)]
         logits = model(input_ids=batch).logits[:, :-1].masked_fill(unseen, float("-inf"))
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         loss.backward()
@@ -149,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         default = PretrainOptions.__dataclass_fields__[name].default
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--lr", type=float, default=PretrainOptions.lr)
+    p.add_argument("--device", default=PretrainOptions.device, help="auto (default: the first GPU if one is "
+                   "visible, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--model", type=json.loads, default={}, help="JSON overrides of the Llama config, e.g. "
                    "'{\"hidden_size\": 256}'")
     args = vars(p.parse_args(argv))
