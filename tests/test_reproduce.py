@@ -279,6 +279,21 @@ def test_a_stopped_grid_stops_its_running_cells(tmp_path):
     assert not list((tmp_path / "runs").rglob("final.json"))
 
 
+def test_a_second_grid_run_on_the_same_runs_dir_is_refused(tmp_path):
+    """It would start afresh the cells the first one runs; the refusal names the first."""
+    import os
+
+    from deca_ds.reproduce.cells import runs_lock
+
+    grid = build_grid(tiny_grid("tiny", methods=["deca"], seeds=[0]), runs_dir=tmp_path / "runs")
+    with runs_lock(grid.runs_dir):
+        with pytest.raises(GridError, match=rf"runs is in use by another grid run \(pid {os.getpid()} on "):
+            run_grid(grid, log=lambda *_: None)
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [".grid.lock"]  # no cell was started
+    with runs_lock(grid.runs_dir):  # released with the first run
+        pass
+
+
 def test_deepspeed_outputs_become_the_cell_files(tmp_path):
     from deca_ds.reproduce.cells import collect_deepspeed
 

@@ -14,12 +14,14 @@ and converts its outputs to the same files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +34,7 @@ from ..reporting import REPO
 from .grid import Cell, Grid, GridError
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
+LOCK = ".grid.lock"  # in runs_dir, held by the grid run that runs its cells
 
 
 def read_json(path: Path):
@@ -89,6 +92,31 @@ def run_grid(grid: Grid, *, log=print) -> dict[str, str]:
     'failed: why' in the grid's order. Interrupted (Ctrl-C, or launch/reproduce.py's SIGTERM), it
     stops every running cell with all the cell started before re-raising: a cell left running would
     go on writing into the directory the next run starts afresh."""
+    with runs_lock(grid.runs_dir):
+        return _run_cells(grid, log)
+
+
+@contextlib.contextmanager
+def runs_lock(runs_dir: Path):
+    """One runner per runs directory: a second one would start afresh (delete) the cells the first
+    is running. flock's lock goes with its process, so a killed runner leaves none behind."""
+    import fcntl
+
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    with (runs_dir / LOCK).open("a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise GridError(f"{runs_dir} is in use by another grid run ({f.read().strip() or 'unknown'}); let it "
+                            "finish, stop it, or give another runs_dir") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        yield
+
+
+def _run_cells(grid: Grid, log) -> dict[str, str]:
     todo, done = check_finished(grid)
     status = {c.key: "skipped" for c in done}
     log(f"{grid.name}: {len(grid.cells)} cells, {len(done)} finished, {len(todo)} to run ({grid.backend}"

@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    status = {} if args.report_only else run_grid(grid, log=log)
+    try:
+        status = {} if args.report_only else run_grid(grid, log=log)
+    except GridError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     command = ["python", "launch/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
     for path in write_report(grid, command=command) + write_figures(grid):
         log(f"wrote {path}")
