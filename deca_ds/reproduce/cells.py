@@ -190,10 +190,11 @@ class Running:
 
 
 def kill_session(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # its session is gone already
-        pass
+    if proc.poll() is None:  # once reaped, its pid may be another process's
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # its session is gone already
+            pass
     proc.wait(timeout=60)
 
 
