@@ -85,3 +85,19 @@ def run_script(path: Path, *args: str) -> int:
 def run_script_in_fork(rank: int, path: Path, *args: str) -> int:
     """run_script in a forked process (ranks.run_on_ranks), for a script that changes process-wide state."""
     return run_script(path, *args)
+
+
+def descendants(pid: int, marker: str, *, recursive: bool = True) -> list:
+    """The processes below `pid` (psutil; its children only unless `recursive`) whose command line
+    holds `marker`. A short-lived helper (lscpu, say) may end between the listing and the read of
+    its command line: it is passed over."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(pid).children(recursive=recursive):
+        try:
+            if marker in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found

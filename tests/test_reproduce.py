@@ -246,6 +246,7 @@ def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):
 def test_a_stopped_grid_stops_its_running_cells(tmp_path):
     """launch/reproduce.py under SIGTERM (a scheduler's, or Ctrl-C's KeyboardInterrupt the same way)
     stops both cells it runs at once, although each has a session of its own, and exits 143."""
+    import contextlib
     import signal
     import subprocess
     import sys
@@ -253,6 +254,7 @@ def test_a_stopped_grid_stops_its_running_cells(tmp_path):
 
     import psutil
 
+    from helpers import descendants
     from test_runtime import ROOT
 
     grid = tiny_grid("tiny", seeds=[0], jobs=2, runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
@@ -261,37 +263,47 @@ def test_a_stopped_grid_stops_its_running_cells(tmp_path):
     log = open(tmp_path / "grid.log", "w")
     cli = subprocess.Popen([sys.executable, "launch/reproduce.py", str(tmp_path / "grid.yaml")], cwd=ROOT,
                            stdout=log, stderr=subprocess.STDOUT)
+    cells = []
     try:
         deadline = time.monotonic() + 120
-        while True:
+        while len(cells) < 2:
             assert time.monotonic() < deadline and cli.poll() is None, (tmp_path / "grid.log").read_text()
-            cells = [p for p in psutil.Process(cli.pid).children(recursive=True)
-                     if "deca_ds.reproduce.cells" in p.cmdline()]
-            if len(cells) == 2:
-                break
             time.sleep(0.2)
+            cells = descendants(cli.pid, "deca_ds.reproduce.cells", recursive=False)  # not a cell's forks
         cli.send_signal(signal.SIGTERM)
-        assert cli.wait(timeout=120) == 128 + signal.SIGTERM
-    finally:
+        code = cli.wait(timeout=120)
+        left = [p for p in cells if p.is_running()]
+    finally:  # whatever failed, no cell outlives the test
         if cli.poll() is None:
+            cells += descendants(cli.pid, "deca_ds.reproduce.cells", recursive=False)
             cli.kill()
-    assert not [p for p in cells if p.is_running()]
+        for p in cells:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    assert code == 128 + signal.SIGTERM, (tmp_path / "grid.log").read_text()
+    assert not left
     assert not list((tmp_path / "runs").rglob("final.json"))
 
 
-def test_a_second_grid_run_on_the_same_runs_dir_is_refused(tmp_path):
-    """It would start afresh the cells the first one runs; the refusal names the first."""
+def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path):
+    """Grid runs sharing a runs_dir split its cells: a cell claimed by one is neither run nor started
+    afresh (its directory deleted) by another, which names the holder; the claim ends with its holder."""
     import os
 
-    from deca_ds.reproduce.cells import runs_lock
+    from deca_ds.reproduce.cells import claim
 
     grid = build_grid(tiny_grid("tiny", methods=["deca"], seeds=[0]), runs_dir=tmp_path / "runs")
-    with runs_lock(grid.runs_dir):
-        with pytest.raises(GridError, match=rf"runs is in use by another grid run \(pid {os.getpid()} on "):
-            run_grid(grid, log=lambda *_: None)
-    assert [p.name for p in (tmp_path / "runs").iterdir()] == [".grid.lock"]  # no cell was started
-    with runs_lock(grid.runs_dir):  # released with the first run
-        pass
+    d = grid.cell_dir(grid.cells[0])
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("{}\n")  # the holder's cell, running
+    with claim(d) as holder:
+        assert holder is None
+        status = run_grid(grid, log=lambda *_: None)
+    assert list(status.values()) == [f"elsewhere: run by pid {os.getpid()} on {os.uname().nodename} since "
+                                     + status[grid.cells[0].key].split(" since ")[1]]
+    assert [p.name for p in d.iterdir()] == ["metrics.jsonl"]
+    with claim(d) as holder:
+        assert holder is None
 
 
 def test_deepspeed_outputs_become_the_cell_files(tmp_path):

@@ -310,10 +310,8 @@ def test_a_dead_or_stopped_rank_under_the_launcher_is_named_and_shm_is_freed(tmp
     import sys
     import time
 
-    import psutil
-
     from deca_ds.runtime import cleanup
-    from helpers import free_port
+    from helpers import descendants, free_port
     from test_runtime import LAUNCH, ROOT
 
     out, port = tmp_path / "run", str(free_port())
@@ -328,8 +326,7 @@ def test_a_dead_or_stopped_rank_under_the_launcher_is_named_and_shm_is_freed(tmp
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
             assert time.monotonic() < deadline and launcher.poll() is None, (tmp_path / "launcher.log").read_text()
             time.sleep(0.2)
-        victim = next(p for p in psutil.Process(launcher.pid).children(recursive=True)
-                      if "--local_rank=1" in p.cmdline())
+        victim = descendants(launcher.pid, "--local_rank=1")[0]
         victim.send_signal(getattr(signal, how))
         hit = time.monotonic()
         code = launcher.wait(timeout=timeout + 90)

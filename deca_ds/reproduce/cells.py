@@ -34,17 +34,22 @@ from ..reporting import REPO
 from .grid import Cell, Grid, GridError
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
-LOCK = ".grid.lock"  # in runs_dir, held by the grid run that runs its cells
 
 
 def read_json(path: Path):
     return json.loads(path.read_text())
 
 
+def write_text(path: Path, text: str) -> None:
+    """Whole or not at all: a reader never sees half a file, a killed run leaves no final.json, and
+    two grid runs writing the same table leave one of theirs (the temporary name is the process's)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, allow_nan=False))
-    os.replace(tmp, path)  # a reader never sees half a file; a killed run leaves no final.json
+    write_text(path, json.dumps(data, indent=2, allow_nan=False))
 
 
 def is_finished(cell_dir: Path) -> bool:
@@ -66,19 +71,26 @@ def settings_changed(saved: dict | None, now: dict) -> list[str]:
                   if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
 
 
+def finished_changes(grid: Grid, cell: Cell) -> list[str] | None:
+    """None while the cell is unfinished; once finished, the settings in which its results differ
+    from the grid's ([] when they are the grid's)."""
+    d = grid.cell_dir(cell)
+    if not is_finished(d):
+        return None
+    saved = read_json(d / CELL)["settings"] if (d / CELL).is_file() else None
+    return settings_changed(saved, cell.settings())
+
+
 def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
     """(cells to run, cells already finished with the same settings); raises when a finished cell's
     settings differ from the grid's, naming them, so no run overwrites a result."""
     todo, done, conflicts = [], [], []
     for cell in grid.cells:
-        d = grid.cell_dir(cell)
-        if not is_finished(d):
+        changed = finished_changes(grid, cell)
+        if changed is None:
             todo.append(cell)
-            continue
-        saved = read_json(d / CELL)["settings"] if (d / CELL).is_file() else None
-        changed = settings_changed(saved, cell.settings())
-        if changed:
-            conflicts.append(f"{d} ({', '.join(changed[:6])})")
+        elif changed:
+            conflicts.append(f"{grid.cell_dir(cell)} ({', '.join(changed[:6])})")
         else:
             done.append(cell)
     if conflicts:
@@ -89,34 +101,13 @@ def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
 
 def run_grid(grid: Grid, *, log=print) -> dict[str, str]:
     """Run every unfinished cell, `grid.jobs` at a time; returns cell key -> 'done' / 'skipped' /
-    'failed: why' in the grid's order. Interrupted (Ctrl-C, or launch/reproduce.py's SIGTERM), it
-    stops every running cell with all the cell started before re-raising: a cell left running would
-    go on writing into the directory the next run starts afresh."""
-    with runs_lock(grid.runs_dir):
-        return _run_cells(grid, log)
+    'elsewhere: who' (another grid run holds it) / 'failed: why', in the grid's order.
 
-
-@contextlib.contextmanager
-def runs_lock(runs_dir: Path):
-    """One runner per runs directory: a second one would start afresh (delete) the cells the first
-    is running. flock's lock goes with its process, so a killed runner leaves none behind."""
-    import fcntl
-
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    with (runs_dir / LOCK).open("a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise GridError(f"{runs_dir} is in use by another grid run ({f.read().strip() or 'unknown'}); let it "
-                            "finish, stop it, or give another runs_dir") from None
-        f.truncate(0)
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        f.flush()
-        yield
-
-
-def _run_cells(grid: Grid, log) -> dict[str, str]:
+    Several grid runs can work through one runs_dir (terminals, or jobs on nodes that share the file
+    system): each cell is claimed before it runs, so each is run by one of them. Interrupted
+    (Ctrl-C, or launch/reproduce.py's SIGTERM), a run stops every cell it runs, with all the cell
+    started, before re-raising: a cell left running would go on writing into a directory the next
+    run starts afresh."""
     todo, done = check_finished(grid)
     status = {c.key: "skipped" for c in done}
     log(f"{grid.name}: {len(grid.cells)} cells, {len(done)} finished, {len(todo)} to run ({grid.backend}"
@@ -125,16 +116,24 @@ def _run_cells(grid: Grid, log) -> dict[str, str]:
 
     def run(i: int, cell: Cell) -> str:
         d = grid.cell_dir(cell)
-        if d.exists():
-            shutil.rmtree(d)  # an unfinished earlier attempt: start clean
-        d.mkdir(parents=True)
-        write_json(d / CELL, {"settings": cell.settings(), "options": cell.options, "tables": list(cell.tables),
-                              "budget": list(grid.budgets[cell.key])})
-        start = time.perf_counter()
-        log(f"[{i}/{len(todo)}] {cell.key} ...")
-        result = _run_one(grid, cell, d, running)
-        log(f"[{i}/{len(todo)}] {cell.key}: {result} ({time.perf_counter() - start:.0f} s)")
-        return result
+        with claim(d) as holder:
+            if holder:
+                log(f"[{i}/{len(todo)}] {cell.key}: run by {holder}")
+                return f"elsewhere: run by {holder}"
+            changed = finished_changes(grid, cell)  # by another grid run, since this one looked
+            if changed is not None:
+                return f"failed: finished meanwhile with other settings ({', '.join(changed[:6])})" if changed \
+                    else "skipped"
+            if d.exists():
+                shutil.rmtree(d)  # an unfinished earlier attempt: start clean
+            d.mkdir(parents=True)
+            write_json(d / CELL, {"settings": cell.settings(), "options": cell.options, "tables": list(cell.tables),
+                                  "budget": list(grid.budgets[cell.key])})
+            start = time.perf_counter()
+            log(f"[{i}/{len(todo)}] {cell.key} ...")
+            result = _run_one(grid, cell, d, running)
+            log(f"[{i}/{len(todo)}] {cell.key}: {result} ({time.perf_counter() - start:.0f} s)")
+            return result
 
     # threads only wait: each cell is a process of its own
     with ThreadPoolExecutor(max_workers=grid.jobs) as pool:
@@ -148,6 +147,28 @@ def _run_cells(grid: Grid, log) -> dict[str, str]:
             running.stop_all()
             raise
     return {c.key: status[c.key] for c in grid.cells}
+
+
+@contextlib.contextmanager
+def claim(cell_dir: Path):
+    """Hold the cell for this grid run (yields None), or yield who holds it. The lock file sits beside
+    the cell's directory, which a run deletes when it starts the cell afresh; flock's lock goes with
+    its process, so a killed run leaves none behind."""
+    import fcntl
+
+    cell_dir.parent.mkdir(parents=True, exist_ok=True)
+    with (cell_dir.parent / f".{cell_dir.name}.lock").open("a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder = None
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another grid run"
+        if holder is None:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
+        yield holder
 
 
 class Running:

@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     command = ["python", "launch/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
     for path in write_report(grid, command=command) + write_figures(grid):
         log(f"wrote {path}")
+    elsewhere = sum(v.startswith("elsewhere") for v in status.values())
+    if elsewhere:
+        log(f"{elsewhere} cell(s) were running in other grid runs; their results join the tables once finished "
+            "(--report-only)")
     failed = {k: v for k, v in status.items() if v.startswith("failed")}
     for key, why in failed.items():
         log(f"{key}: {why}")

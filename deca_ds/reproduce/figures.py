@@ -5,6 +5,7 @@ Only the main table's cells are drawn: one comparison per task."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +77,9 @@ def write_figures(grid: Grid, *, window: int = 8) -> list[Path]:
             ax.grid(alpha=0.3)
             fig.tight_layout()
             path = out / f"{name}_{task}.png"
-            fig.savefig(path, dpi=110)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole or not at all, as cells.write_text
+            fig.savefig(tmp, dpi=110, format="png")
+            os.replace(tmp, path)
             plt.close(fig)
             written.append(path)
     return written

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import reporting
-from .cells import FINAL, METRICS, RUN_CONFIG, read_json
+from .cells import FINAL, METRICS, RUN_CONFIG, read_json, write_text
 from .grid import METHODS, Cell, Grid
 
 LABELS = {"deca": "DECA", "trivial_bma": "w/ trivial BMA", "no_bma": "w/o BMA", "dadam": "D-Adam (full, no blocks)",
@@ -195,10 +195,10 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
             continue
         markdown.append(to_markdown(table))
         path = out / f"{name}.csv"
-        path.write_text(to_csv(table))
+        write_text(path, to_csv(table))
         written.append(path)
     path = out / "tables.md"
-    path.write_text("\n".join(markdown))
+    write_text(path, "\n".join(markdown))
     written.append(path)
     cells = []
     for c in grid.cells:
@@ -219,11 +219,11 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
         made = Path(model) / "pretrain.json"  # the scaled protocol's checkpoint: how it was trained
         if made.is_file():
             path = out / f"pretrain_{Path(model).name}.json"
-            path.write_text(made.read_text())
+            write_text(path, made.read_text())
             written.append(path)
     path = out / "results.json"
     record = {"grid": grid.name, "source": grid.source, "provenance": provenance(command, outputs=out), "cells": cells}
-    path.write_text(json.dumps(record, indent=1, allow_nan=False))
+    write_text(path, json.dumps(record, indent=1, allow_nan=False))
     written.append(path)
     return written
 
