@@ -285,25 +285,32 @@ def test_a_stopped_grid_stops_its_running_cells(tmp_path):
     assert not list((tmp_path / "runs").rglob("final.json"))
 
 
-def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path):
+def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path, capsys):
     """Grid runs sharing a runs_dir split its cells: a cell claimed by one is neither run nor started
     afresh (its directory deleted) by another, which names the holder; the claim ends with its holder."""
     import os
 
     from deca_ds.reproduce.cells import claim
+    from deca_ds.reproduce.cli import main
 
     grid = build_grid(tiny_grid("tiny", methods=["deca"], seeds=[0]), runs_dir=tmp_path / "runs")
     d = grid.cell_dir(grid.cells[0])
     d.mkdir(parents=True)
-    (d / "metrics.jsonl").write_text("{}\n")  # the holder's cell, running
-    with claim(d) as holder:
-        assert holder is None
+    (d / "metrics.jsonl").write_text("{}\n")  # the holder's cell, one step in
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(tiny_grid("tiny", methods=["deca"], seeds=[0])))
+    with claim(d) as held:
+        assert held is None
         status = run_grid(grid, log=lambda *_: None)
-    assert list(status.values()) == [f"elsewhere: run by pid {os.getpid()} on {os.uname().nodename} since "
-                                     + status[grid.cells[0].key].split(" since ")[1]]
+        assert main([str(tmp_path / "grid.yaml"), "--runs-dir", str(tmp_path / "runs"), "--dry-run"]) == 0
+    me = f"pid {os.getpid()} on {os.uname().nodename} since "
+    assert list(status.values()) == [f"elsewhere: run by {me}" + status[grid.cells[0].key].split(" since ")[1]]
     assert [p.name for p in d.iterdir()] == ["metrics.jsonl"]
-    with claim(d) as holder:
-        assert holder is None
+    # the dry run says where the cell runs and how far it is
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(grid.cells[0].key))
+    assert line.startswith(f"{grid.cells[0].key}: 8 steps x 4 examples per client step, tables ['main'], "
+                           f"running ({me}") and line.endswith("), step 1 of 8"), line
+    with claim(d) as held:  # the claim ended with its holder
+        assert held is None
 
 
 def test_deepspeed_outputs_become_the_cell_files(tmp_path):

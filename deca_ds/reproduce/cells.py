@@ -157,7 +157,7 @@ def claim(cell_dir: Path):
     import fcntl
 
     cell_dir.parent.mkdir(parents=True, exist_ok=True)
-    with (cell_dir.parent / f".{cell_dir.name}.lock").open("a+") as f:
+    with _lock_file(cell_dir).open("a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             holder = None
@@ -169,6 +169,39 @@ def claim(cell_dir: Path):
             f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             f.flush()
         yield holder
+
+
+def _lock_file(cell_dir: Path) -> Path:
+    return cell_dir.parent / f".{cell_dir.name}.lock"
+
+
+def holder(cell_dir: Path) -> str | None:
+    """Who holds the cell now (claim's words), or None; writes nothing. A shared lock taken and
+    dropped at once: a run claiming the cell in that same instant finds it held and leaves it."""
+    import fcntl
+
+    try:
+        f = _lock_file(cell_dir).open()
+    except FileNotFoundError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another grid run"
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return None
+
+
+def steps_done(cell_dir: Path) -> int:
+    """Model update steps a cell has logged: its metrics.jsonl (simulate), or launch/train.py's
+    first client's metrics (deepspeed) while it runs."""
+    from ..runtime.metrics import metrics_path
+
+    for path in (cell_dir / METRICS, metrics_path(cell_dir / "train", 0)):
+        if path.is_file():
+            return sum(1 for line in path.read_text().splitlines() if line)
+    return 0
 
 
 class Running:

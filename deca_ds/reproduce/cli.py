@@ -7,7 +7,7 @@ import signal
 import sys
 from functools import partial
 
-from .cells import check_finished, run_grid
+from .cells import check_finished, holder, run_grid, steps_done
 from .figures import write_figures
 from .grid import GridError, load_grid
 from .report import write_report
@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", help="where the cells run (default: the grid's runs_dir)")
     p.add_argument("--results-dir", help="where tables and figures go (default: the grid's results_dir)")
     p.add_argument("--jobs", type=int, help="cells run at once (simulate backend; default: the grid's jobs, else 1)")
-    p.add_argument("--dry-run", action="store_true", help="check the grid and list its cells; run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the grid and list its cells (finished, running where and how far, to run); run nothing")
     p.add_argument("--report-only", action="store_true", help="write tables and figures of the finished cells only")
     args = p.parse_args(argv)
     log = partial(print, flush=True)
@@ -32,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for cell in grid.cells:
             steps, examples = grid.budgets[cell.key]
-            state = "finished" if cell in done else "to run"
+            held = None if cell in done else holder(grid.cell_dir(cell))
+            state = ("finished" if cell in done else "to run" if held is None else
+                     f"running ({held}), step {steps_done(grid.cell_dir(cell))} of {steps}")
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
         log(f"{len(grid.cells)} cells, {len(todo)} to run ({grid.backend}, {grid.jobs} at a time, "
             f"timeout {grid.cell_timeout_s:g} s per cell)")
