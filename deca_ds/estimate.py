@@ -18,7 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .reporting import pyplot, setting, write_results
+from .reporting import pyplot, save_figure, setting, write_results
 
 
 def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = None,
@@ -239,9 +239,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.9))
     ax.set_ylim(0, max(max(gib(c) for c in GPUS.values()), max(gib(r["peak"]) for r in rows)) * 1.08)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = None, out: str = "estimate") -> int:

@@ -1,10 +1,11 @@
-"""What deca-estimate, the profiling tools and the reproduction grid write: <name>.md, .csv and
-.json side by side, an Agg pyplot, and the provenance every result names."""
+"""What deca-estimate, the profiling tools, the reproduction grid and a run's summary write:
+<name>.md, .csv and .json side by side, figures (Agg pyplot), and the provenance every result names."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import subprocess
 from datetime import datetime, timezone
@@ -32,6 +33,18 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: Path, *, dpi: int = 120) -> None:
+    """Laid out, written whole (a temporary name, then renamed: a reader never sees half a PNG, and
+    two writers leave one of theirs) and closed."""
+    plt = pyplot()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, dpi=dpi, format="png")
+    os.replace(tmp, path)
+    plt.close(fig)
 
 
 def setting(row: dict) -> str:

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds import DecaConfig, DecaOptimizer
-from report import provenance, pyplot, write_results
+from report import provenance, pyplot, save_figure, write_results
 
 
 def parse_args(argv=None):
@@ -114,9 +114,7 @@ def write(summary: dict, out: Path) -> None:
     ax.set_ylabel("backward (ms, median)")
     ax.set_title(f"Backward stops at the active block (ratio per round {summary['measured_ratio']:.2f})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "backward_cost.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "backward_cost.png")
 
 
 if __name__ == "__main__":

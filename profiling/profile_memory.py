@@ -29,7 +29,7 @@ import torch
 import runs
 from deca_ds.memory import OFFLOAD_MODES, GiB
 from deca_ds.runtime.options import estimate_run
-from report import provenance, pyplot, setting, write_results
+from report import provenance, pyplot, save_figure, setting, write_results
 from runs import ROOT
 
 
@@ -172,9 +172,7 @@ def write(summary: dict, out: Path, name: str) -> None:
     ax.set_ylabel(f"GiB ({rows[0]['kind']})")
     ax.set_title(f"DECA memory per client ({summary['device']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / f"{name}.png")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import runs
-from report import provenance, pyplot, write_results
+from report import provenance, pyplot, save_figure, write_results
 from runs import ROOT
 
 METHODS = ("deca", "dadam", "dec_lora", "dec_adapter", "decaf")
@@ -143,9 +143,7 @@ def write(summary: dict, out: Path, name: str) -> None:
     ax.set_ylabel("ms per step (median)")
     ax.set_title(f"Per-step cost per client ({summary['device']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / f"{name}.png")
 
 
 if __name__ == "__main__":

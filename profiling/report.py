@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from deca_ds import reporting
-from deca_ds.reporting import pyplot, setting, write_results
+from deca_ds.reporting import pyplot, save_figure, setting, write_results
 
-__all__ = ["emit", "provenance", "pyplot", "setting", "write_results"]
+__all__ = ["emit", "provenance", "pyplot", "save_figure", "setting", "write_results"]
 
 
 def provenance(tool: str, argv: list[str] | None, *, cuda: bool = False, threads: int | None = None) -> dict:

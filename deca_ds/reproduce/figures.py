@@ -5,22 +5,13 @@ Only the main table's cells are drawn: one comparison per task."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
+from ..reporting import pyplot, save_figure
 from .grid import METHODS, Cell, Grid
 from .report import LABELS, finished_results, losses
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def series(grid: Grid, cells: list[Cell], key: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -41,7 +32,7 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def write_figures(grid: Grid, *, window: int = 8) -> list[Path]:
-    plt = _pyplot()
+    plt = pyplot()
     out = grid.results_dir
     out.mkdir(parents=True, exist_ok=True)
     done = [c for c in finished_results(grid) if "main" in c.tables]
@@ -75,11 +66,7 @@ def write_figures(grid: Grid, *, window: int = 8) -> list[Path]:
             ax.set_title(f"{grid.name}: {task} ({setting}; {what})", fontsize=9)
             ax.legend(fontsize="small")
             ax.grid(alpha=0.3)
-            fig.tight_layout()
             path = out / f"{name}_{task}.png"
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole or not at all, as cells.write_text
-            fig.savefig(tmp, dpi=110, format="png")
-            os.replace(tmp, path)
-            plt.close(fig)
+            save_figure(fig, path, dpi=110)
             written.append(path)
     return written

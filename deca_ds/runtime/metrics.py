@@ -89,12 +89,9 @@ def summary_table(summary: dict) -> str:
 
 
 def plot_losses(records: list[list[dict]], path: Path, window: int = 10, title: str = "deca") -> None:
-    import matplotlib
+    from ..reporting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for c, recs in enumerate(records):
         steps = np.array([r["step"] for r in recs])
         loss = np.array([r["loss"] for r in recs])
@@ -108,6 +105,4 @@ def plot_losses(records: list[list[dict]], path: Path, window: int = 10, title: 
     ax.set_ylabel("training loss")
     ax.set_title(f"{title} training loss ({len(records)} clients; bold: {window}-step mean)")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
