@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "profiling"))
 
 import profile_memory  # noqa: E402
+import runs  # noqa: E402
 from report import provenance  # noqa: E402
 
 TARGET_RATIO = 1.5
@@ -50,20 +51,15 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "profile_bf16.json"))
     p.add_argument("--preset", default=str(ROOT / "ds_configs" / "rtxpro6000_llama-3.1-8b.json"),
                    help="the preset whose deca.steps_per_block is R")
     p.add_argument("--steps-per-block", type=int, help="R (default: the preset's)")
     p.add_argument("--resident", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the resident step")
     p.add_argument("--keep", type=int, nargs="*", default=[0, 4, 5, 6], help="--offload-keep values")
-    p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--work-dir", default="/tmp/deca_offload_sweep")
     p.add_argument("--out", default=str(ROOT / "profiling" / "results" / "offload_sweep.json"))
     p.add_argument("--merge", action="store_true", help="keep the rows of other settings already in --out")
-    p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[])
+    runs.add_run_args(p, work_dir="/tmp/deca_offload_sweep", ds_config="profile_bf16.json", ranks=1)
     args = p.parse_args(argv)
     R = args.steps_per_block or preset_steps_per_block(args.preset)
     rows = []

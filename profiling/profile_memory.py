@@ -35,8 +35,6 @@ from runs import ROOT
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "cpu_demo.json"))
-    p.add_argument("--ranks", type=int, default=4, help="ranks on this machine (one client each)")
     p.add_argument("--layers-per-block", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--offload", nargs="+", choices=OFFLOAD_MODES, default=["none"])
     p.add_argument("--offload-keep", type=int, nargs="+", default=[0], metavar="N",
@@ -44,13 +42,9 @@ def parse_args(argv=None):
                         "a run for each")
     p.add_argument("--steps-per-block", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=2, help="first steps of each client left out of the step time")
-    p.add_argument("--work-dir", default="/tmp/deca_profile_memory", help="where the runs' outputs go")
     p.add_argument("--out", default=str(ROOT / "profiling" / "results"))
     p.add_argument("--name", default="profile_memory", help="base name of the result files")
-    p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
-                   help="everything after this goes to launch/train.py unchanged")
+    runs.add_run_args(p, work_dir="/tmp/deca_profile_memory")
     return p.parse_args(argv)
 
 

@@ -33,20 +33,14 @@ LABELS = {"deca": "DECA", "dadam": "D-Adam", "dec_lora": "Dec-LoRA", "dec_adapte
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "cpu_demo.json"))
-    p.add_argument("--ranks", type=int, default=4, help="ranks on this machine (one client each)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--updates", nargs="+", default=["eager"], choices=["eager", "fused"],
                    help="the optimizers' update: PyTorch's eager ops, or --fused-update (torch.compile'd kernels; "
                         "compiled in the warm-up steps); every method runs once per choice")
     p.add_argument("--steps-per-block", type=int, default=8, help="DECA's R; the baselines take as many steps")
-    p.add_argument("--warmup", type=int, default=3, help="first steps of each client left out of the medians")
-    p.add_argument("--work-dir", default="/tmp/deca_profile_resources", help="where the runs' outputs go")
     p.add_argument("--out", default=str(ROOT / "profiling" / "results"))
     p.add_argument("--name", default="profile_resources", help="base name of the result files")
-    p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
-                   help="everything after this goes to launch/train.py unchanged (every method)")
+    runs.add_run_args(p, work_dir="/tmp/deca_profile_resources", warmup=3)
     return p.parse_args(argv)
 
 

@@ -17,6 +17,20 @@ from deca_ds.runtime.dist import torchrun_env
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def add_run_args(p, *, work_dir: str, ds_config: str = "cpu_demo.json", ranks: int = 4, warmup: int = 2) -> None:
+    """The options of a tool that measures launch/train.py runs: the DeepSpeed config, the ranks, the
+    steps left out, where the runs go, their time limit, and what else train.py is given."""
+    import argparse
+
+    p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / ds_config))
+    p.add_argument("--ranks", type=int, default=ranks, help="ranks on this machine (one client each)")
+    p.add_argument("--warmup", type=int, default=warmup, help="first steps of each client left out of the timings")
+    p.add_argument("--work-dir", default=work_dir, help="where the runs' outputs go")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds a run may take")
+    p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
+                   help="everything after this goes to launch/train.py unchanged (every run)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
