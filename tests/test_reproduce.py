@@ -313,6 +313,33 @@ def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path, capsys):
         assert held is None
 
 
+def test_two_grid_runs_on_one_runs_dir_run_each_cell_once(tmp_path):
+    """However the two runs interleave, each cell is started by exactly one of them and finishes."""
+    import subprocess
+    import sys
+
+    from test_runtime import ROOT
+
+    grid = tiny_grid("tiny", runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
+    grid["options"].update(steps_per_block=1, eval_limit=8)
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    logs = [tmp_path / f"run{i}.log" for i in range(2)]
+    runs = [subprocess.Popen([sys.executable, "launch/reproduce.py", str(tmp_path / "grid.yaml")], cwd=ROOT,
+                             stdout=log.open("w"), stderr=subprocess.STDOUT) for log in logs]
+    try:
+        codes = [run.wait(timeout=600) for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+    text = "".join(log.read_text() for log in logs)
+    assert codes == [0, 0], text
+    keys = [c.key for c in build_grid(grid).cells]
+    started = [line.split("] ")[1].removesuffix(" ...") for line in text.splitlines() if line.endswith(" ...")]
+    assert sorted(started) == sorted(keys), text
+    assert all((tmp_path / "runs" / key / "final.json").is_file() for key in keys)
+
+
 def test_deepspeed_outputs_become_the_cell_files(tmp_path):
     from deca_ds.reproduce.cells import collect_deepspeed
 
