@@ -5,7 +5,8 @@ resolved: topology, client sizes, trainable parameters, budget), metrics.jsonl (
 model update step: the clients' mean training loss, and the consensus distance every
 `consensus_interval` steps) and, once it has finished, final.json (accuracy and macro-F1 of the
 consensus model x̄, losses, wall time). A cell with final.json and the same settings is skipped;
-one with other settings stops the grid before anything runs.
+one with other settings stops the grid before anything runs. A grid run claims a cell (a lock
+file beside its directory, .<seed>.lock) before it runs it, so that several runs can share a grid.
 
 Backends: `simulate` runs the N clients of a cell in one process through deca_ds.simulate (small
 models, many clients on one device); `deepspeed` runs launch/train.py with one rank per client
@@ -116,10 +117,10 @@ def run_grid(grid: Grid, *, log=print) -> dict[str, str]:
 
     def run(i: int, cell: Cell) -> str:
         d = grid.cell_dir(cell)
-        with claim(d) as holder:
-            if holder:
-                log(f"[{i}/{len(todo)}] {cell.key}: run by {holder}")
-                return f"elsewhere: run by {holder}"
+        with claim(d) as held:
+            if held:
+                log(f"[{i}/{len(todo)}] {cell.key}: run by {held}")
+                return f"elsewhere: run by {held}"
             changed = finished_changes(grid, cell)  # by another grid run, since this one looked
             if changed is not None:
                 return f"failed: finished meanwhile with other settings ({', '.join(changed[:6])})" if changed \
