@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import platform
 import subprocess
 from datetime import datetime, timezone
@@ -36,15 +35,13 @@ def pyplot():
 
 
 def save_figure(fig, path: Path, *, dpi: int = 120) -> None:
-    """Laid out, written whole (a temporary name, then renamed: a reader never sees half a PNG, and
-    two writers leave one of theirs) and closed."""
-    plt = pyplot()
+    """Laid out, written whole (checkpoint.atomic_write: a reader never sees half a PNG, and two
+    writers leave one of theirs) and closed."""
+    from .runtime.checkpoint import atomic_write
+
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fig.savefig(tmp, dpi=dpi, format="png")
-    os.replace(tmp, path)
-    plt.close(fig)
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    pyplot().close(fig)
 
 
 def setting(row: dict) -> str:

@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..reporting import REPO
+from ..runtime.checkpoint import atomic_write
 from .grid import Cell, Grid, GridError
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
@@ -42,11 +43,9 @@ def read_json(path: Path):
 
 
 def write_text(path: Path, text: str) -> None:
-    """Whole or not at all: a reader never sees half a file, a killed run leaves no final.json, and
-    two grid runs writing the same table leave one of theirs (the temporary name is the process's)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Whole or not at all (checkpoint.atomic_write): a reader never sees half a file, a killed run
+    leaves no final.json, and two grid runs writing the same table leave one of theirs."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def write_json(path: Path, data) -> None:
