@@ -243,26 +243,33 @@ def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):
     assert todo == grid.cells and done == []  # the next run tries it again
 
 
+def start_reproduce(grid_file, log):
+    """launch/reproduce.py on `grid_file` in its own process, its output in the file `log`."""
+    import subprocess
+    import sys
+
+    from test_runtime import ROOT
+
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "launch/reproduce.py", str(grid_file)], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
 def test_a_stopped_grid_stops_its_running_cells(tmp_path):
     """launch/reproduce.py under SIGTERM (a scheduler's, or Ctrl-C's KeyboardInterrupt the same way)
     stops both cells it runs at once, although each has a session of its own, and exits 143."""
     import contextlib
     import signal
-    import subprocess
-    import sys
     import time
 
     import psutil
 
     from helpers import descendants
-    from test_runtime import ROOT
 
     grid = tiny_grid("tiny", seeds=[0], jobs=2, runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
     grid["options"]["steps_per_block"] = 100_000  # runs until stopped
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
-    log = open(tmp_path / "grid.log", "w")
-    cli = subprocess.Popen([sys.executable, "launch/reproduce.py", str(tmp_path / "grid.yaml")], cwd=ROOT,
-                           stdout=log, stderr=subprocess.STDOUT)
+    cli = start_reproduce(tmp_path / "grid.yaml", tmp_path / "grid.log")
     cells = []
     try:
         deadline = time.monotonic() + 120
@@ -315,17 +322,11 @@ def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path, capsys):
 
 def test_two_grid_runs_on_one_runs_dir_run_each_cell_once(tmp_path):
     """However the two runs interleave, each cell is started by exactly one of them and finishes."""
-    import subprocess
-    import sys
-
-    from test_runtime import ROOT
-
     grid = tiny_grid("tiny", runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
     grid["options"].update(steps_per_block=1, eval_limit=8)
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
     logs = [tmp_path / f"run{i}.log" for i in range(2)]
-    runs = [subprocess.Popen([sys.executable, "launch/reproduce.py", str(tmp_path / "grid.yaml")], cwd=ROOT,
-                             stdout=log.open("w"), stderr=subprocess.STDOUT) for log in logs]
+    runs = [start_reproduce(tmp_path / "grid.yaml", log) for log in logs]
     try:
         codes = [run.wait(timeout=600) for run in runs]
     finally:
