@@ -309,6 +309,7 @@ def load_task(
     cache_dir: str | None = None,
     holdout: int = 500,
     seed: int = 0,
+    labels_from: Literal["train", "test"] = "train",
 ) -> LoadedTask:
     """A task's train and test records, by registered name (from the hub or its cache) and/or
     from local files `data_files={"train": path, "test": path}` (loader from the suffix:
@@ -317,8 +318,10 @@ def load_task(
 
     Labels may be ints (indices into label_names) or strings (exactly one of label_names). Without
     label_names a ClassLabel column gives its names, and string labels their sorted distinct
-    values in the training split. Where there is no test split (Alpaca, or files without "test"),
-    `holdout` rows (at most a tenth) of the training split, picked with `seed`, become the test set.
+    values in the `labels_from` split (the test split when each client reads only its own
+    training file, so that every client names the same labels). Where there is no test split
+    (Alpaca, or files without "test"), `holdout` rows (at most a tenth) of the training split,
+    picked with `seed`, become the test set.
     """
     if name is None and not data_files:
         raise ValueError(f"load_task needs a task name ({', '.join(sorted(TASKS))}) or data_files "
@@ -348,7 +351,10 @@ def load_task(
             raw[split] = (ds, where)
 
     if spec.kind == "classification" and spec.label_names is None:
-        spec = replace(spec, label_names=_infer_label_names(spec, *raw["train"]))
+        if labels_from not in raw:
+            raise ValueError(f"the labels are named from the {labels_from} split, which is missing; "
+                             "pass label_names")
+        spec = replace(spec, label_names=_infer_label_names(spec, *raw[labels_from]))
         if not spec.instruction:
             spec = replace(spec, instruction=_instruction_for(spec.text_columns, spec.label_names))
     records = {split: _records(spec, ds, where, explicit_pair) for split, (ds, where) in raw.items()}
@@ -547,31 +553,35 @@ def partition_records(
 def label_skew(labels: Sequence[int], partition: Sequence[Sequence[int]], num_labels: int | None = None) -> float:
     """Mean over clients of the total variation distance between the client's label
     distribution and the global one (0 = IID; 1 = disjoint supports)."""
-    num_labels = num_labels or max(labels) + 1
-    hist = label_histogram(labels, partition, num_labels).astype(float)
-    glob = np.bincount(np.asarray(labels), minlength=num_labels) / len(labels)
+    return histogram_skew(label_histogram(labels, partition, num_labels or max(labels) + 1))
+
+
+def histogram_skew(histogram) -> float:
+    """`label_skew` from the clients × labels counts alone (all that per-client data files share)."""
+    hist = np.asarray(histogram, dtype=float)
+    glob = hist.sum(0) / hist.sum()
     local = hist / np.maximum(hist.sum(1, keepdims=True), 1)
     return float(0.5 * np.abs(local - glob).sum(1).mean())
 
 
-def write_partition_report(out_dir: str | os.PathLike, labels: Sequence[int], partition: Sequence[Sequence[int]],
-                           label_names: Sequence[str]) -> dict[str, Path]:
-    """partition.json (each client's indices, sizes, label histogram, mean TV distance),
-    label_histogram.csv and .md (clients × labels counts) and label_histogram.png (a heatmap).
-    The same inputs give byte-identical files."""
+def write_partition_report(out_dir: str | os.PathLike, histogram, label_names: Sequence[str],
+                           partition: Sequence[Sequence[int]] | None = None) -> dict[str, Path]:
+    """partition.json (sizes, clients × labels histogram, mean TV distance and, where one process
+    split the data, each client's indices), label_histogram.csv and .md (the counts) and
+    label_histogram.png (a heatmap). The same inputs give byte-identical files."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = [str(n) for n in label_names]
-    hist = label_histogram(labels, partition, len(names))
+    hist = np.asarray(histogram, dtype=np.int64)
     paths = {k: out / f for k, f in (("json", "partition.json"), ("csv", "label_histogram.csv"),
                                       ("md", "label_histogram.md"), ("png", "label_histogram.png"))}
     paths["json"].write_text(json.dumps({
-        "n_clients": len(partition), "label_names": names, "sizes": [len(p) for p in partition],
-        "label_histogram": hist.tolist(), "mean_tv_distance": round(label_skew(labels, partition, len(names)), 6),
-        "partition": [[int(i) for i in p] for p in partition],
+        "n_clients": len(hist), "label_names": names, "sizes": hist.sum(1).tolist(),
+        "label_histogram": hist.tolist(), "mean_tv_distance": round(histogram_skew(hist), 6),
+        **({"partition": [[int(i) for i in p] for p in partition]} if partition is not None else {}),
     }, indent=1, allow_nan=False) + "\n")
 
     def cell(s: str) -> str:
@@ -584,12 +594,12 @@ def write_partition_report(out_dir: str | os.PathLike, labels: Sequence[int], pa
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     paths["md"].write_text("\n".join(md) + "\n")
 
-    fig = Figure(figsize=(1.2 + 0.6 * len(names), 1.0 + 0.35 * len(partition)), dpi=100)
+    fig = Figure(figsize=(1.2 + 0.6 * len(names), 1.0 + 0.35 * len(hist)), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     image = ax.imshow(hist, aspect="auto", cmap="viridis")
     ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
-    ax.set_yticks(range(len(partition)), [str(c) for c in range(len(partition))], fontsize=7)
+    ax.set_yticks(range(len(hist)), [str(c) for c in range(len(hist))], fontsize=7)
     ax.set_xlabel("label")
     ax.set_ylabel("client")
     if hist.size <= 400:

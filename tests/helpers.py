@@ -101,3 +101,43 @@ def descendants(pid: int, marker: str, *, recursive: bool = True) -> list:
         except psutil.Error:
             pass
     return found
+
+
+# ---- each client's own data file (--data-files train=…{client}…) ------------------------------
+
+SITE_LABELS = ("Business", "Sports", "Tech", "World")  # sorted: string labels are named in sorted order
+
+
+def client_rows(client: int, n: int) -> list[dict]:
+    """`n` labelled rows for `client`, skewed: three in four carry label `client` mod 4, the rest the next label."""
+    rows = []
+    for i in range(n):
+        k = (client + (i % 4 == 3)) % len(SITE_LABELS)
+        rows.append({"text": " ".join(f"w{k}_{(i * 7 + j) % 5}" for j in range(4)), "label": SITE_LABELS[k]})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_site(root: Path, clients: list[int], sizes: dict[int, int]) -> Path:
+    """A site's folder as a user would lay it out: data/client_<c>.jsonl for its own clients only,
+    data/test.jsonl (every label, the same at every site) and model/, a tiny Llama whose
+    word-level tokenizer knows every word of the task (the same at every site)."""
+    from deca_ds.data import build_word_tokenizer
+    from deca_ds.datasets import load_task, vocabulary
+    from deca_ds.models import tiny_llama as deca_tiny_llama
+
+    for c in clients:
+        write_jsonl(root / "data" / f"client_{c}.jsonl", client_rows(c, sizes[c]))
+    test = write_jsonl(root / "data" / "test.jsonl", [r for c in range(4) for r in client_rows(c, 4)])
+    loaded = load_task(data_files={"train": str(test), "test": str(test)})  # the test rows hold every word
+    tokenizer = build_word_tokenizer(vocabulary(loaded.test, loaded.spec.label_names))
+    deca_tiny_llama(len(tokenizer), seed=0).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    return root

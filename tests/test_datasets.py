@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from deca_ds.data import build_word_tokenizer, encode
+from deca_ds.data import build_word_tokenizer, encode, label_histogram
 from deca_ds.datasets import (
     TASKS,
     Record,
@@ -290,13 +290,16 @@ def test_partition_report(tmp_path):
     labels = [r.label for r in records]
     names = ["World", "Sports", "Business", "Sci/Tech"]
     parts = partition_records(records, 4, alpha=0.25, seed=3)
-    paths = write_partition_report(tmp_path / "a", labels, parts, names)
-    again = write_partition_report(tmp_path / "b", labels, partition_records(records, 4, alpha=0.25, seed=3), names)
+    hist = label_histogram(labels, parts, 4)
+    paths = write_partition_report(tmp_path / "a", hist, names, parts)
+    again = write_partition_report(tmp_path / "b", hist.tolist(), names,
+                                   partition_records(records, 4, alpha=0.25, seed=3))
     for key, path in paths.items():
         assert path.exists() and path.stat().st_size > 0
         assert path.read_bytes() == again[key].read_bytes(), key
     report = json.loads(paths["json"].read_text())
     assert report["partition"] == parts and report["label_names"] == names and report["n_clients"] == 4
+    assert report["mean_tv_distance"] == round(label_skew(labels, parts, 4), 6)
     with open(paths["csv"]) as f:
         table = list(csv.reader(f))
     assert table[0] == ["client", *names, "total"] and len(table) == 5
@@ -304,5 +307,10 @@ def test_partition_report(tmp_path):
     assert sum(int(v) for row in table[1:] for v in row[1:-1]) == 200
     assert paths["md"].read_text().startswith("| client | World | Sports | Business | Sci/Tech | total |")
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    other = write_partition_report(tmp_path / "c", labels, partition_records(records, 4, alpha=0.25, seed=4), names)
+    other_parts = partition_records(records, 4, alpha=0.25, seed=4)
+    other = write_partition_report(tmp_path / "c", label_histogram(labels, other_parts, 4), names, other_parts)
     assert other["json"].read_bytes() != paths["json"].read_bytes()
+    # per-client data files: the counts alone, no indices (no process holds every client's data)
+    counts = write_partition_report(tmp_path / "d", hist, names)
+    assert json.loads(counts["json"].read_text()) == {k: v for k, v in report.items() if k != "partition"}
+    assert counts["csv"].read_bytes() == paths["csv"].read_bytes()

@@ -198,32 +198,50 @@ def test_the_one_gpu_preset_fits_eight_clients_on_an_h100_and_the_estimator_says
 
 # ---- multi-node without a shared file system ---------------------------------------------------
 
-def start_nodes(args: list[str], outs: list[Path], logs: Path) -> list:
+def start_nodes(args: list[str], sites: list[Path], logs: Path) -> list:
     """Two "nodes" of two ranks each on this machine, as torchrun --nnodes 2 numbers them, each
-    node writing to its own output directory."""
+    node running in its own site folder and writing to its own output directory there."""
     from ranks import start_rank
 
     logs.mkdir(parents=True, exist_ok=True)
     port, per_node, procs = str(free_port()), 2, []
-    for rank in range(len(outs) * per_node):
-        env = {**os.environ, **torchrun_env(rank, len(outs) * per_node, port, per_node)}
-        procs.append(start_rank([*args, "--output-dir", str(outs[rank // per_node])], env, ROOT,
+    for rank in range(len(sites) * per_node):
+        env = {**os.environ, **torchrun_env(rank, len(sites) * per_node, port, per_node)}
+        procs.append(start_rank([*args, "--output-dir", "run"], env, sites[rank // per_node],
                                 logs / f"rank{rank}.out", logs / f"rank{rank}.err"))
     return procs
 
 
-def test_two_nodes_with_separate_output_directories_summarize_and_resume(tmp_path):
+def test_two_sites_that_share_no_files_train_summarize_and_resume(tmp_path, monkeypatch):
+    """Two sites, no shared file system, each holding only its own clients' data files: every
+    client trains on its own file, the run's record has every client's counts, the summary and
+    --resume need nothing from the other site."""
     from safetensors.torch import load_file
 
+    from helpers import SITE_LABELS, client_rows, write_site
     from ranks import wait_all
     from test_runtime import PRESET
 
-    run = ["--ds_config", PRESET, "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # the datasets cache of the data files
+    sizes = {0: 6, 1: 9, 2: 7, 3: 8}
+    sites = [write_site(tmp_path / "site_a", [0, 1], sizes), write_site(tmp_path / "site_b", [2, 3], sizes)]
+    run = ["--ds_config", PRESET, "--model", "model", "--dataset", "files",
+           "--data-files", "train=data/client_{client}.jsonl", "test=data/test.jsonl",
+           "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
            "--rounds", "1", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16",
            "--save-clients", "--timeout", "60", "--checkpoint-interval", "2", "--keep-checkpoints", "1"]
-    outs = [tmp_path / "site_a", tmp_path / "site_b"]
-    codes = wait_all(start_nodes(run, outs, tmp_path / "logs"), timeout=600)
+    outs = [site / "run" for site in sites]
+    codes = wait_all(start_nodes(run, sites, tmp_path / "logs"), timeout=600)
     assert codes == [0] * 4, (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
+    counts = [np.bincount([SITE_LABELS.index(r["label"]) for r in client_rows(c, sizes[c])], minlength=4).tolist()
+              for c in range(4)]
+    for out in outs:  # each site's record of the run: every client's counts, no example indices
+        config = json.loads((out / "run_config.json").read_text())
+        assert config["client_sizes"] == [sizes[c] for c in range(4)] and config["split_histogram"] == counts
+        assert config["split_keys"] == list(SITE_LABELS) and config["loss_positions_max"] == 4 * 2
+        report = json.loads((out / "partition" / "partition.json").read_text())
+        assert report["sizes"] == config["client_sizes"] and "partition" not in report
     summary = json.loads((outs[0] / "summary.json").read_text())
     assert len(summary["clients"]) == 4 and len(summary["final_consensus_distance"]) == 4
     assert summary["transport"] == "gloo" and summary["host_staging"] is False and summary["clients_per_gpu"] == {}
@@ -241,7 +259,7 @@ def test_two_nodes_with_separate_output_directories_summarize_and_resume(tmp_pat
         assert sorted(p.name for p in (out / "checkpoints" / checkpoints[-1]).iterdir()) == mine
     first = {c: load_file(outs[c // 2] / "clients" / f"client_{c:03d}" / "model.safetensors") for c in range(4)}
 
-    codes = wait_all(start_nodes([*run, "--resume"], outs, tmp_path / "logs_resume"), timeout=600)
+    codes = wait_all(start_nodes([*run, "--resume"], sites, tmp_path / "logs_resume"), timeout=600)
     assert codes == [0] * 4, (tmp_path / "logs_resume" / "rank0.err").read_text()[-3000:]
     assert "resumed from step 4" in (tmp_path / "logs_resume" / "rank0.out").read_text()
     for c in range(4):

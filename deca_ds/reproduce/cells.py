@@ -408,7 +408,7 @@ def run_simulated(d: Path) -> dict:
     write_json(d / RUN_CONFIG, {
         "options": asdict(opts), "topology": topology.to_dict(), "method": opts.method,
         "trainable_params": method.num_trainable(probe), "n_clients": n,
-        "blocks": [asdict(b) for b in partition.blocks], "client_sizes": [len(ix) for ix in task.client_indices],
+        "blocks": [asdict(b) for b in partition.blocks], "client_sizes": task.client_sizes,
         "split_keys": list(task.key_names), "split_histogram": task.key_histogram,
         "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}})
     del probe

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -43,6 +44,29 @@ BLOCK_ORDERS = ("ascending", "descending", "random")  # deca_ds.blocks.BLOCK_ORD
 TRANSPORTS = ("auto", "nccl", "gloo")  # how ranks talk (deca_ds.runtime.transport)
 
 
+def per_client(path: str) -> bool:
+    """Whether a data file path names each client's own file: it holds the `{client}` field
+    (`{client:03d}` too). Any other field, or an unmatched brace, is refused (a literal brace is
+    written `{{`)."""
+    rule = "the only field a path may hold is {client} (each client's own file); a literal brace is written '{{'"
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(path) if name is not None}
+    except ValueError as e:
+        raise ValueError(f"data file path {path!r}: {e}; {rule}") from None
+    if fields - {"client"}:
+        raise ValueError(f"data file path {path!r} holds {', '.join(f'{{{f}}}' for f in sorted(fields))}: {rule}")
+    try:
+        path.format(client=0)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"data file path {path!r}: {e}; {rule}") from None
+    return bool(fields)
+
+
+def client_path(path: str, client: int) -> str:
+    """`client`'s own file of a per-client path (`per_client`)."""
+    return path.format(client=client)
+
+
 def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
@@ -57,7 +81,8 @@ class RunOptions:
                         "(from the hub or its cache), or 'files' (--data-files)",
                         choices=("synthetic", *TASK_NAMES, "files"))
     data_files: list[str] | None = _opt(None, "local data as split=path (train=…, test=…; .jsonl, .json, .csv, "
-                                        ".parquet); with a task name, a local copy of that task")
+                                        ".parquet); with a task name, a local copy of that task; "
+                                        "train=…{client}… is each client's own file (no split)")
     text_column: str | None = _opt(None, "column of the input text")
     text_pair_column: str | None = _opt(None, "second text column of pair tasks (e.g. MNLI's hypothesis)")
     label_column: str | None = _opt(None, "column of the label (int index or label name)")
@@ -167,6 +192,7 @@ class RunOptions:
         for item in self.data_files or ():
             if "=" not in item or item.split("=", 1)[0] not in ("train", "test"):
                 raise ValueError(f"--data-files takes train=PATH or test=PATH, got {item!r}")
+        self._check_client_data()
         if (self.topology == "file") != (self.matrix_file is not None):
             raise ValueError("--topology file and --matrix-file go together")
         for f in dataclasses.fields(self):
@@ -189,6 +215,35 @@ class RunOptions:
         parse_device_map(self.device_map)
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
+
+    @property
+    def client_data(self) -> bool:
+        """Whether each client reads only its own training file (`--data-files train=…{client}…`)."""
+        return any(per_client(path) for split, path in self.data_file_map().items() if split == "train")
+
+    def data_file_map(self) -> dict[str, str]:
+        """--data-files as {split: path}."""
+        return dict(item.split("=", 1) for item in self.data_files or ())
+
+    def _check_client_data(self) -> None:
+        files = {split: per_client(path) for split, path in self.data_file_map().items()}
+        if files.get("test"):
+            raise ValueError("--data-files test=… is the test set every client is evaluated on: {client} belongs "
+                             "in train=… only")
+        if not files.get("train"):
+            return
+        # Each site reads only its own file, so nothing may be derived from all clients' data at once.
+        clashes = [what for what, clash in (
+            ("test=PATH, a test file every site has (the consensus is evaluated on it, and string labels are "
+             "named from it)", "test" not in files),
+            ("a tokenizer every site shares (a model path or hub id, not --model tiny or --from-config, whose "
+             "word-level tokenizer is built from the data)", self.model == "tiny" or self.from_config),
+            ("no --iid: the files are the split", self.iid),
+            ("--partition-key label (the categories are counted over all the data)", self.partition_key != "label"),
+        ) if clash]
+        if clashes:
+            raise ValueError("--data-files train=…{client}… (each client reads only its own file) needs "
+                             + "; ".join(clashes))
 
     def build_method(self, partition: Partition) -> Method:
         """The method to train with; `partition` is DECA's (its T·B·R is the baselines' default budget)."""

@@ -2,13 +2,19 @@
 
 `--dataset synthetic` is the built-in task; a registered name (nwgi, agnews, tfns, mnli, alpaca)
 loads from the hub or its cache; `--dataset files` (or a name plus `--data-files`) reads local
-JSON Lines, CSV or Parquet files with the column options.
+JSON Lines, CSV or Parquet files with the column options. A training path with the `{client}`
+field (`train=site/client_{client}.jsonl`) is each client's own file: a process reads only its
+client's, there is no split, and the clients' sizes and label counts (`share_counts`) are all that
+crosses sites.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Callable
+
+import torch.distributed as dist
 
 from ..data import (
     ANSWER,
@@ -25,18 +31,29 @@ from ..datasets import TASKS, LoadedTask, load_task, partition_keys, partition_r
 from ..evaluation import evaluate_classification, evaluate_records
 from ..models import load_tokenizer
 from . import token_cache
-from .options import RunOptions
+from .dist import ClientLayout
+from .options import RunOptions, client_path
 
 
 @dataclass
 class Task:
     tokenizer: object
-    features: list  # encoded training examples (input_ids, labels, attention_mask)
-    client_indices: list[list[int]]
-    keys: list[int]  # per training example, the key the split is skewed over
+    features: list  # this process's encoded training examples (input_ids, labels, attention_mask)
+    client_indices: list[list[int]]  # per client, its examples in `features` ([] where another process read them)
     key_names: tuple[str, ...]  # what the split is skewed over: labels, or instruction categories
     key_histogram: list[list[int]]  # clients × keys
     evaluate: Callable[..., dict]  # evaluate(model, limit) -> {"accuracy", "macro_f1", "n", "chance"} or {}
+    held: tuple[int, ...] | None = None  # per-client files: the clients whose files this process read
+    answer_tokens: int | None = None  # the most labelled positions of one example (of every client's)
+
+    def __post_init__(self) -> None:
+        if self.answer_tokens is None:
+            self.answer_tokens = max((sum(label != -100 for label in f["labels"][1:]) for f in self.features),
+                                     default=0)
+
+    @property
+    def client_sizes(self) -> list[int]:
+        return [sum(row) for row in self.key_histogram]
 
     def stream(self, opts: RunOptions, client: int) -> ClientStream:
         return ClientStream(self.features, self.client_indices[client], opts.micro_batch,
@@ -52,11 +69,12 @@ def _tokenizer(opts: RunOptions, words: Callable[[], list[str]]):
     return load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
 
 
-def _cached(opts: RunOptions, tokenizer, texts: list[str], settings: dict, build: Callable[[], list]) -> list:
-    # Tokenized once per machine (the first local rank), read by the other ranks: see token_cache.
+def _cached(opts: RunOptions, tokenizer, texts: list[str], settings: dict, build: Callable[[], list],
+            writer: bool | None = None) -> list:
+    # Tokenized once per machine (the first local rank, or `writer`), read by the other ranks: see token_cache.
     directory = token_cache.cache_dir(opts.token_cache)
     key = token_cache.cache_key(tokenizer, texts, settings) if directory is not None else ""
-    return token_cache.cached_features(directory, key, build, wait_s=opts.timeout)
+    return token_cache.cached_features(directory, key, build, writer=writer, wait_s=opts.timeout)
 
 
 def _synthetic(opts: RunOptions, n_clients: int) -> Task:
@@ -75,47 +93,116 @@ def _synthetic(opts: RunOptions, n_clients: int) -> Task:
         return evaluate_classification(model, tokenizer, test, task.label_words, max_length=opts.max_seq_len,
                                        limit=limit)
 
-    return Task(tokenizer, features, parts, labels, task.label_words,
-                label_histogram(labels, parts, task.num_labels).tolist(), evaluate)
+    return Task(tokenizer, features, parts, task.label_words, label_histogram(labels, parts, task.num_labels).tolist(),
+                evaluate)
 
 
-def load_records(opts: RunOptions) -> LoadedTask:
-    """The train and test records of a task that is not the synthetic one, as the options name them."""
-    files = dict(item.split("=", 1) for item in opts.data_files) if opts.data_files else None
+def load_records(opts: RunOptions, client: int = 0) -> LoadedTask:
+    """The train and test records of a task that is not the synthetic one, as the options name them
+    (with per-client files, `client`'s own training file)."""
+    files = {split: client_path(path, client) for split, path in opts.data_file_map().items()} or None
     return load_task(None if opts.dataset == "files" else opts.dataset, data_files=files,
                      text_column=opts.text_column, text_pair_column=opts.text_pair_column,
                      label_column=opts.label_column, label_names=opts.label_names,
                      response_column=opts.response_column, trust_remote_code=opts.trust_remote_code,
-                     seed=opts.seed)
+                     seed=opts.seed, labels_from="test" if opts.client_data else "train")
+
+
+def _evaluator(opts: RunOptions, loaded: LoadedTask, tokenizer) -> Callable[..., dict]:
+    def evaluate(model, limit: int | None) -> dict:
+        if loaded.spec.kind != "classification":
+            return {}  # generation quality: deca_ds.evaluation.generate_answers / judge_answers on the export
+        return evaluate_records(model, tokenizer, loaded.test, loaded.spec.label_names, max_length=opts.max_seq_len,
+                                use_chat_template=opts.chat_template, limit=limit)
+
+    return evaluate
+
+
+def _features(opts: RunOptions, tokenizer, records: list, writer: bool | None = None) -> list:
+    return _cached(opts, tokenizer, [t for r in records for t in (r.prompt, r.answer)],
+                   {"task": "records", "max_length": opts.max_seq_len, "chat_template": opts.chat_template},
+                   lambda: to_features(tokenizer, records, max_length=opts.max_seq_len,
+                                       use_chat_template=opts.chat_template), writer)
 
 
 def _loaded(opts: RunOptions, n_clients: int) -> Task:
     loaded = load_records(opts)
     label_names = loaded.spec.label_names
     tokenizer = _tokenizer(opts, lambda: vocabulary(loaded.train + loaded.test, label_names))
-    features = _cached(opts, tokenizer, [t for r in loaded.train for t in (r.prompt, r.answer)],
-                       {"task": "records", "max_length": opts.max_seq_len, "chat_template": opts.chat_template},
-                       lambda: to_features(tokenizer, loaded.train, max_length=opts.max_seq_len,
-                                           use_chat_template=opts.chat_template))
+    features = _features(opts, tokenizer, loaded.train)
     parts = partition_records(loaded.train, n_clients, alpha=opts.dirichlet_alpha, seed=opts.seed,
                               min_size=opts.micro_batch, iid=opts.iid, key=opts.partition_key)
     if loaded.spec.kind == "classification" or opts.partition_key == "category":
         keys, key_names = partition_keys(loaded.train, opts.partition_key, label_names=label_names)
     else:  # generation split IID: a single key
         keys, key_names = [0] * len(features), ("all",)
-
-    def evaluate(model, limit: int | None) -> dict:
-        if loaded.spec.kind != "classification":
-            return {}  # generation quality: deca_ds.evaluation.generate_answers / judge_answers on the export
-        return evaluate_records(model, tokenizer, loaded.test, label_names, max_length=opts.max_seq_len,
-                                use_chat_template=opts.chat_template, limit=limit)
-
-    return Task(tokenizer, features, parts, list(keys), tuple(key_names),
-                label_histogram(keys, parts, len(key_names)).tolist(), evaluate)
+    return Task(tokenizer, features, parts, tuple(key_names), label_histogram(keys, parts, len(key_names)).tolist(),
+                _evaluator(opts, loaded, tokenizer))
 
 
-def build_task(opts: RunOptions, n_clients: int) -> Task:
-    return _synthetic(opts, n_clients) if opts.dataset == "synthetic" else _loaded(opts, n_clients)
+def _own_files(opts: RunOptions, n_clients: int, held: tuple[int, ...]) -> Task:
+    """Per-client files: each held client's examples are its file's, in order (no split). The
+    histogram rows of the clients held elsewhere stay zero until `share_counts`."""
+    tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
+    features, keys, parts, loaded = [], [], [[] for _ in range(n_clients)], None
+    # in a distributed run a process reads its own client's file: the client's first rank tokenizes it
+    writer = int(os.environ.get("RANK", "0")) % opts.ranks_per_client == 0
+    for client in held:
+        loaded = load_records(opts, client)
+        if len(loaded.train) < opts.micro_batch:
+            raise ValueError(f"client {client}'s training file {loaded.sources['train']} holds {len(loaded.train)} "
+                             f"examples, fewer than --micro-batch {opts.micro_batch}")
+        mine = _features(opts, tokenizer, loaded.train, writer)
+        parts[client] = list(range(len(features), len(features) + len(mine)))
+        features += mine
+        keys += [0 if r.label is None else r.label for r in loaded.train]  # generation: a single key
+    key_names = loaded.spec.label_names if loaded.spec.kind == "classification" else ("all",)
+    return Task(tokenizer, features, parts, tuple(key_names), label_histogram(keys, parts, len(key_names)).tolist(),
+                _evaluator(opts, loaded, tokenizer), held if len(held) < n_clients else None)
+
+
+def share_counts(task: Task, layout: ClientLayout) -> Task:
+    """With per-client files every process has read its own client's only: the run's record gets
+    every client's size and key histogram (counts; no example leaves its site) and the longest
+    answer, gathered over the process group (`merge_counts`)."""
+    if task.held is None:
+        return task
+    everyone = [None] * layout.world_size
+    dist.all_gather_object(everyone, client_counts(task))
+    return merge_counts(task, everyone)
+
+
+def client_counts(task: Task) -> dict:
+    """What a process holding one client's file tells the others: counts and fingerprints."""
+    (client,) = task.held
+    return {"client": client, "histogram": task.key_histogram[client], "answer_tokens": task.answer_tokens,
+            "keys": list(task.key_names), "tokenizer": token_cache.tokenizer_fingerprint(task.tokenizer)}
+
+
+def merge_counts(task: Task, everyone: list[dict]) -> Task:
+    """`task` with every client's histogram row and the longest answer of all. Every process
+    merges the same list, so a disagreement (the sites read other label names, or tokenize with
+    another tokenizer) is the same refusal on every rank, before anything is written."""
+    for what, name in (("keys", "label names"), ("tokenizer", "tokenizer")):
+        differ = sorted({e["client"] for e in everyone if e[what] != everyone[0][what]})
+        if differ:
+            seen = f" ({everyone[0][what]} against {next(e[what] for e in everyone if e['client'] == differ[0])})"
+            raise ValueError(f"--data-files train=…{{client}}…: client(s) {differ} read their data with other "
+                             f"{name} than client {everyone[0]['client']}{seen if what == 'keys' else ''}: every "
+                             "site needs the same model (its tokenizer) and the same test file")
+    histogram = [list(row) for row in task.key_histogram]
+    for e in everyone:
+        histogram[e["client"]] = e["histogram"]
+    return replace(task, key_histogram=histogram, answer_tokens=max(e["answer_tokens"] for e in everyone))
+
+
+def build_task(opts: RunOptions, n_clients: int, held: tuple[int, ...] | None = None) -> Task:
+    """The task as `opts` names it; with per-client files, the files of the clients `held` (default: all)."""
+    if opts.dataset == "synthetic":
+        return _synthetic(opts, n_clients)
+    if opts.client_data:
+        return _own_files(opts, n_clients, tuple(range(n_clients)) if held is None else held)
+    return _loaded(opts, n_clients)
 
 
 DATASETS = ("synthetic", *TASKS, "files")

@@ -52,7 +52,7 @@ from .dist import (
 from .ds_engine import ClientMPU, initialize
 from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize, summary_table
 from .options import RunOptions, dump_config, offload_keep_for_budget
-from .task import Task, build_task
+from .task import Task, build_task, share_counts
 from .transport import check_placement, env_placement, resolve_transport
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -283,8 +283,7 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
 def loss_positions_max(opts: RunOptions, task: Task) -> int:
     """The most positions the LM head runs at per micro-batch (models.causal_lm_loss: the union of the
     rows' labelled positions)."""
-    return min(opts.max_seq_len, opts.micro_batch * max(
-        sum(label != -100 for label in f["labels"][1:]) for f in task.features))
+    return min(opts.max_seq_len, opts.micro_batch * task.answer_tokens)
 
 
 def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Topology, partition: Partition,
@@ -296,21 +295,22 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
         "loss_positions_max": loss_positions_max(opts, task),
         "blocks": [asdict(b) for b in partition.blocks], "frozen": list(partition.frozen),
         "world_size": layout.world_size, "n_clients": layout.n_clients, **placement,
-        "client_sizes": [len(ix) for ix in task.client_indices],
+        "client_sizes": task.client_sizes,
         "split_keys": list(task.key_names), "split_histogram": task.key_histogram,
         "versions": {"deca_ds": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
     }
     ckpt.write_json(out / "run_config.json", resolved)
     # the same run as a run file: deca-train --config <out>/config.yaml (with --resume or --overwrite)
     ckpt.atomic_write(out / "config.yaml", lambda tmp: Path(tmp).write_text(dump_config(opts, ds_config)))
-    write_partition_report(out / "partition", task.keys, task.client_indices, task.key_names)
+    write_partition_report(out / "partition", task.key_histogram, task.key_names,
+                           None if opts.client_data else task.client_indices)
     if layout.rank:
         return
     print(json.dumps({"options": asdict(opts), "ds_config": ds_config}, indent=2, allow_nan=False))
     print(topology.describe())
     print(partition.describe() if opts.method == "deca"
           else f"method {opts.method}: {trainable:,} trainable parameters")
-    print("examples per client:", [len(ix) for ix in task.client_indices])
+    print("examples per client:", task.client_sizes)
 
 
 def train(opts: RunOptions, ds_config: dict) -> dict | None:
@@ -323,7 +323,9 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                  "clients_per_gpu": check_placement(places, opts.ranks_per_client, transport)}
     topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p,
                              seed=opts.topology_seed, matrix_file=opts.matrix_file)
-    task = build_task(opts, n_clients)
+    # per-client files: a process reads its own client's only
+    task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
+                      if opts.client_data else None)
     model = build_model(opts, len(task.tokenizer))
     partition = model_partition(model, opts.deca_config())
     if opts.offload_budget:
@@ -342,6 +344,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     # ---- the job ---------------------------------------------------------------------------
     rank, world_size, device, store = init_process_group(opts.timeout, transport, opts.device_map)
     layout = ClientLayout(rank, world_size, opts.ranks_per_client)
+    task = share_counts(task, layout)
     heartbeat = Heartbeat(store, layout)
     groups = ClientGroups(layout, topology.W, opts.timeout,
                           client_backend="nccl" if device.type == "cuda" and layout.ranks_per_client > 1 else None)
