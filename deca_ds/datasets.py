@@ -136,6 +136,7 @@ class LoadedTask:
     train: list[Record]
     test: list[Record]
     sources: dict[str, str] = field(default_factory=dict)  # split -> where it was read from
+    rows: dict[str, object] = field(default_factory=dict)  # split -> its rows as read (datasets.Dataset), one a record
 
 
 ALPACA_PROMPT_INPUT = (
@@ -358,17 +359,19 @@ def load_task(
         if not spec.instruction:
             spec = replace(spec, instruction=_instruction_for(spec.text_columns, spec.label_names))
     records = {split: _records(spec, ds, where, explicit_pair) for split, (ds, where) in raw.items()}
-    train = records["train"]
-    test = records.get("test")
-    if test is None:
-        n_test = min(holdout, len(train) // 10)
-        order = np.random.default_rng(seed).permutation(len(train))
-        held = set(order[:n_test].tolist())
-        test = [train[i] for i in sorted(held)]
-        train = [r for i, r in enumerate(train) if i not in held]
-    if not train:
+    rows = {split: ds for split, (ds, _) in raw.items()}
+    if "test" not in records:
+        n_test = min(holdout, len(records["train"]) // 10)
+        order = np.random.default_rng(seed).permutation(len(records["train"]))
+        held = sorted(order[:n_test].tolist())
+        kept = sorted(set(range(len(records["train"]))) - set(held))
+        for split, picked in (("test", held), ("train", kept)):  # test first: it is picked from the whole split
+            records[split] = [records["train"][i] for i in picked]
+            rows[split] = rows["train"].select(picked)
+    if not records["train"]:
         raise ValueError(f"task {spec.name!r}: the training split is empty ({raw['train'][1]})")
-    return LoadedTask(spec, train, test, {split: where for split, (_, where) in raw.items()})
+    return LoadedTask(spec, records["train"], records["test"], {split: where for split, (_, where) in raw.items()},
+                      rows)
 
 
 def _column(ds, column: str, where: str, optional: bool = False) -> list | None:

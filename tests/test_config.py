@@ -260,7 +260,7 @@ def test_wheel_ships_the_presets_and_the_commands(tmp_path):
         z.extractall(tmp_path / "site")
     assert {f"deca_ds/presets/{p}.json" for p in preset_names()} <= set(names)
     for line in ("deca-train = deca_ds.train:main", "deca-eval = deca_ds.eval:main",
-                 "deca-estimate = deca_ds.estimate:main"):
+                 "deca-estimate = deca_ds.estimate:main", "deca-split = deca_ds.split:main"):
         assert line in entry_points
     # the unpacked wheel, away from this checkout, finds its presets by name
     code = ("from deca_ds.runtime.options import parse_args\nimport deca_ds\n"

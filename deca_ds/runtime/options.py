@@ -81,8 +81,7 @@ class RunOptions:
                         "(from the hub or its cache), or 'files' (--data-files)",
                         choices=("synthetic", *TASK_NAMES, "files"))
     data_files: list[str] | None = _opt(None, "local data as split=path (train=…, test=…; .jsonl, .json, .csv, "
-                                        ".parquet); with a task name, a local copy of that task; "
-                                        "train=…{client}… is each client's own file (no split)")
+                                        ".parquet), or a task's local copy; train=…{client}…: each client's own")
     text_column: str | None = _opt(None, "column of the input text")
     text_pair_column: str | None = _opt(None, "second text column of pair tasks (e.g. MNLI's hypothesis)")
     label_column: str | None = _opt(None, "column of the label (int index or label name)")
@@ -403,13 +402,14 @@ def _cli_type(hint):
     return kind
 
 
-def build_parser(prog: str = "deca-train") -> argparse.ArgumentParser:
+def build_parser(prog: str = "deca-train",
+                 description: str = "Decentralized full-parameter fine-tuning with DECA, one client per rank group."
+                 ) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         usage="%(prog)s [--config RUN_FILE] [--preset NAME_OR_JSON] [--print-config] [--OPTION VALUE ...]",
-        description="Decentralized full-parameter fine-tuning with DECA, one client per rank group. Options come "
-                    "from, lowest first: the defaults shown, the preset's \"deca\" section, the run file "
-                    "(--config), the command line.",
+        description=f"{description} Options come from, lowest first: the defaults shown, the preset's \"deca\" "
+                    "section, the run file (--config), the command line.",
         epilog="DeepSpeed keys honored in a preset or a run file's `deepspeed:`: "
                + "; ".join(f"{k}: {v}" for k, v in HONORED.items()),
     )

@@ -125,18 +125,24 @@ def _features(opts: RunOptions, tokenizer, records: list, writer: bool | None = 
                                        use_chat_template=opts.chat_template), writer)
 
 
-def _loaded(opts: RunOptions, n_clients: int) -> Task:
-    loaded = load_records(opts)
-    label_names = loaded.spec.label_names
-    tokenizer = _tokenizer(opts, lambda: vocabulary(loaded.train + loaded.test, label_names))
-    features = _features(opts, tokenizer, loaded.train)
+def split_records(opts: RunOptions, loaded: LoadedTask, n_clients: int) -> tuple[list[list[int]], list[int], tuple]:
+    """The clients' shares of the training records (index lists), and what the split is skewed over:
+    each record's key and the keys' names. deca-split writes this split as per-client files."""
     parts = partition_records(loaded.train, n_clients, alpha=opts.dirichlet_alpha, seed=opts.seed,
                               min_size=opts.micro_batch, iid=opts.iid, key=opts.partition_key)
     if loaded.spec.kind == "classification" or opts.partition_key == "category":
-        keys, key_names = partition_keys(loaded.train, opts.partition_key, label_names=label_names)
+        keys, key_names = partition_keys(loaded.train, opts.partition_key, label_names=loaded.spec.label_names)
     else:  # generation split IID: a single key
-        keys, key_names = [0] * len(features), ("all",)
-    return Task(tokenizer, features, parts, tuple(key_names), label_histogram(keys, parts, len(key_names)).tolist(),
+        keys, key_names = [0] * len(loaded.train), ("all",)
+    return parts, list(keys), tuple(key_names)
+
+
+def _loaded(opts: RunOptions, n_clients: int) -> Task:
+    loaded = load_records(opts)
+    tokenizer = _tokenizer(opts, lambda: vocabulary(loaded.train + loaded.test, loaded.spec.label_names))
+    features = _features(opts, tokenizer, loaded.train)
+    parts, keys, key_names = split_records(opts, loaded, n_clients)
+    return Task(tokenizer, features, parts, key_names, label_histogram(keys, parts, len(key_names)).tolist(),
                 _evaluator(opts, loaded, tokenizer))
 
 
