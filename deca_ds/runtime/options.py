@@ -557,3 +557,10 @@ NOT_RESULT = frozenset({"output_dir", "overwrite", "resume", "timeout", "consens
                         "token_cache", "device_map"})
 # DeepSpeed keys that only change logging
 NOT_RESULT_DS = frozenset({"steps_per_print", "wall_clock_breakdown"})
+# Options each site of a run may set for itself (deca_ds.runtime.same_start compares the rest
+# across ranks): they change neither the result nor when the ranks talk. The model and the data
+# files are paths on the site's own disk; what they hold is compared by content (the weights and
+# tokenizer fingerprints, the label names).
+PER_SITE = frozenset({"output_dir", "overwrite", "timeout", "eval_clients", "eval_limit", "keep_checkpoints",
+                      "export", "save_clients", "tensorboard", "offload", "offload_keep", "offload_budget",
+                      "token_cache", "device_map", "model", "data_files", "trust_remote_code"})

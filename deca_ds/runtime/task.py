@@ -179,23 +179,22 @@ def share_counts(task: Task, layout: ClientLayout) -> Task:
 
 
 def client_counts(task: Task) -> dict:
-    """What a process holding one client's file tells the others: counts and fingerprints."""
+    """What a process holding one client's file tells the others: counts, and the names it counts by."""
     (client,) = task.held
     return {"client": client, "histogram": task.key_histogram[client], "answer_tokens": task.answer_tokens,
-            "keys": list(task.key_names), "tokenizer": token_cache.tokenizer_fingerprint(task.tokenizer)}
+            "keys": list(task.key_names)}
 
 
 def merge_counts(task: Task, everyone: list[dict]) -> Task:
     """`task` with every client's histogram row and the longest answer of all. Every process
-    merges the same list, so a disagreement (the sites read other label names, or tokenize with
-    another tokenizer) is the same refusal on every rank, before anything is written."""
-    for what, name in (("keys", "label names"), ("tokenizer", "tokenizer")):
-        differ = sorted({e["client"] for e in everyone if e[what] != everyone[0][what]})
-        if differ:
-            seen = f" ({everyone[0][what]} against {next(e[what] for e in everyone if e['client'] == differ[0])})"
-            raise ValueError(f"--data-files train=…{{client}}…: client(s) {differ} read their data with other "
-                             f"{name} than client {everyone[0]['client']}{seen if what == 'keys' else ''}: every "
-                             "site needs the same model (its tokenizer) and the same test file")
+    merges the same list, so sites that name other labels (another test file) meet the same
+    refusal on every rank, before anything is written. (The tokenizer: same_start.)"""
+    differ = sorted({e["client"] for e in everyone if e["keys"] != everyone[0]["keys"]})
+    if differ:
+        theirs = next(e["keys"] for e in everyone if e["client"] == differ[0])
+        raise ValueError(f"--data-files train=…{{client}}…: client(s) {differ} name other labels than client "
+                         f"{everyone[0]['client']} ({everyone[0]['keys']} against {theirs}): every site needs the "
+                         "same test file")
     histogram = [list(row) for row in task.key_histogram]
     for e in everyone:
         histogram[e["client"]] = e["histogram"]

@@ -52,6 +52,7 @@ from .dist import (
 from .ds_engine import ClientMPU, initialize
 from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize, summary_table
 from .options import RunOptions, dump_config, offload_keep_for_budget
+from .same_start import check_same_start, start_fingerprint
 from .task import Task, build_task, share_counts
 from .transport import check_placement, env_placement, resolve_transport
 
@@ -327,6 +328,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
                       if opts.client_data else None)
     model = build_model(opts, len(task.tokenizer))
+    start = start_fingerprint(model, task.tokenizer, opts, ds_config)  # compared across sites once connected
     partition = model_partition(model, opts.deca_config())
     if opts.offload_budget:
         opts.offload_keep = offload_keep_for_budget(
@@ -344,6 +346,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     # ---- the job ---------------------------------------------------------------------------
     rank, world_size, device, store = init_process_group(opts.timeout, transport, opts.device_map)
     layout = ClientLayout(rank, world_size, opts.ranks_per_client)
+    check_same_start(start, layout)
     task = share_counts(task, layout)
     heartbeat = Heartbeat(store, layout)
     groups = ClientGroups(layout, topology.W, opts.timeout,
