@@ -301,3 +301,22 @@ def test_a_rendezvous_port_that_cannot_be_bound_is_named(monkeypatch):
         with pytest.raises(ValueError, match=f"cannot bind the rendezvous port 127.0.0.1:{taken.getsockname()[1]}"):
             init_process_group(5.0, "gloo")
     assert not dist.is_initialized()
+
+
+def test_sites_with_other_options_stop_on_every_rank_before_anything_is_written(tmp_path):
+    """Two sites, one with another learning rate: both ranks name the option with both values and
+    exit before writing (their output directories do not exist)."""
+    from ranks import start_rank, wait_all
+    from test_runtime import PRESET
+
+    port, procs = str(free_port()), []
+    for rank, lr in enumerate(("1e-3", "2e-3")):
+        env = {**os.environ, **torchrun_env(rank, 2, port, 1)}
+        procs.append(start_rank(["--ds_config", PRESET, "--lr", lr, "--timeout", "60",
+                                 "--output-dir", str(tmp_path / f"site_{rank}")], env, ROOT,
+                                tmp_path / f"rank{rank}.out", tmp_path / f"rank{rank}.err"))
+    assert wait_all(procs, timeout=300) == [1, 1]
+    for rank in range(2):
+        err = (tmp_path / f"rank{rank}.err").read_text()
+        assert "client 1 runs with other options than client 0: lr: 0.001 at client 0, 0.002 at client 1." in err
+        assert not (tmp_path / f"site_{rank}").exists()
