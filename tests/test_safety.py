@@ -259,26 +259,40 @@ def test_resume_refuses_when_no_step_verifies_everywhere(tmp_path):
 # ---- 4. --resume refuses a different run, accepts and records harmless changes -------------------
 
 def test_resume_refuses_every_change_that_alters_the_result(diverged, monkeypatch):
+    import dataclasses
+
     from deca_ds.runtime.options import parse_args
+    from deca_ds.runtime.task import build_task
 
     out, _, _ = diverged
     monkeypatch.setenv("WORLD_SIZE", "2")
     same = [*TINY, "--output-dir", str(out), "--lr", "1e30", "--resume"]
+    task = build_task(parse_args(same)[0], 2)
     opts, ds_config = parse_args([*same, "--micro-batch", "8", "--topology", "complete"])
     with pytest.raises(ValueError) as info:
-        trainer.check_output_dir(opts, ds_config)
+        trainer.check_output_dir(opts, ds_config, task)
     message = str(info.value)
     for difference in ("micro_batch: 4 in the saved run, 8 now", "topology: 'ring' in the saved run, 'complete' now",
                        "ds_config.train_micro_batch_size_per_gpu: 4 in the saved run, 8 now"):
         assert difference in message, message
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="world_size: 2 in the saved run, 4 now"):
-        trainer.check_output_dir(*parse_args(same))
+        trainer.check_output_dir(*parse_args(same), task)
     monkeypatch.setenv("WORLD_SIZE", "2")
     # timeouts, evaluation limits and intervals do not change the result: accepted, and named for the record
     _, changes = trainer.check_output_dir(*parse_args([*same, "--timeout", "5", "--eval-limit", "8",
-                                                       "--consensus-interval", "3"]))
+                                                       "--consensus-interval", "3"]), task)
     assert changes == {"timeout": [60.0, 5.0], "eval_limit": [16, 8], "consensus_interval": [5, 3]}
+    # other training data with the same options (a data file edited in place): refused, naming the client
+    saved = json.loads((out / "run_config.json").read_text())["data_fingerprints"]
+    assert saved == task.data_fingerprints and len(set(saved)) == 2
+    features = [dict(f) for f in task.features]
+    last = features[task.client_indices[1][-1]]
+    last["input_ids"] = [*last["input_ids"][:-2], last["input_ids"][-2] + 1, last["input_ids"][-1]]
+    edited = dataclasses.replace(task, features=features, data_fingerprints=None)  # fingerprinted anew
+    with pytest.raises(ValueError, match=r"--resume: the training data of client\(s\) \[1\] differ from the saved "
+                                         r"run's \(its run_config.json's data_fingerprints"):
+        trainer.check_output_dir(*parse_args(same), edited)
 
 
 def test_record_resume_appends_to_run_config(tmp_path):

@@ -240,6 +240,7 @@ def test_two_sites_that_share_no_files_train_summarize_and_resume(tmp_path, monk
         config = json.loads((out / "run_config.json").read_text())
         assert config["client_sizes"] == [sizes[c] for c in range(4)] and config["split_histogram"] == counts
         assert config["split_keys"] == list(SITE_LABELS) and config["loss_positions_max"] == 4 * 2
+        assert len(set(config["data_fingerprints"])) == 4 and None not in config["data_fingerprints"]
         report = json.loads((out / "partition" / "partition.json").read_text())
         assert report["sizes"] == config["client_sizes"] and "partition" not in report
     summary = json.loads((outs[0] / "summary.json").read_text())

@@ -93,6 +93,21 @@ def resume_changes(saved: dict, options: dict, ds_config: dict, world_size: int,
     return {k: v for k, v in changed.items() if k not in refused and k not in ("resume", "overwrite")}
 
 
+def check_same_data(saved: dict, fingerprints: list[str | None]) -> None:
+    """--resume: each client's encoded training data (the fingerprints this process knows) must be
+    the saved run's, or the resumed stream would draw other examples at its saved position. A run
+    saved before the fingerprints were recorded is not checked."""
+    before = saved.get("data_fingerprints")
+    if before is None:
+        return
+    changed = [c for c, (was, now) in enumerate(zip(before, fingerprints)) if now is not None and was != now]
+    if changed:
+        raise ValueError(f"--resume: the training data of client(s) {changed} differ from the saved run's (its "
+                         "run_config.json's data_fingerprints: the examples as encoded, in order). Resume with the "
+                         "data, tokenizer and --max-seq-len it started with, or start a new run in another "
+                         "--output-dir")
+
+
 def _plain(value):
     """JSON's view of a value (tuples are lists), so a saved option compares equal to its parsed one."""
     if isinstance(value, (list, tuple)):

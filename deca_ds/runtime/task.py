@@ -10,10 +10,12 @@ crosses sites.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import numpy as np
 import torch.distributed as dist
 
 from ..data import (
@@ -45,11 +47,17 @@ class Task:
     evaluate: Callable[..., dict]  # evaluate(model, limit) -> {"accuracy", "macro_f1", "n", "chance"} or {}
     held: tuple[int, ...] | None = None  # per-client files: the clients whose files this process read
     answer_tokens: int | None = None  # the most labelled positions of one example (of every client's)
+    # per client, SHA-256 of its encoded examples in order (None: held elsewhere); --resume compares them
+    data_fingerprints: list[str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.answer_tokens is None:
             self.answer_tokens = max((sum(label != -100 for label in f["labels"][1:]) for f in self.features),
                                      default=0)
+        if self.data_fingerprints is None:
+            self.data_fingerprints = [features_fingerprint(self.features, ix)
+                                      if self.held is None or c in self.held else None
+                                      for c, ix in enumerate(self.client_indices)]
 
     @property
     def client_sizes(self) -> list[int]:
@@ -58,6 +66,15 @@ class Task:
     def stream(self, opts: RunOptions, client: int) -> ClientStream:
         return ClientStream(self.features, self.client_indices[client], opts.micro_batch,
                             pad_id=self.tokenizer.pad_token_id, seed=opts.seed, client=client)
+
+
+def features_fingerprint(features: list, indices: list[int]) -> str:
+    """SHA-256 of the examples' token ids and labels, in order: what a client's stream draws from."""
+    h = hashlib.sha256()
+    for i in indices:
+        for key in ("input_ids", "labels"):
+            h.update(np.asarray(features[i][key], dtype=np.int64).tobytes() + b";")
+    return h.hexdigest()
 
 
 def _tokenizer(opts: RunOptions, words: Callable[[], list[str]]):
@@ -179,10 +196,11 @@ def share_counts(task: Task, layout: ClientLayout) -> Task:
 
 
 def client_counts(task: Task) -> dict:
-    """What a process holding one client's file tells the others: counts, and the names it counts by."""
+    """What a process holding one client's file tells the others: counts, the names it counts by, and
+    its data's fingerprint (a hash: no example)."""
     (client,) = task.held
     return {"client": client, "histogram": task.key_histogram[client], "answer_tokens": task.answer_tokens,
-            "keys": list(task.key_names)}
+            "keys": list(task.key_names), "data": task.data_fingerprints[client]}
 
 
 def merge_counts(task: Task, everyone: list[dict]) -> Task:
@@ -195,10 +213,11 @@ def merge_counts(task: Task, everyone: list[dict]) -> Task:
         raise ValueError(f"--data-files train=…{{client}}…: client(s) {differ} name other labels than client "
                          f"{everyone[0]['client']} ({everyone[0]['keys']} against {theirs}): every site needs the "
                          "same test file")
-    histogram = [list(row) for row in task.key_histogram]
+    histogram, data = [list(row) for row in task.key_histogram], list(task.data_fingerprints)
     for e in everyone:
-        histogram[e["client"]] = e["histogram"]
-    return replace(task, key_histogram=histogram, answer_tokens=max(e["answer_tokens"] for e in everyone))
+        histogram[e["client"]], data[e["client"]] = e["histogram"], e["data"]
+    return replace(task, key_histogram=histogram, answer_tokens=max(e["answer_tokens"] for e in everyone),
+                   data_fingerprints=data)
 
 
 def build_task(opts: RunOptions, n_clients: int, held: tuple[int, ...] | None = None) -> Task:

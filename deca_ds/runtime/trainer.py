@@ -87,9 +87,9 @@ def upcoming_shards(stream: ClientStream, layout: ClientLayout, n: int) -> list[
     return shards
 
 
-def check_output_dir(opts: RunOptions, ds_config: dict) -> tuple[Path, dict[str, list]]:
+def check_output_dir(opts: RunOptions, ds_config: dict, task: Task) -> tuple[Path, dict[str, list]]:
     """The output directory, refused if the run may not write there; resuming, the options changed
-    since the saved run (refused if they change the result)."""
+    since the saved run (refused if they change the result, as is other training data)."""
     out = Path(opts.output_dir)
     outputs.check_output_dir(out, resume=opts.resume, overwrite=opts.overwrite)
     changes = {}
@@ -101,6 +101,7 @@ def check_output_dir(opts: RunOptions, ds_config: dict) -> tuple[Path, dict[str,
         defaults = asdict(RunOptions())
         changes = outputs.resume_changes(saved, asdict(opts), ds_config, int(os.environ.get("WORLD_SIZE", "1")),
                                          defaults)
+        outputs.check_same_data(saved, task.data_fingerprints)
     return out, changes
 
 
@@ -298,6 +299,7 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
         "world_size": layout.world_size, "n_clients": layout.n_clients, **placement,
         "client_sizes": task.client_sizes,
         "split_keys": list(task.key_names), "split_histogram": task.key_histogram,
+        "data_fingerprints": task.data_fingerprints,
         "versions": {"deca_ds": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
     }
     ckpt.write_json(out / "run_config.json", resolved)
@@ -341,7 +343,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     method = opts.build_method(partition)
     model = method.prepare(model)
     trainable = method.num_trainable(model)
-    out, resume_changes = check_output_dir(opts, ds_config)
+    out, resume_changes = check_output_dir(opts, ds_config, task)
 
     # ---- the job ---------------------------------------------------------------------------
     rank, world_size, device, store = init_process_group(opts.timeout, transport, opts.device_map)
