@@ -175,3 +175,15 @@ def test_deca_split_without_a_test_file_writes_the_held_out_rows(tmp_path, site)
         with pytest.raises(ValueError, match=why):
             write_split(RunOptions(**{**vars(opts), **kw}), tmp_path / "other")
         assert not (tmp_path / "other").exists()
+
+
+def test_deca_eval_scores_the_test_file_of_a_per_client_run(site, tmp_path):
+    """deca-eval takes the run's data options as they are (no split, so no --iid to give) and
+    scores the test file as the run does."""
+    from deca_ds.runtime import evaluate
+
+    args = ["--model", str(site / "model"), "--dataset", "files", "--max-seq-len", "48", "--eval-limit", "8",
+            "--data-files", f"train={site}/data/client_{{client}}.jsonl", f"test={site}/data/test.jsonl"]
+    result = evaluate.evaluate(evaluate.build_parser().parse_args([*args, "--out", str(tmp_path / "e.json")]))
+    assert result["classification"] == build_task(options(site), 3).evaluate(_model(site), 8)
+    assert result["classification"]["n"] == 8

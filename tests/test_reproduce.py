@@ -77,6 +77,8 @@ def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
     ({"steps": 0}, r"steps must be >= 1, got 0"),
     ({"seq_len": 512}, r"seq_len 512 exceeds the model's max_position_embeddings"),
     ({"dataset": "emotion"}, r"emotion"),
+    ({"dataset": "files", "data_files": ["train=c{client}.jsonl", "test=t.jsonl"]},
+     r"pretraining reads one training file: --data-files train=…\{client\}… names each client's own"),
 ])
 def test_bad_pretrain_options_are_refused(change, message, tmp_path):
     with pytest.raises(ValueError, match=message):

@@ -29,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
-from ..runtime.options import RunOptions
+from ..runtime.options import RunOptions, per_client
 from ..runtime.task import load_records
 from .report import provenance
 
@@ -62,6 +62,9 @@ class PretrainOptions:
         if self.seq_len > self.model.get("max_position_embeddings", SMALL_LLAMA["max_position_embeddings"]):
             raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_position_embeddings")
         # the task options are launch/train.py's: RunOptions checks them (dataset name, data_files form)
+        if any(per_client(item.split("=", 1)[-1]) for item in self.data_files or ()):
+            raise ValueError("pretraining reads one training file: --data-files train=…{client}… names each "
+                             "client's own")
         RunOptions(dataset=self.dataset, data_files=self.data_files)
         self.torch_device()
 

@@ -68,7 +68,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
     from ..models import load_tokenizer
-    from .task import build_task
+    from .task import evaluator
 
     if args.dataset is None and args.questions is None:
         raise ValueError("nothing to evaluate: give --dataset (classification) and/or --questions (generation)")
@@ -87,8 +87,8 @@ def evaluate(args: argparse.Namespace) -> dict:
                           label_column=args.label_column, label_names=args.label_names,
                           response_column=args.response_column, chat_template=args.chat_template,
                           max_seq_len=args.max_seq_len, eval_limit=args.eval_limit, seed=args.seed,
-                          iid=True, micro_batch=1, trust_remote_code=args.trust_remote_code)
-        results["classification"] = build_task(opts, 1).evaluate(model, args.eval_limit or None)
+                          trust_remote_code=args.trust_remote_code)
+        results["classification"] = evaluator(opts)(model, args.eval_limit or None)
     if args.questions is not None:
         answers = Path(args.answers or Path(args.out).with_suffix(".answers.jsonl"))
         tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)

@@ -4,8 +4,8 @@
 loads from the hub or its cache; `--dataset files` (or a name plus `--data-files`) reads local
 JSON Lines, CSV or Parquet files with the column options. A training path with the `{client}`
 field (`train=site/client_{client}.jsonl`) is each client's own file: a process reads only its
-client's, there is no split, and the clients' sizes and label counts (`share_counts`) are all that
-crosses sites.
+client's, there is no split, and the clients' sizes, label counts and data hashes (`share_counts`)
+are all of the data that crosses sites.
 """
 
 from __future__ import annotations
@@ -105,13 +105,16 @@ def _synthetic(opts: RunOptions, n_clients: int) -> Task:
     labels = [ex.label for ex in train]
     parts = (iid_partition(len(train), n_clients, seed=opts.seed) if opts.iid else
              dirichlet_partition(labels, n_clients, opts.dirichlet_alpha, seed=opts.seed, min_size=opts.micro_batch))
+    return Task(tokenizer, features, parts, task.label_words, label_histogram(labels, parts, task.num_labels).tolist(),
+                _synthetic_evaluator(opts, tokenizer, task, test))
 
+
+def _synthetic_evaluator(opts: RunOptions, tokenizer, task: SyntheticTask, test: list) -> Callable[..., dict]:
     def evaluate(model, limit: int | None) -> dict:
         return evaluate_classification(model, tokenizer, test, task.label_words, max_length=opts.max_seq_len,
                                        limit=limit)
 
-    return Task(tokenizer, features, parts, task.label_words, label_histogram(labels, parts, task.num_labels).tolist(),
-                evaluate)
+    return evaluate
 
 
 def load_records(opts: RunOptions, client: int = 0) -> LoadedTask:
@@ -218,6 +221,17 @@ def merge_counts(task: Task, everyone: list[dict]) -> Task:
         histogram[e["client"]], data[e["client"]] = e["histogram"], e["data"]
     return replace(task, key_histogram=histogram, answer_tokens=max(e["answer_tokens"] for e in everyone),
                    data_fingerprints=data)
+
+
+def evaluator(opts: RunOptions) -> Callable[..., dict]:
+    """The task's evaluate(model, limit) alone: the test set, without encoding or splitting the
+    training data (deca-eval)."""
+    if opts.dataset == "synthetic":
+        task = SyntheticTask(seed=opts.seed, words_per_example=opts.synthetic_words)
+        return _synthetic_evaluator(opts, _tokenizer(opts, task.vocabulary), task, task.generate()[1])
+    loaded = load_records(opts)
+    return _evaluator(opts, loaded, _tokenizer(opts, lambda: vocabulary(loaded.train + loaded.test,
+                                                                          loaded.spec.label_names)))
 
 
 def build_task(opts: RunOptions, n_clients: int, held: tuple[int, ...] | None = None) -> Task:
