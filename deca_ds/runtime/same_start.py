@@ -24,14 +24,14 @@ from .token_cache import tokenizer_fingerprint
 # integers of the element's width, at most 32 bits (an 8-byte element is summed as its two halves),
 # so that a chunk's int64 sum cannot overflow
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
-CHUNK = 1 << 22  # integers summed at a time: an int64 copy of 32 MiB at most
+CHUNK = 1 << 22  # integers summed at a time (accumulated in int64, no copy)
 
 
 def bit_sum(tensor: torch.Tensor, chunk: int = CHUNK) -> int:
     """The sum of the tensor's bits read as integers (`_BITS`): exact, so the same on any device and
     in any order of summation (float sums would round differently on another GPU)."""
     bits = tensor.detach().contiguous().reshape(-1).view(_BITS[tensor.element_size()])
-    return sum(int(part.to(torch.int64).sum()) for part in bits.split(chunk))
+    return sum(int(part.sum(dtype=torch.int64)) for part in bits.split(chunk))
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
