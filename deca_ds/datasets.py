@@ -136,7 +136,7 @@ class LoadedTask:
     train: list[Record]
     test: list[Record]
     sources: dict[str, str] = field(default_factory=dict)  # split -> where it was read from
-    rows: dict[str, object] = field(default_factory=dict)  # split -> its rows as read (datasets.Dataset), one a record
+    rows: dict[str, object] = field(default_factory=dict)  # split -> its rows as read (datasets.Dataset), by record
 
 
 ALPACA_PROMPT_INPUT = (

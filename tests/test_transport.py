@@ -21,8 +21,9 @@ from deca_ds.runtime.transport import (
     HostStaging,
     RankPlace,
     check_placement,
+    env_placement,
+    node_places,
     parse_device_map,
-    place_ranks,
     resolve_transport,
 )
 from helpers import free_port, run_script, torch_threads
@@ -53,38 +54,46 @@ def test_unknown_transport_and_bad_device_map_are_refused_as_options():
         RunOptions(device_map="0,-1")
 
 
-def test_ranks_map_to_gpus_by_local_rank_modulo_the_gpus():
-    places = place_ranks(8, 4, 2, None)  # two nodes of 4 ranks, 2 GPUs each
-    assert [(p.node, p.gpu) for p in places] == [(0, 0), (0, 1), (0, 0), (0, 1), (1, 0), (1, 1), (1, 0), (1, 1)]
-    assert [p.gpu for p in place_ranks(4, 4, 1, None)] == [0, 0, 0, 0]
-    assert [p.gpu for p in place_ranks(4, 4, 2, parse_device_map("0,0,1,1"))] == [0, 0, 1, 1]
-    assert [p.gpu for p in place_ranks(2, 2, 0, None)] == [None, None]
+def test_ranks_map_to_gpus_by_local_rank_modulo_the_gpus(monkeypatch):
+    # node 1 of a job whose node 0 runs 3 ranks: its 4 ranks are 3 … 6, on 2 GPUs
+    places = node_places(1, 3, 4, 2, None)
+    assert [(p.node, p.gpu, p.rank) for p in places] == [(1, 0, 3), (1, 1, 4), (1, 0, 5), (1, 1, 6)]
+    for var, value in {"WORLD_SIZE": "7", "RANK": "5", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
+                       "GROUP_RANK": "1"}.items():
+        monkeypatch.setenv(var, value)
+    assert env_placement("auto", n_gpus=2) == places  # what a rank of that node reads from torchrun
+    assert [p.gpu for p in node_places(0, 0, 4, 1, None)] == [0, 0, 0, 0]
+    assert [p.gpu for p in node_places(0, 0, 4, 2, parse_device_map("0,0,1,1"))] == [0, 0, 1, 1]
+    assert [p.gpu for p in node_places(0, 0, 2, 0, None)] == [None, None]
     with pytest.raises(ValueError, match="only 2 are visible"):
-        place_ranks(2, 2, 2, [0, 2])
+        node_places(0, 0, 2, 2, [0, 2])
     with pytest.raises(ValueError, match="names 2 GPUs but this node runs local rank 2"):
-        place_ranks(4, 4, 2, [0, 1])
+        node_places(0, 0, 4, 2, [0, 1])
 
 
 def test_clients_sharing_a_gpu_need_gloo_and_are_counted():
-    places = place_ranks(8, 8, 1, None)  # 8 clients on one GPU
+    places = node_places(0, 0, 8, 1, None)  # 8 clients on one GPU
     with pytest.raises(ValueError, match="8 ranks share GPU 0 of node 0, which NCCL refuses; run them with "
                                          "--transport gloo"):
         check_placement(places, 1, "nccl")
     assert check_placement(places, 1, "gloo") == {0: 8}
-    assert check_placement(place_ranks(4, 2, 2, None), 1, "nccl") == {0: 1, 1: 1}  # a GPU each: NCCL is fine
-    assert check_placement(place_ranks(4, 4, 0, None), 2, "gloo") == {}
+    assert check_placement(node_places(1, 2, 2, 2, None), 1, "nccl") == {0: 1, 1: 1}  # a GPU each: NCCL is fine
+    assert check_placement(node_places(0, 0, 4, 0, None), 2, "gloo") == {}
 
 
 def test_two_ranks_of_one_client_on_one_gpu_are_refused_whatever_the_transport():
     # G = 2 on one node with 2 GPUs and 4 ranks, mapped 0,0,1,1: client 0 is ranks 0 and 1, both on GPU 0
-    places = place_ranks(4, 4, 2, [0, 0, 1, 1])
+    places = node_places(0, 0, 4, 2, [0, 0, 1, 1])
     for transport in ("gloo", "nccl"):
         with pytest.raises(ValueError, match="client 0 would have 2 of its 2 ranks on GPU 0 of node 0"):
             check_placement(places, 2, transport)
+    # the same on a node whose first rank is 4: its clients are 2 and 3
+    with pytest.raises(ValueError, match="client 2 would have 2 of its 2 ranks on GPU 0 of node 1"):
+        check_placement(node_places(1, 4, 4, 2, [0, 0, 1, 1]), 2, "gloo")
     # by modulo instead, each client's two ranks are on GPUs 0 and 1, and two clients share each GPU
-    assert check_placement(place_ranks(4, 4, 2, None), 2, "gloo") == {0: 2, 1: 2}
-    # the same GPU index on two nodes is two GPUs
-    assert check_placement([RankPlace(0, 0), RankPlace(1, 0)], 2, "nccl") == {0: 1}
+    assert check_placement(node_places(0, 0, 4, 2, None), 2, "gloo") == {0: 2, 1: 2}
+    # a client whose ranks straddle two nodes: the same GPU index on two nodes is two GPUs
+    assert check_placement([RankPlace(0, 0, 2), RankPlace(1, 0, 3)], 2, "nccl") == {0: 1}
 
 
 # ---- the staged exchange on CPU ranks ----------------------------------------------------------
@@ -198,24 +207,30 @@ def test_the_one_gpu_preset_fits_eight_clients_on_an_h100_and_the_estimator_says
 
 # ---- multi-node without a shared file system ---------------------------------------------------
 
+SITE_RANKS = (1, 3)  # ranks (clients) of each site: sites need not run as many
+
+
 def start_nodes(args: list[str], sites: list[Path], logs: Path) -> list:
-    """Two "nodes" of two ranks each on this machine, as torchrun --nnodes 2 numbers them, each
-    node running in its own site folder and writing to its own output directory there."""
+    """The sites as "nodes" on this machine, as torchrun --nnodes numbers their ranks, each node
+    running in its own site folder and writing to its own output directory there."""
     from ranks import start_rank
 
     logs.mkdir(parents=True, exist_ok=True)
-    port, per_node, procs = str(free_port()), 2, []
-    for rank in range(len(sites) * per_node):
-        env = {**os.environ, **torchrun_env(rank, len(sites) * per_node, port, per_node)}
-        procs.append(start_rank([*args, "--output-dir", "run"], env, sites[rank // per_node],
-                                logs / f"rank{rank}.out", logs / f"rank{rank}.err"))
+    port, world, procs = str(free_port()), sum(SITE_RANKS), []
+    for node, (site, size) in enumerate(zip(sites, SITE_RANKS)):
+        for local in range(size):
+            rank = sum(SITE_RANKS[:node]) + local
+            env = {**os.environ, **torchrun_env(rank, world, port), "LOCAL_RANK": str(local),
+                   "LOCAL_WORLD_SIZE": str(size), "GROUP_RANK": str(node)}
+            procs.append(start_rank([*args, "--output-dir", "run"], env, site,
+                                    logs / f"rank{rank}.out", logs / f"rank{rank}.err"))
     return procs
 
 
 def test_two_sites_that_share_no_files_train_summarize_and_resume(tmp_path, monkeypatch):
-    """Two sites, no shared file system, each holding only its own clients' data files: every
-    client trains on its own file, the run's record has every client's counts, the summary and
-    --resume need nothing from the other site."""
+    """Two sites of 1 and 3 clients, no shared file system, each holding only its own clients'
+    data files: every client trains on its own file, the run's record has every client's counts,
+    the summary and --resume need nothing from the other site."""
     from safetensors.torch import load_file
 
     from helpers import SITE_LABELS, client_rows, write_site
@@ -225,7 +240,9 @@ def test_two_sites_that_share_no_files_train_summarize_and_resume(tmp_path, monk
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # the datasets cache of the data files
     sizes = {0: 6, 1: 9, 2: 7, 3: 8}
-    sites = [write_site(tmp_path / "site_a", [0, 1], sizes), write_site(tmp_path / "site_b", [2, 3], sizes)]
+    site_of = [k for k, n in enumerate(SITE_RANKS) for _ in range(n)]  # each client's site
+    sites = [write_site(tmp_path / f"site_{name}", [c for c in range(4) if site_of[c] == k], sizes)
+             for k, name in enumerate("ab")]
     run = ["--ds_config", PRESET, "--model", "model", "--dataset", "files",
            "--data-files", "train=data/client_{client}.jsonl", "test=data/test.jsonl",
            "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
@@ -251,20 +268,20 @@ def test_two_sites_that_share_no_files_train_summarize_and_resume(tmp_path, monk
     assert summary["clients"][3]["loss_end"] == pytest.approx(np.mean(losses[-10:]), rel=1e-12)
     assert not (outs[1] / "summary.json").exists() and not (outs[1] / "consensus").exists()
     for node, out in enumerate(outs):
-        mine = [f"client_{c:03d}" for c in (2 * node, 2 * node + 1)]
+        mine = [f"client_{c:03d}" for c in range(4) if site_of[c] == node]
         assert (out / "run_config.json").is_file()
         assert sorted(p.stem for p in (out / "metrics").glob("*.jsonl")) == mine
         assert sorted(p.name for p in (out / "clients").iterdir()) == mine
         checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
         assert checkpoints == [checkpoints[-1]], "--keep-checkpoints 1 prunes on every node"
         assert sorted(p.name for p in (out / "checkpoints" / checkpoints[-1]).iterdir()) == mine
-    first = {c: load_file(outs[c // 2] / "clients" / f"client_{c:03d}" / "model.safetensors") for c in range(4)}
+    first = {c: load_file(outs[site_of[c]] / "clients" / f"client_{c:03d}" / "model.safetensors") for c in range(4)}
 
     codes = wait_all(start_nodes([*run, "--resume"], sites, tmp_path / "logs_resume"), timeout=600)
     assert codes == [0] * 4, (tmp_path / "logs_resume" / "rank0.err").read_text()[-3000:]
     assert "resumed from step 4" in (tmp_path / "logs_resume" / "rank0.out").read_text()
     for c in range(4):
-        again = load_file(outs[c // 2] / "clients" / f"client_{c:03d}" / "model.safetensors")
+        again = load_file(outs[site_of[c]] / "clients" / f"client_{c:03d}" / "model.safetensors")
         assert all(torch.equal(again[k], v) for k, v in first[c].items()), f"client {c} after resume"
     resumed = json.loads((outs[0] / "summary.json").read_text())
     assert [c["loss_end"] for c in resumed["clients"]] == [c["loss_end"] for c in summary["clients"]]

@@ -20,10 +20,11 @@ from .options import TRANSPORTS
 
 @dataclass(frozen=True)
 class RankPlace:
-    """One rank's machine (node) and GPU index (None on a CPU rank)."""
+    """One rank's machine (node), GPU index (None on a CPU rank) and global rank."""
 
     node: int
     gpu: int | None
+    rank: int
 
 
 def resolve_transport(transport: str, on_gpu: bool) -> str:
@@ -63,26 +64,25 @@ def gpu_of(local_rank: int, n_gpus: int, device_map: list[int] | None) -> int:
     return device_map[local_rank]
 
 
-def place_ranks(world_size: int, local_world_size: int, n_gpus: int,
+def node_places(node: int, first_rank: int, local_world_size: int, n_gpus: int,
                 device_map: list[int] | None) -> list[RankPlace]:
-    """Every rank's place, as deepspeed and torchrun assign ranks: node k holds ranks
-    k·L … k·L+L−1 with local ranks 0 … L−1 (nodes run the same number of ranks)."""
-    if world_size % local_world_size:
-        raise ValueError(f"world size {world_size} is not a multiple of {local_world_size} ranks per node")
-    return [RankPlace(r // local_world_size,
-                      gpu_of(r % local_world_size, n_gpus, device_map) if n_gpus else None)
-            for r in range(world_size)]
+    """The places of one node's ranks: launchers number them contiguously from `first_rank`, with
+    local ranks 0 … L−1 (nodes may run different numbers of ranks)."""
+    return [RankPlace(node, gpu_of(local, n_gpus, device_map) if n_gpus else None, first_rank + local)
+            for local in range(local_world_size)]
 
 
 def check_placement(places: list[RankPlace], ranks_per_client: int, transport: str) -> dict[int, int]:
-    """Refuse a layout the transport cannot run; return how many clients share each GPU of this
-    layout's busiest node as {gpu: clients} (empty on CPU ranks).
+    """Refuse a layout the transport cannot run; return how many clients share each GPU of the
+    busiest of the nodes in `places` as {gpu: clients} (empty on CPU ranks).
 
     NCCL cannot hold two ranks of one GPU in a communicator; the G ranks of one client share
     DeepSpeed's gradient all-reduce, which must not see two ranks of one device either."""
     shared = Counter((p.node, p.gpu) for p in places if p.gpu is not None)
-    for c in range(len(places) // ranks_per_client):
-        mine = places[c * ranks_per_client:(c + 1) * ranks_per_client]
+    clients: dict[int, list[RankPlace]] = {}
+    for p in places:
+        clients.setdefault(p.rank // ranks_per_client, []).append(p)
+    for c, mine in sorted(clients.items()):
         seen = Counter((p.node, p.gpu) for p in mine if p.gpu is not None)
         twice = [key for key, n in seen.items() if n > 1]
         if twice:
@@ -102,11 +102,15 @@ def check_placement(places: list[RankPlace], ranks_per_client: int, transport: s
 
 
 def env_placement(device_map: str, n_gpus: int | None = None) -> list[RankPlace]:
-    """The job's placement from the launcher's environment (WORLD_SIZE, LOCAL_WORLD_SIZE)."""
+    """The places of this node's ranks, from the launcher's environment (RANK − LOCAL_RANK is the
+    node's first rank, LOCAL_WORLD_SIZE its count): every check is about one node's GPUs, so sites
+    may run different numbers of ranks."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(world))))
+    first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+    node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
     gpus = torch.cuda.device_count() if n_gpus is None else n_gpus
-    return place_ranks(world, local_world, gpus, parse_device_map(device_map))
+    return node_places(node, first, local_world, gpus, parse_device_map(device_map))
 
 
 class HostStaging:
