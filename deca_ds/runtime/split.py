@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import __version__
 from .checkpoint import atomic_write, write_json
-from .options import RunOptions, build_parser, resolve
+from .options import RunOptions, build_parser, dump_config, resolve
 
 SPLIT_OPTIONS = ("dataset", "data_files", "text_column", "text_pair_column", "label_column", "label_names",
                  "response_column", "partition_key", "iid", "dirichlet_alpha", "seed", "micro_batch", "clients")
@@ -70,10 +70,14 @@ def write_split(opts: RunOptions, out: Path, command: str = "") -> dict[str, Pat
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser("deca-split", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, metavar="DIR", help="folder of the client files (new files only)")
+    parser.usage = "%(prog)s --out DIR --clients N [--config RUN_FILE] [--preset NAME_OR_JSON] [--OPTION VALUE ...]"
     args = parser.parse_args(argv)
     out = Path(vars(args).pop("out"))
     try:
-        opts, _ = resolve(args)
+        opts, ds_config = resolve(args)
+        if args.print_config:  # the run whose split this is, as a run file
+            print(dump_config(opts, ds_config), end="")
+            return
         write_split(opts, out, shlex.join(["deca-split", *(sys.argv[1:] if argv is None else argv)]))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
