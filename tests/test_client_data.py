@@ -136,6 +136,8 @@ def test_deca_split_writes_the_runs_split_and_a_run_on_the_files_draws_the_same_
     run = ["--model", str(site / "model"), "--dataset", "files", "--clients", "3", "--micro-batch", "2",
            "--max-seq-len", "48", "--seed", "3", "--dirichlet-alpha", "0.5"]
     out = tmp_path / "sites"
+    split_main([*run, "--data-files", f"train={whole}", f"test={test}", "--out", str(out), "--print-config"])
+    assert "clients: 3\n" in capsys.readouterr().out and not out.exists()  # the run it would split for, only
     split_main([*run, "--data-files", f"train={whole}", f"test={test}", "--out", str(out)])
     assert f"--data-files train={out}/client_{{client}}.jsonl test={test}" in capsys.readouterr().out
     split = build_task(parse_args([*run, "--data-files", f"train={whole}", f"test={test}"])[0], 3)
