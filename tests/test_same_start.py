@@ -18,6 +18,7 @@ from deca_ds.runtime.same_start import (
     start_fingerprint,
     weights_fingerprint,
 )
+from deca_ds.runtime.transport import spans_nodes
 
 
 @pytest.mark.parametrize("dtype, bits", [(torch.bfloat16, np.int16), (torch.float32, np.int32),
@@ -71,3 +72,16 @@ def test_a_site_with_other_options_is_refused_naming_them():
         "client 2; eval_interval: 10 at client 0, 0 at client 2; lr: 5e-05 at client 0, 0.001 at client 2. Every "
         "site must pass the same options, but for data_files, device_map, eval_clients")
     assert PER_SITE <= NOT_RESULT | {"model", "data_files", "trust_remote_code"}, "a per-site option changes results"
+
+
+def test_the_weights_are_summed_only_where_nodes_load_them_from_their_own_disks(monkeypatch):
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert not spans_nodes()  # one process
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # deepspeed's launcher, one node
+    assert not spans_nodes()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun, a site of 1 rank beside others
+    assert spans_nodes()
+    unsummed = start_fingerprint(tiny_llama(40, seed=3), build_word_tokenizer(["a"]), RunOptions(), {}, weights=False)
+    assert unsummed["weights"] is None

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..mixing import MIX_CHUNK, mixing_order, weighted_sum
-from .transport import HostStaging, gpu_of, parse_device_map, resolve_transport
+from .transport import HostStaging, gpu_of, local_world_size, parse_device_map, resolve_transport
 
 
 class PeerError(RuntimeError):
@@ -120,7 +120,7 @@ def init_process_group(timeout_s: float, transport: str = "auto",
         raise ValueError(f"{what}: {err}") from err
     device = local_device(device_map)
     backend = resolve_transport(transport, device.type == "cuda")
-    threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1"))), device)
+    threads = rank_threads(local_world_size(1), device)
     if threads is not None:
         torch.set_num_threads(threads)
     if device.type == "cuda":

@@ -4,9 +4,10 @@ Each site runs its own command line and loads the model from its own disk or hub
 random initialisation is drawn on each rank's device. Another option at one site (a learning
 rate, a topology seed, an evaluation interval, whose collectives the others would wait for),
 another revision, dtype or tokenizer, or a CPU initialisation beside GPU ones would train unlike
-models or hang. Each rank fingerprints its options (all but `PER_SITE`), tokenizer and loaded
-weights (before the method adds its own); the ranks gather and compare them, and a difference is
-the same refusal on every rank, naming the clients and the options.
+models or hang. Each rank fingerprints its options (all but `PER_SITE`), tokenizer and, when the
+job spans nodes (ranks of one node load the same files), its loaded weights before the method adds
+its own; the ranks gather and compare them, and a difference is the same refusal on every rank,
+naming the clients and the options.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ def shared_options(opts: RunOptions, ds_config: dict) -> dict:
             **{f"ds_config.{k}": v for k, v in ds_config.items() if k not in NOT_RESULT_DS}}
 
 
-def start_fingerprint(model: torch.nn.Module, tokenizer, opts: RunOptions, ds_config: dict) -> dict:
-    return {"options": shared_options(opts, ds_config), "weights": weights_fingerprint(model),
+def start_fingerprint(model: torch.nn.Module, tokenizer, opts: RunOptions, ds_config: dict, *,
+                      weights: bool = True) -> dict:
+    """What check_same_start compares; `weights` False (every rank alike) skips summing them."""
+    return {"options": shared_options(opts, ds_config), "weights": weights_fingerprint(model) if weights else None,
             "tokenizer": tokenizer_fingerprint(tokenizer)}
 
 

@@ -157,9 +157,13 @@ def split_records(opts: RunOptions, loaded: LoadedTask, n_clients: int) -> tuple
     return parts, list(keys), tuple(key_names)
 
 
+def _records_tokenizer(opts: RunOptions, loaded: LoadedTask):
+    return _tokenizer(opts, lambda: vocabulary(loaded.train + loaded.test, loaded.spec.label_names))
+
+
 def _loaded(opts: RunOptions, n_clients: int) -> Task:
     loaded = load_records(opts)
-    tokenizer = _tokenizer(opts, lambda: vocabulary(loaded.train + loaded.test, loaded.spec.label_names))
+    tokenizer = _records_tokenizer(opts, loaded)
     features = _features(opts, tokenizer, loaded.train)
     parts, keys, key_names = split_records(opts, loaded, n_clients)
     return Task(tokenizer, features, parts, key_names, label_histogram(keys, parts, len(key_names)).tolist(),
@@ -230,8 +234,7 @@ def evaluator(opts: RunOptions) -> Callable[..., dict]:
         task = SyntheticTask(seed=opts.seed, words_per_example=opts.synthetic_words)
         return _synthetic_evaluator(opts, _tokenizer(opts, task.vocabulary), task, task.generate()[1])
     loaded = load_records(opts)
-    return _evaluator(opts, loaded, _tokenizer(opts, lambda: vocabulary(loaded.train + loaded.test,
-                                                                          loaded.spec.label_names)))
+    return _evaluator(opts, loaded, _records_tokenizer(opts, loaded))
 
 
 def build_task(opts: RunOptions, n_clients: int, held: tuple[int, ...] | None = None) -> Task:

@@ -54,7 +54,7 @@ from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize,
 from .options import RunOptions, dump_config, offload_keep_for_budget
 from .same_start import check_same_start, start_fingerprint
 from .task import Task, build_task, share_counts
-from .transport import check_placement, env_placement, resolve_transport
+from .transport import check_placement, env_placement, resolve_transport, spans_nodes
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -330,7 +330,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
                       if opts.client_data else None)
     model = build_model(opts, len(task.tokenizer))
-    start = start_fingerprint(model, task.tokenizer, opts, ds_config)  # compared across sites once connected
+    # compared across sites once connected; the weights only where nodes load them from their own disks
+    start = start_fingerprint(model, task.tokenizer, opts, ds_config, weights=spans_nodes())
     partition = model_partition(model, opts.deca_config())
     if opts.offload_budget:
         opts.offload_keep = offload_keep_for_budget(

@@ -101,12 +101,22 @@ def check_placement(places: list[RankPlace], ranks_per_client: int, transport: s
     return per_gpu
 
 
+def local_world_size(default: int) -> int:
+    """The ranks on this node, as the launcher says (torchrun: LOCAL_WORLD_SIZE, deepspeed: LOCAL_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(default))))
+
+
+def spans_nodes() -> bool:
+    """Whether the job's ranks run on more than one node (each loads the model from its own disk)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return local_world_size(world) < world
+
+
 def env_placement(device_map: str, n_gpus: int | None = None) -> list[RankPlace]:
     """The places of this node's ranks, from the launcher's environment (RANK − LOCAL_RANK is the
     node's first rank, LOCAL_WORLD_SIZE its count): every check is about one node's GPUs, so sites
     may run different numbers of ranks."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(world))))
+    local_world = local_world_size(int(os.environ.get("WORLD_SIZE", "1")))
     first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
     node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
     gpus = torch.cuda.device_count() if n_gpus is None else n_gpus
