@@ -7,7 +7,7 @@
 #   3. Llama-3.1-8B, 2 clients on the GPU, ring: peak per client against the estimator
 #   4. D-Adam beside step 2 (it moves every decoder weight per step, so a few steps only)
 # Wheels the machine lacks travel in .whl/ (see profiling/results/gpu_h200/README.md).
-set -u
+set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 RES=/tmp/res
 mkdir -p "$RES" "$OUT"
@@ -15,7 +15,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/device.txt"
-python3 -c "import torch, deepspeed, transformers, peft; print(torch.__version__, deepspeed.__version__, transformers.__version__, peft.__version__)" | tee -a "$RES/device.txt"
+PYTHONPATH=/tmp/site python3 -m pip check | grep -v "^$" | head -20  # what the carried wheels still lack
+python3 -c "import torch, deepspeed, transformers, peft, huggingface_hub.hf_api, deca_ds.runtime.trainer
+print(torch.__version__, deepspeed.__version__, transformers.__version__, peft.__version__)" | tee -a "$RES/device.txt" || exit 1
 
 QWEN=(--from-config --model profiling/configs/qwen2-1.5b.json --transport gloo)
 LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json --transport gloo)
