@@ -22,10 +22,10 @@ print(torch.__version__, deepspeed.__version__, transformers.__version__, peft._
 QWEN=(--from-config --model profiling/configs/qwen2-1.5b.json --transport gloo)
 LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json --transport gloo)
 
-timeout 120 python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
+timeout 100 python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
   --train-args --from-config --model profiling/configs/cpu/llama-8x256; echo "exact rc=$?"; pack
 
-timeout 220 python3 profiling/profile_resources.py --ds-config ds_configs/profile_bf16.json --ranks 4 \
+timeout 200 python3 profiling/profile_resources.py --ds-config ds_configs/profile_bf16.json --ranks 4 \
   --methods deca dec_lora dec_adapter decaf --steps-per-block 3 --warmup 3 --out "$RES" \
   --name profile_resources_4clients_qwen2-1.5b --train-args "${QWEN[@]}" --layers-per-block 2
 echo "resources rc=$?"; pack
@@ -35,7 +35,7 @@ timeout 140 python3 profiling/profile_memory.py --ds-config ds_configs/profile_b
   --name profile_memory_2clients_llama-3.1-8b --train-args "${LLAMA[@]}"
 echo "memory rc=$?"; pack
 
-timeout 100 python3 profiling/profile_resources.py --ds-config ds_configs/profile_bf16.json --ranks 4 \
+timeout 90 python3 profiling/profile_resources.py --ds-config ds_configs/profile_bf16.json --ranks 4 \
   --methods dadam --steps-per-block 1 --warmup 2 --out "$RES" \
   --name profile_resources_4clients_qwen2-1.5b_dadam --train-args "${QWEN[@]}" --layers-per-block 7
 echo "dadam rc=$?"; pack

@@ -61,10 +61,10 @@ def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> 
                 p.kill()
                 p.wait()
             raise SystemExit(f"{what}: the ranks were still running after {timeout:g} s") from None
-        for rank, code in enumerate(codes):
-            if code:
-                err = (Path(logs) / f"{rank}.err").read_text()
-                raise SystemExit(f"{what}: rank {rank} exited {code}:\n{err[-2000:]}")
+        failed = [f"rank {rank} exited {code}:\n{(Path(logs) / f'{rank}.err').read_text()[-2000:]}"
+                  for rank, code in enumerate(codes) if code]
+        if failed:  # every failed rank's own error: the first to fail is often not rank 0
+            raise SystemExit(f"{what}: " + "\n".join(failed))
     return out
 
 

@@ -7,6 +7,9 @@ as its data-parallel group, so it averages gradients inside a client and never a
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import torch
 import torch.distributed as dist
 
 
@@ -38,12 +41,16 @@ class ClientMPU:
         return 0
 
 
-def initialize(model, optimizer, ds_config: dict, mpu: ClientMPU):
-    """deepspeed.initialize with DECA's optimizer; returns the engine (the optimizer is not wrapped)."""
+def initialize(model, optimizer, ds_config: dict, mpu: ClientMPU, device: torch.device):
+    """deepspeed.initialize with DECA's optimizer on this rank's `device`; returns the engine (the
+    optimizer is not wrapped)."""
     import deepspeed
 
+    # DeepSpeed selects GPU LOCAL_RANK unless told the device: with several ranks per GPU
+    # (transport.gpu_of) local rank 1 is not GPU 1.
+    args = SimpleNamespace(device_rank=device.index) if device.type == "cuda" else None
     engine, engine_optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds_config, mpu=mpu)
+        args=args, model=model, optimizer=optimizer, config=ds_config, mpu=mpu)
     # With one rank per client the all-reduce is an identity that still copies the active
     # block's gradient into flat bf16 and fp32 buffers; skip it.
     engine.enable_backward_allreduce = mpu.get_data_parallel_world_size() > 1

@@ -381,7 +381,8 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
         prefix = FrozenPrefix(model, partition, offload)
     if "activation_checkpointing" in ds_config:
         enable_activation_checkpointing(model)
-    engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single))
+    engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single),
+                        device)
     stream = task.stream(opts, layout.client)
     lead = layout.local_rank == 0
 
