@@ -71,6 +71,29 @@ def test_ranks_map_to_gpus_by_local_rank_modulo_the_gpus(monkeypatch):
         node_places(0, 0, 4, 2, [0, 1])
 
 
+def test_deepspeed_is_given_the_ranks_own_gpu_not_local_rank(monkeypatch):
+    """Local rank 3 of four clients on one GPU runs on GPU 0: DeepSpeed, which would select GPU
+    LOCAL_RANK, gets the device's index (found on an H200, where ranks 1-3 failed)."""
+    import deepspeed
+
+    from deca_ds.runtime.ds_engine import ClientMPU, initialize
+
+    seen = []
+    optimizer = object()
+
+    def fake_initialize(args=None, model=None, optimizer=None, config=None, mpu=None):
+        seen.append(args)
+        return model, optimizer, None, None
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(deepspeed, "initialize", fake_initialize)
+    mpu = ClientMPU(None, [3], None)
+    initialize(torch.nn.Linear(1, 1), optimizer, {}, mpu, torch.device("cuda", 0))
+    initialize(torch.nn.Linear(1, 1), optimizer, {}, mpu, torch.device("cpu"))
+    assert seen[0].device_rank == 0 and not hasattr(seen[0], "local_rank")
+    assert seen[1] is None  # CPU ranks: DeepSpeed's own choice
+
+
 def test_clients_sharing_a_gpu_need_gloo_and_are_counted():
     places = node_places(0, 0, 8, 1, None)  # 8 clients on one GPU
     with pytest.raises(ValueError, match="8 ranks share GPU 0 of node 0, which NCCL refuses; run them with "
