@@ -57,11 +57,11 @@ Setup, before the first step (`setup_phases`; the process's peak is `process_pea
                    (the model drawn in the working dtype on the device - on the host with offload
                    "frozen", whose frozen layers the device never holds - or a checkpoint copied in
                    one tensor at a time: one extra tensor the size of the largest, the embedding)
+    evaluate       weights + offload_buffers + eval_forward
+                   (the evaluation before training, eval_batch sequences per no-grad forward,
+                   before the optimizer exists; eval_batch 0: none)
     optimizer      weights + offload_buffers + optimizer_state
                    (the first block's master, m, v; DeepSpeed's stage-0 engine adds no copy)
-    evaluate       weights + offload_buffers + optimizer_state + eval_forward
-                   (the evaluation before training, eval_batch sequences per no-grad forward;
-                   eval_batch 0: none)
 
 Not modelled: the CUDA context, cuBLAS workspaces and NCCL buffers (covered by the `reserve` of
 `fits`), allocator fragmentation, per-tensor temporaries (a single parameter tensor's worth,
@@ -440,8 +440,8 @@ class MemoryEstimate:
         """What the device holds before the first step (module docstring), per setup phase."""
         base = self.weights + self.offload_buffers
         return {"init": base + self.init_transient,
-                "optimizer": base + self.optimizer_state,
-                "evaluate": base + self.optimizer_state + self.eval_forward}
+                "evaluate": base + self.eval_forward,
+                "optimizer": base + self.optimizer_state}
 
     @property
     def setup_peak(self) -> int:

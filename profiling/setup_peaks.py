@@ -3,8 +3,8 @@ setup_phases): one process runs the runtime's setup steps in its order, each a p
 peaks.PhasePeaks, and the increment each one adds is compared with the term that models it.
 
     init       the model drawn in the working dtype (models._from_config)   weights + init_transient
-    optimizer  DecaOptimizer activates the first block: its master, m, v      optimizer_state
     evaluate   one no-grad scoring forward (models.labelled_logits)          eval_forward
+    optimizer  DecaOptimizer activates the first block: its master, m, v      optimizer_state
 
 DeepSpeed's engine setup is not run here: at stage 0 it wraps the module without copying it
 (the estimator counts nothing for it; a GPU run through launch/train.py measures it). On CPU the
@@ -68,9 +68,6 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
     peaks.mark("init")
     with dev:
         model = _from_config(config, dtype=DTYPES[dtype], seed=0).eval()
-    before["optimizer"] = now()
-    peaks.mark("optimizer")
-    optimizer = DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))  # held, as in a run
     ids = torch.randint(0, config.vocab_size, (eval_batch, seq_len), device=dev)
     labels = torch.full_like(ids, -100)
     labels[:, -1] = ids[:, -1]
@@ -80,6 +77,11 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
     peaks.mark("evaluate")
     with torch.no_grad():
         labelled_logits(model, batch)
+    del batch, ids, labels
+    gc.collect()
+    before["optimizer"] = now()
+    peaks.mark("optimizer")
+    optimizer = DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))  # held, as in a run
     peaks.mark("end")
     del optimizer
     key = "cuda_allocated_peak" if cuda else "rss_peak"
@@ -87,8 +89,8 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
 
     est = estimate_block(config, 1, 0, working_dtype=dtype, master_dtype="fp32", micro_batch=1, seq_len=seq_len,
                          eval_batch=eval_batch, eval_positions=1, n_neighbors=0)
-    terms = {"init": est.weights + est.init_transient, "optimizer": est.optimizer_state,
-             "evaluate": est.eval_forward}
+    terms = {"init": est.weights + est.init_transient, "evaluate": est.eval_forward,
+             "optimizer": est.optimizer_state}
     rows = [{"phase": p, "measured_bytes": measured[p], "estimated_bytes": terms[p],
              "measured_over_estimated": measured[p] / terms[p]} for p in terms]
     # the setup peak above the process's memory before init, phase by phase cumulative

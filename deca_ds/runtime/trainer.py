@@ -244,6 +244,21 @@ def to_consensus_(model, device: torch.device | None = None) -> float:
 
 
 @contextmanager
+def frozen(model):
+    """The model with no trainable parameter while it is scored before the optimizer exists: the
+    optimizer has not chosen what trains yet, so offloading streams every layer as a frozen one.
+    The flags come back as they were."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        yield model
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+
+
+@contextmanager
 def consensus_weights(model):
     """Evaluate x̄ in the middle of training: the client's own weights wait in host memory and
     come back bit for bit (the optimizer's master copy is not touched)."""
@@ -367,11 +382,23 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     # them all; the first block the optimizer activates is made resident first.
     offload = FrozenLayerOffload(model, partition, device, mode=opts.offload, keep=opts.offload_keep,
                                  simulate_on_cpu=os.environ.get("DECA_OFFLOAD_ON_CPU") == "1")
+    first_block = block_schedule(opts.deca_config(), partition.num_blocks, 0)[0]
     if offload.enabled:
-        offload.activate(block_schedule(opts.deca_config(), partition.num_blocks, 0)[0])
+        offload.activate(first_block)
     # On the device before the optimizer exists: the active block's master and moments are
     # created beside its parameters (DeepSpeed would move the module only afterwards).
     model.to(device)
+    # x̄ before training, scored before the first block's master, m and v exist, so the evaluation's
+    # forward and that state are never on the device together (the setup peak stays below training's).
+    # Client 0's first record keeps it, so a resumed run's summary has it too.
+    before = None
+    if rank == 0 and not opts.resume:
+        with frozen(model):
+            before = task.evaluate(model, opts.eval_limit or None)
+        # the layers it streamed last go back, so every rank's module looks alike to DeepSpeed's broadcast
+        offload.activate(first_block)
+        if before:
+            print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
     optimizer = method.optimizer(model, mixer)
     # stopped by the launcher (another rank failed): name who went silent before exiting
     cleanup.set_board(lambda: heartbeat.silent_ranks(optimizer.global_step, 1.0), heartbeat.wait_for_readers)
@@ -404,11 +431,6 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             write_run_config(out, opts, ds_config, topology, partition, layout, task, trainable, placement)
     dist.barrier()
     metrics = MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard) if lead else None
-    before = None  # x̄ before training: client 0's first record keeps it, so a resumed run's summary has it too
-    if rank == 0 and not opts.resume:
-        before = task.evaluate(engine.module, opts.eval_limit or None)
-        if before:
-            print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
 
     # The setup's peak (the first evaluation's batch, say) is logged apart (first record), not as
     # the training step's.
