@@ -5,7 +5,9 @@ graph, drops each client's first --warmup steps, and reports medians over the re
 (client, step) samples: Fwd, Bkwd, Agg & Up (local update + exchange + combination; the
 optimizer step DeepSpeed calls), the combination alone (Agg: DeCAF's SVD shows here), Comm (MB
 sent per step per client), and the ratios the issue's targets are stated in. Writes
-<out>/profile_resources.{md,csv,json,png}.
+<out>/profile_resources.{md,csv,json,png}. With --merge, methods measured by earlier calls with the
+same ranks, preset, warm-up and train args stay in the table (one method per call fits a time
+limit), and the ratios are taken over all of them.
 
     python profiling/profile_resources.py --ds-config ds_configs/cpu_demo.json --ranks 4
     python profiling/profile_resources.py --ds-config ds_configs/rtxpro6000_llama-3.1-8b.json --ranks 8 \\
@@ -40,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-block", type=int, default=8, help="DECA's R; the baselines take as many steps")
     p.add_argument("--out", default=str(ROOT / "profiling" / "results"))
     p.add_argument("--name", default="profile_resources", help="base name of the result files")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the methods already in <out>/<name>.json (measured with the same settings)")
     runs.add_run_args(p, work_dir="/tmp/deca_profile_resources", warmup=3)
     return p.parse_args(argv)
 
@@ -67,22 +71,30 @@ def measure(out: Path, warmup: int) -> dict:
     }
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    results = []
-    for update in args.updates:
-        tag, label = UPDATES[update]
-        for method in args.methods:
-            train_args = ["--ds_config", args.ds_config, "--method", method, "--rounds", "1",
-                          "--steps-per-block", str(args.steps_per_block), "--eval-limit", "16",
-                          "--consensus-interval", "0", *(["--fused-update"] if update == "fused" else []),
-                          *args.train_args]
-            out = runs.train(train_args, args.ranks, Path(args.work_dir) / (method + tag), args.timeout, method + tag)
-            results.append({"method": LABELS[method] + label, "update": update, **measure(out, args.warmup)})
+# what a merged table's rows must share
+SETTINGS = ("ranks", "ds_config", "train_args", "warmup")
+
+
+def earlier_rows(args) -> list[dict]:
+    """The rows of <out>/<name>.json to keep (--merge), refused before any run if measured otherwise."""
+    path = Path(args.out) / f"{args.name}.json"
+    if not args.merge or not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    now = {key: getattr(args, key) for key in SETTINGS}
+    differ = [f"{key}: {earlier.get(key)!r} there, {now[key]!r} here"
+              for key in SETTINGS if earlier.get(key) != now[key]]
+    if differ:
+        raise SystemExit(f"--merge: {path} was measured with other settings ({'; '.join(differ)}); "
+                         "give another --name or --out")
+    return earlier["results"]
+
+
+def ratios_of(results: list[dict]) -> dict:
+    """DECA's shares of its step and its step over each baseline's, per update (eager, fused)."""
     by = {r["method"]: r for r in results}
     ratios = {}
-    for update in args.updates:
-        tag, label = UPDATES[update]
+    for update, (tag, label) in UPDATES.items():
         deca = by.get("DECA" + label)
         if deca is None:
             continue
@@ -93,6 +105,28 @@ def main(argv=None) -> dict:
                 ratios[f"deca{tag}_step_over_{name}{tag}"] = deca["step_ms"] / by[name + label]["step_ms"]
     if {"DECA", "DECA (fused)"} <= by.keys():
         ratios["deca_fused_agg_up_over_eager"] = by["DECA (fused)"]["agg_up_ms"] / by["DECA"]["agg_up_ms"]
+    return ratios
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    kept = earlier_rows(args)
+    command = provenance("profile_resources.py", argv)["command"]
+    results = []
+    for update in args.updates:
+        tag, label = UPDATES[update]
+        for method in args.methods:
+            train_args = ["--ds_config", args.ds_config, "--method", method, "--rounds", "1",
+                          "--steps-per-block", str(args.steps_per_block), "--eval-limit", "16",
+                          "--consensus-interval", "0", *(["--fused-update"] if update == "fused" else []),
+                          *args.train_args]
+            out = runs.train(train_args, args.ranks, Path(args.work_dir) / (method + tag), args.timeout, method + tag)
+            results.append({"method": LABELS[method] + label, "update": update, **measure(out, args.warmup),
+                            "command": command})
+    done = {r["method"] for r in results}
+    order = [LABELS[m] + label for _, label in UPDATES.values() for m in METHODS]
+    results = sorted([r for r in kept if r["method"] not in done] + results, key=lambda r: order.index(r["method"]))
+    ratios = ratios_of(results)
     cuda = torch.cuda.is_available()
     summary = {
         **provenance("profile_resources.py", argv, cuda=cuda),
@@ -114,6 +148,9 @@ def write(summary: dict, out: Path, name: str) -> None:
     md += [f"| {r['method']} | {r['trainable_params']:,} | {r['fwd_ms']:.2f} | {r['bkwd_ms']:.2f} | "
            f"{r['agg_up_ms']:.2f} | {r['exchange_ms']:.2f} | {r['agg_ms']:.2f} | {r['update_ms']:.2f} | "
            f"{r['step_ms']:.2f} | {r['comm_mb']:.3f} |" for r in rows]
+    commands = list(dict.fromkeys(r["command"] for r in rows if "command" in r))
+    if len(commands) > 1:  # --merge: each row's own call
+        md += ["", "Merged from one call per group of rows: " + "; ".join(f"`{c}`" for c in commands) + "."]
     if summary["ratios"]:
         md += ["", "| ratio | value |", "| --- | ---: |"]
         md += [f"| {k.replace('_', ' ')} | {v:.3f} |" for k, v in summary["ratios"].items()]

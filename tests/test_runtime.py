@@ -579,13 +579,21 @@ def test_offload_with_ranks_per_client_and_accumulation_equals_resident(tmp_path
 
 def test_profile_resources_tool(tmp_path, profiling_runs):
     """profiling/profile_resources.py trains each method on the same ranks, with the eager and the
-    fused update, and reports Table 9's columns."""
+    fused update, and reports Table 9's columns; a second call with --merge adds its method to the
+    first call's table (the ratios over both), and one with other settings is refused before it runs."""
     import profile_resources
 
-    profile_resources.main(["--ranks", "2", "--methods", "deca", "dadam", "--updates", "eager", "fused",
-                            "--steps-per-block", "2", "--warmup", "1", "--work-dir", str(tmp_path / "runs"),
-                            "--out", str(tmp_path / "out"), "--train-args", "--topology", "ring", "--micro-batch",
-                            "4", "--layers-per-block", "2"])
+    def call(method: str, *more: str, layers: str = "2") -> None:
+        profile_resources.main(["--ranks", "2", "--methods", method, "--updates", "eager", "fused",
+                                "--steps-per-block", "2", "--warmup", "1", "--work-dir", str(tmp_path / "runs"),
+                                "--out", str(tmp_path / "out"), *more, "--train-args", "--topology", "ring",
+                                "--micro-batch", "4", "--layers-per-block", layers])
+
+    call("dadam")
+    call("deca", "--merge")
+    with pytest.raises(SystemExit, match=r"other settings \(train_args: .*'2'\] there, .*'1'\] here\)"):
+        call("deca", "--merge", layers="1")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["dadam", "dadam_fused", "deca", "deca_fused"]
     summary = json.loads((tmp_path / "out" / "profile_resources.json").read_text())
     deca, dadam, deca_fused, dadam_fused = summary["results"]
     assert [r["method"] for r in summary["results"]] == ["DECA", "D-Adam", "DECA (fused)", "D-Adam (fused)"]
@@ -606,7 +614,9 @@ def test_profile_resources_tool(tmp_path, profiling_runs):
     assert ratios["deca_fused_step_over_D-Adam_fused"] == pytest.approx(deca_fused["step_ms"] / dadam_fused["step_ms"])
     assert ratios["deca_update_and_combination_share_of_step"] == pytest.approx(deca["update_ms"] / deca["step_ms"])
     assert ratios["deca_fused_agg_up_over_eager"] == pytest.approx(deca_fused["agg_up_ms"] / deca["agg_up_ms"])
-    assert summary["command"].startswith("python profiling/profile_resources.py --ranks 2")
+    assert summary["command"].startswith("python profiling/profile_resources.py --ranks 2 --methods deca")
+    # each row names its own call
+    assert [r["command"].split()[5] for r in summary["results"]] == ["deca", "dadam", "deca", "dadam"]
     assert (tmp_path / "out" / "profile_resources.png").stat().st_size > 1000
 
 
