@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 16 and 17 as named steps, for one call on a lent GPU machine (device
+# tool): `bash profiling/gpu_checks.sh STEP ...` with `carry: [".whl"]`. Each step has its own time
+# limit and runs only while the call's budget lasts (BUDGET seconds, default 560: a call may run
+# 600); the results so far are packed into $OUT/results.tgz after each step (the tool brings back
+# at most 8 files). Copy them to profiling/results/gpu_<device>/ with the commit that ran them.
+#
+# Issue 16, clients sharing the GPU through the host-staged gloo transport (about, on an H200):
+#   exact    distributed == simulator, 4 clients, fp32 (shared_device_exact.py)           1 min
+#   table9   Table 9, 4 clients, Qwen2-1.5B: one method per call, merged into one table   5 x 1-2 min
+#   memory   Llama-3.1-8B, 2 clients, ring: peak per client against the estimator         2 min
+#   offload  Llama-3.1-8B, 4 clients with --offload frozen (an H200's memory)              4 min
+# Issue 17, one client (profiling/README.md, "GPU measurements that remain"):
+#   setup    setup + training peaks, resident and offloaded, Llama-3.1-8B (target 1)       6 min
+#   terms    the estimator's setup terms against torch.cuda                                1 min
+#   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min
+#   update   the fused update on the device (target 3)                                     2 min
+#   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
+# Wheels the machine lacks travel in .whl/ (profiling/results/gpu_h200/README.md).
+set -u -o pipefail
+OUT=${OUT:-/tmp/out}
+RES=/tmp/res
+DEADLINE=$((SECONDS + ${BUDGET:-560}))
+mkdir -p "$RES" "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
+# step LIMIT NAME CMD...: CMD with at most LIMIT seconds, fewer if the call's budget is shorter
+step() {
+  local limit=$1 name=$2 left=$((DEADLINE - SECONDS - 10))
+  shift 2
+  if ((left < 30)); then echo "$name skipped: the call's budget is spent"; return; fi
+  timeout $((limit < left ? limit : left)) "$@"
+  echo "$name rc=$?"
+  pack
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/device.txt"
+PYTHONPATH=/tmp/site python3 -m pip check | grep -v "^$" | head -20  # what the carried wheels still lack
+python3 -c "import torch, deepspeed, transformers, peft, huggingface_hub.hf_api, deca_ds.runtime.trainer
+print(torch.__version__, deepspeed.__version__, transformers.__version__, peft.__version__)" | tee -a "$RES/device.txt" || exit 1
+
+QWEN=(--from-config --model profiling/configs/qwen2-1.5b.json --transport gloo --layers-per-block 4)
+LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
+BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
+TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
+
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms matmul update aggshare"; exit 2; }
+for what in "$@"; do
+  case $what in
+    exact) step 120 exact python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
+             --train-args --from-config --model profiling/configs/cpu/llama-8x256 ;;
+    table9) for method in deca dec_lora dec_adapter decaf dadam; do
+              step 150 "table9 $method" python3 profiling/profile_resources.py "${TABLE9[@]}" --methods $method \
+                --train-args "${QWEN[@]}"
+            done ;;
+    memory) step 150 memory python3 profiling/profile_memory.py "${BF16[@]}" --ranks 2 --layers-per-block 1 \
+              --offload none --steps-per-block 2 --warmup 2 --name profile_memory_2clients_llama-3.1-8b \
+              --train-args "${LLAMA[@]}" --transport gloo ;;
+    offload) step 240 offload python3 profiling/profile_memory.py "${BF16[@]}" --ranks 4 --layers-per-block 1 \
+               --offload frozen --steps-per-block 2 --warmup 2 --name profile_memory_4clients_offload_llama-3.1-8b \
+               --train-args "${LLAMA[@]}" --transport gloo ;;
+    setup) step 420 setup python3 profiling/profile_memory.py "${BF16[@]}" --ranks 1 --layers-per-block 1 \
+             --offload none frozen --offload-keep 0 --steps-per-block 3 --train-args "${LLAMA[@]}" ;;
+    terms) step 90 terms python3 profiling/setup_peaks.py --device cuda --hidden 4096 --layers 8 --vocab 128256 \
+             --eval-batch 32 --out "$RES/setup_peaks.json" ;;
+    matmul) step 200 matmul python3 profiling/matmul_efficiency.py --layers 4 --out "$RES/matmul_efficiency.json"
+            for gb in 32 96; do
+              step 200 "matmul ${gb}gb" python3 profiling/matmul_efficiency.py --layers 4 --card-gb $gb \
+                --out "$RES/matmul_efficiency_${gb}gb.json"
+            done ;;
+    update) step 150 update python3 profiling/update_cost.py --config profiling/configs/llama-3.1-8b-instruct.json \
+              --out "$RES" ;;
+    aggshare) step 200 aggshare python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
+                --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b \
+                --train-args "${LLAMA[@]}" --layers-per-block 1 ;;
+    *) echo "unknown step $what"; exit 2 ;;
+  esac
+done
