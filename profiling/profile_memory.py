@@ -57,15 +57,18 @@ def run(args, lpb: int, offload: str, keep: int) -> Path:
                       f"layers_per_block={lpb}, offload={offload}, keep={keep}")
 
 
-def estimate(run_config: dict) -> float | None:
-    """deca_ds.memory's peak (GiB) for the run described by run_config.json; None for the tiny model."""
+def estimate(run_config: dict):
+    """deca_ds.memory's MemoryEstimate for the run described by run_config.json; None for the tiny model."""
     opts = run_config["options"]
     if not opts["from_config"] and not Path(opts["model"]).is_dir():
         return None  # the built-in tiny model, or a hub id whose config is not here
     degree = max(len(neighbors) for neighbors in run_config["topology"]["neighbors"])
-    est = estimate_run(opts, opts["model"], run_config["ds_config"], n_neighbors=degree,
-                       loss_positions=run_config["loss_positions_max"])
-    return est.peak / GiB
+    return estimate_run(opts, opts["model"], run_config["ds_config"], n_neighbors=degree,
+                        loss_positions=run_config["loss_positions_max"])
+
+
+SECTIONS = ("prefix", "forward", "backward", "step")  # the trainer's mem_peak_<section>
+PHASES = ("prefix", "backward", "update", "mixing")  # the estimator's, beside them
 
 
 def measure(out: Path, warmup: int) -> dict:
@@ -77,7 +80,10 @@ def measure(out: Path, warmup: int) -> dict:
     if not steps:
         raise SystemExit(f"{out}: no steps left after --warmup {warmup}")
     peak = max(r[key_peak] for r in rows) / GiB
-    est = estimate(run_config) if key_now == "mem_allocated" else None  # RSS is not device memory
+    model = estimate(run_config) if key_now == "mem_allocated" else None  # RSS is not device memory
+    est = None if model is None else model.peak / GiB
+    # on a GPU, the peak of each section of a step (the largest over the steps), beside the estimator's phases
+    sections = {name: max(r.get(f"mem_peak_{name}", 0) for r in rows) / GiB for name in SECTIONS}
     return {
         "kind": "device memory (torch.cuda)" if key_now == "mem_allocated" else "process RSS (CPU)",
         "micro_batch": run_config["options"]["micro_batch"],
@@ -97,6 +103,8 @@ def measure(out: Path, warmup: int) -> dict:
         "update_ms": 1e3 * statistics.median(r["t_mix_update"] for r in steps),
         "estimate_gib": est,
         "measured_over_estimate": None if est is None else peak / est,
+        **{f"peak_{name}_gib": value or None for name, value in sections.items()},
+        **{f"estimate_{phase}_gib": None if model is None else model.phases[phase] / GiB for phase in PHASES},
     }
 
 
@@ -151,6 +159,14 @@ def write(summary: dict, out: Path, name: str) -> None:
            "max_memory_allocated does. On CPU ranks all three come from the process's RSS, which includes the "
            "Python, torch and DeepSpeed runtime (about 0.4 GiB), so there is no estimate to compare with, and "
            "--offload frozen is a no-op there."]
+    if any(r["peak_forward_gib"] for r in rows):
+        md += ["", "Where the peak is set: each section's allocation peak on the GPU (the largest over the steps; "
+               "the step is the update and the mixing), beside the estimator's phases (GiB).", "",
+               "| layers per block | offload | prefix | forward | backward | step | estimated: prefix | backward "
+               "| update | mixing |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        md += [f"| {r['layers_per_block']} | {setting(r)} | "
+               + " | ".join(_f(r[f"peak_{k}_gib"], ".2f") for k in SECTIONS) + " | "
+               + " | ".join(_f(r[f"estimate_{k}_gib"], ".2f") for k in PHASES) + " |" for r in rows]
     write_results(out, name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
 
     plt = pyplot()

@@ -496,6 +496,13 @@ def test_profile_memory_tool(tmp_path, profiling_runs):
     assert all(r["estimate_gib"] is None for r in rows), "RSS is not compared with a device-memory estimate"
     assert [r["step_over_resident"] for r in rows][::2] == [1.0, 1.0]
     assert (tmp_path / "out" / "profile_memory.png").stat().st_size > 1000
+    # section peaks come from GPU ranks only; given them, the table says where each run peaks
+    assert all(r[f"peak_{k}_gib"] is None for r in rows for k in profile_memory.SECTIONS)
+    gpu = [{**rows[0], "peak_prefix_gib": None, "peak_forward_gib": 1.5, "peak_backward_gib": 2.25,
+            "peak_step_gib": 2.5, **{f"estimate_{k}_gib": 2.0 for k in profile_memory.PHASES}}]
+    profile_memory.write({**summary, "results": gpu}, tmp_path / "gpu", "pm")
+    table = (tmp_path / "gpu" / "pm.md").read_text()
+    assert "| 2 | none | — | 1.50 | 2.25 | 2.50 | 2.00 | 2.00 | 2.00 | 2.00 |" in table
 
 
 def test_offloaded_run_equals_resident_run_bit_for_bit(tmp_path, monkeypatch):
@@ -618,6 +625,26 @@ def test_profile_resources_tool(tmp_path, profiling_runs):
     # each row names its own call
     assert [r["command"].split()[5] for r in summary["results"]] == ["deca", "dadam", "deca", "dadam"]
     assert (tmp_path / "out" / "profile_resources.png").stat().st_size > 1000
+
+
+def test_step_sections_keep_their_own_allocation_peaks(monkeypatch):
+    """On a GPU a step's record says which section set its peak. The device's counter is faked:
+    each read returns the next value and the counter restarts at every section's end."""
+    from deca_ds.runtime.trainer import Timer
+
+    reads = iter([5, 9, 7, 6, 8, 4, 3, 2])  # outside, forward, backward, step, forward, ...
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: next(reads))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1)
+    timer = Timer(torch.device("cuda", 0))
+    for section in (None, "forward", "backward", "step", "forward"):  # two micro-batches' forwards
+        timer.mark(section)
+    assert timer.memory() == {"mem_allocated": 1, "mem_peak": 9, "mem_peak_forward": 9, "mem_peak_backward": 7,
+                              "mem_peak_step": 6}  # the last read (4): after the step, in mem_peak only
+    timer.mark("step")
+    assert timer.memory() == {"mem_allocated": 1, "mem_peak": 9, "mem_peak_step": 3}  # a new step's sections
+    assert Timer(torch.device("cpu")).memory().keys() == {"mem_rss"}
 
 
 def test_rank_threads_from_the_environment(monkeypatch):

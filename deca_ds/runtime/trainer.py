@@ -114,15 +114,40 @@ def memory_now(device: torch.device) -> dict:
 
 
 class Timer:
-    """Wall-clock sections; on a GPU the device is synchronized so kernels are counted."""
+    """Wall-clock sections of a step; on a GPU the device is synchronized so kernels are counted,
+    and each section's allocation peak is kept, so a run says which phase sets its peak."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
+        self.peak = 0  # the allocation peak since setup, over every section
+        self._sections: dict[str, int] = {}
 
     def now(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+
+    def mark(self, section: str | None = None) -> float:
+        """now(), ending `section` (None: work outside the named sections) and keeping its
+        allocation peak for this step's record; the device's peak counter restarts here."""
+        t = self.now()
+        if self.cuda:
+            value = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.peak = max(self.peak, value)
+            if section:
+                self._sections[section] = max(self._sections.get(section, 0), value)
+        return t
+
+    def memory(self) -> dict:
+        """The step's memory record: on a GPU the allocation now, the peak since setup and each
+        section's peak in this step (mem_peak_forward, …); on CPU the resident set."""
+        if not self.cuda:
+            return memory_now(self.device)
+        self.mark()
+        sections, self._sections = self._sections, {}
+        return {"mem_allocated": torch.cuda.memory_allocated(self.device), "mem_peak": self.peak,
+                **{f"mem_peak_{name}": value for name, value in sections.items()}}
 
 
 def _resume_step(root: Path, layout: ClientLayout) -> int:
@@ -457,28 +482,28 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             t_fwd = t_bwd = t_step = t_prefix = 0.0
             if prefix is not None and prefix.enabled and (optimizer.step_in_block == 0 or step == start):
                 # the layers below the block, once for the micro-batches of all its remaining steps
-                t0 = timer.now()
+                t0 = timer.mark()
                 left = (optimizer.config.steps_per_block - optimizer.step_in_block) * opts.grad_accum
                 shards = upcoming_shards(stream, layout, left)
                 prefix.fill(engine.module, optimizer.active.index,
                             [{k: v.to(device) for k, v in shard.items()} for shard in shards])
-                t_prefix = timer.now() - t0
+                t_prefix = timer.mark("prefix") - t0
             losses, bad = [], {}
             for micro in range(opts.grad_accum):
                 batch = {k: v.to(device) for k, v in next_shard(stream, layout).items()}
                 if prefix is not None:
                     prefix.next(batch)
-                t0 = timer.now()
+                t0 = timer.mark()
                 loss = causal_lm_loss(engine, batch, loss_chunk=opts.loss_chunk)
-                t1 = timer.now()
+                t1 = timer.mark("forward")
                 engine.backward(loss)
-                t2 = timer.now()
+                t2 = timer.mark("backward")
                 losses.append(loss.item())
                 if opts.skip_nonfinite and micro == opts.grad_accum - 1:  # all ranks skip together, or none
                     bad = nonfinite_ranks(nonfinite_problem(losses, engine.module), layout, device)
                 with skipped_update(optimizer, bool(bad)):
                     engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
-                t3 = timer.now()
+                t3 = timer.mark("step")
                 t_fwd, t_bwd, t_step = t_fwd + t1 - t0, t_bwd + t2 - t1, t_step + t3 - t2
             if bad:
                 skipped, consecutive = skipped + 1, consecutive + 1
@@ -504,7 +529,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
             record.update(loss=loss_t.item(), t_forward=t_fwd, t_backward=t_bwd, t_mix_update=t_step,
                           t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
                           t_aggregate=optimizer.last_times["combine"] - t_exchange,
-                          bytes_sent=mixer.total_bytes_sent - sent, **memory_now(device))
+                          bytes_sent=mixer.total_bytes_sent - sent, **timer.memory())
             if offload.enabled:
                 # the first step of a block also runs the layers below it for all the block's steps
                 record.update(t_prefix=t_prefix, bytes_streamed=offload.bytes_streamed - streamed)
