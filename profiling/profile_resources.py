@@ -111,7 +111,7 @@ def ratios_of(results: list[dict]) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     kept = earlier_rows(args)
-    command = provenance("profile_resources.py", argv)["command"]
+    made = provenance("profile_resources.py", argv, cuda=torch.cuda.is_available())
     results = []
     for update in args.updates:
         tag, label = UPDATES[update]
@@ -122,14 +122,13 @@ def main(argv=None) -> dict:
                           *args.train_args]
             out = runs.train(train_args, args.ranks, Path(args.work_dir) / (method + tag), args.timeout, method + tag)
             results.append({"method": LABELS[method] + label, "update": update, **measure(out, args.warmup),
-                            "command": command})
+                            "command": made["command"]})
     done = {r["method"] for r in results}
     order = [LABELS[m] + label for _, label in UPDATES.values() for m in METHODS]
     results = sorted([r for r in kept if r["method"] not in done] + results, key=lambda r: order.index(r["method"]))
     ratios = ratios_of(results)
-    cuda = torch.cuda.is_available()
     summary = {
-        **provenance("profile_resources.py", argv, cuda=cuda),
+        **made,
         "ranks": args.ranks, "ds_config": args.ds_config, "train_args": args.train_args,
         "warmup": args.warmup, "results": results, "ratios": ratios,
     }

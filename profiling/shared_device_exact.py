@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 
 import deca_ds
 import runs
-from deca_ds.data import ClientStream
 from deca_ds.runtime import trainer
 from deca_ds.runtime.dist import local_device
 from deca_ds.runtime.options import parse_args as parse_train_args
@@ -58,9 +57,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ["DECA_RANK_THREADS"]))
     task = trainer.build_task(opts, args.ranks)
     model = trainer.build_model(opts, len(task.tokenizer))  # drawn on the device, as the ranks draw it
-    streams = [on_device(ClientStream(task.features, task.client_indices[c], opts.micro_batch,
-                                      pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c), device)
-               for c in range(args.ranks)]
+    streams = [on_device(task.stream(opts, c), device) for c in range(args.ranks)]  # each rank's own stream
     simulated = deca_ds.simulate(model, streams, make_topology(opts.topology, args.ranks).W, opts.deca_config())
     init = {n: p.detach().cpu() for n, p in model.named_parameters()}
     clients = []
