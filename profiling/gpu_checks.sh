@@ -12,7 +12,7 @@
 #   offload  Llama-3.1-8B, 4 clients with --offload frozen (an H200's memory)              4 min
 # Issue 17, one client (profiling/README.md, "GPU measurements that remain"):
 #   setup    setup + training peaks, resident and offloaded, Llama-3.1-8B (target 1)       6 min
-#   terms    the estimator's setup terms against torch.cuda                                1 min
+#   terms    the estimator's setup terms against torch.cuda, drawn and from a checkpoint   2 min
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min
 #   update   the fused update on the device (target 3)                                     2 min
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
@@ -61,7 +61,7 @@ for what in "$@"; do
                --train-args "${LLAMA[@]}" --transport gloo ;;
     setup) step 420 setup python3 profiling/profile_memory.py "${BF16[@]}" --ranks 1 --layers-per-block 1 \
              --offload none frozen --offload-keep 0 --steps-per-block 3 --train-args "${LLAMA[@]}" ;;
-    terms) step 90 terms python3 profiling/setup_peaks.py --device cuda --hidden 4096 --layers 8 --vocab 128256 \
+    terms) step 150 terms python3 profiling/setup_peaks.py --device cuda --hidden 4096 --layers 8 --vocab 128256 \
              --eval-batch 32 --out "$RES/setup_peaks.json" ;;
     matmul) step 200 matmul python3 profiling/matmul_efficiency.py --layers 4 --out "$RES/matmul_efficiency.json"
             for gb in 32 96; do

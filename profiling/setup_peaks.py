@@ -3,6 +3,8 @@ setup_phases): one process runs the runtime's setup steps in its order, each a p
 peaks.PhasePeaks, and the increment each one adds is compared with the term that models it.
 
     init       the model drawn in the working dtype (models._from_config)   weights + init_transient
+               or loaded from a bf16 safetensors checkpoint and moved to the
+               device, as the trainer does (models.load_model, then .to)
     evaluate   one no-grad scoring forward (models.labelled_logits)          eval_forward
     optimizer  DecaOptimizer activates the first block: its master, m, v      optimizer_state
 
@@ -12,6 +14,12 @@ peak is the resident set's high-water mark (VmHWM), with every tensor in pages o
 (peaks.map_each_allocation), so the model must be large against the interpreter's own
 allocations; on a GPU (`--device cuda`) torch.cuda's allocated peak.
 
+`--load config checkpoint` (the default) measures both ways of starting, one after the other in the
+same process: the checkpoint is the same random initialisation, saved by save_pretrained before
+its measurement starts. On CPU a loaded model's weights stay mapped from the file (safetensors),
+so they become resident when first read, in the evaluation's phase rather than init's; the setup
+peak, the largest cumulative phase, compares the two.
+
     python profiling/setup_peaks.py --out profiling/results/cpu/setup_peaks.json
 """
 
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -31,6 +40,7 @@ from peaks import PhasePeaks, map_each_allocation, rss  # noqa: E402
 from report import emit, provenance  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LOADS = ("config", "checkpoint")
 
 
 def tiny_config(hidden: int, layers: int, vocab: int):
@@ -40,11 +50,33 @@ def tiny_config(hidden: int, layers: int, vocab: int):
                        num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab, tie_word_embeddings=False)
 
 
-def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = "cpu") -> dict:
+def start_model(config, *, dtype: str, load: str, device: torch.device, checkpoint: Path):
+    """The model as the trainer starts it (trainer.build_model, then .to(device)): drawn on the
+    device from `config`, or `load="checkpoint"`: loaded from the safetensors checkpoint that
+    `save_checkpoint` wrote to `checkpoint`."""
+    from deca_ds.models import _from_config, load_model
+
+    if load == "checkpoint":
+        return load_model(str(checkpoint), dtype=DTYPES[dtype]).to(device).eval()
+    with device:
+        return _from_config(config, dtype=DTYPES[dtype], seed=0).eval()
+
+
+def save_checkpoint(config, *, dtype: str, device: torch.device, checkpoint: Path) -> None:
+    """The random initialisation of `config` (seed 0) as a safetensors checkpoint in `dtype`,
+    drawn on `device` (fast on a GPU) and freed before any measurement."""
+    from deca_ds.models import _from_config
+
+    with device:
+        _from_config(config, dtype=DTYPES[dtype], seed=0).save_pretrained(checkpoint)
+    gc.collect()
+
+
+def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = "cpu", load: str = "config") -> dict:
     """Run the setup steps once in this process; each phase's peak above the memory at its start."""
     from deca_ds import DecaConfig, DecaOptimizer
     from deca_ds.memory import estimate_block
-    from deca_ds.models import _from_config, labelled_logits
+    from deca_ds.models import labelled_logits
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -52,22 +84,25 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
     def now() -> int:
         return torch.cuda.memory_allocated(dev) if cuda else rss()
 
-    # one-time costs (transformers' lazy imports, kernels' first-call buffers) are not setup's:
-    # pay them on a one-layer copy first
+    # one-time costs (transformers' lazy imports and loading code, kernels' first-call buffers) are
+    # not setup's: pay them on a one-layer copy first. A loaded model's files may go once it is
+    # loaded (on CPU its tensors map them, and a mapping outlives the file's name).
     warm = config.__class__(**{**config.to_dict(), "num_hidden_layers": 1, "vocab_size": 16})
-    with dev:
-        small = _from_config(warm, dtype=DTYPES[dtype], seed=0).eval()
-    with torch.no_grad():
-        labelled_logits(small, {"input_ids": torch.zeros(1, 8, dtype=torch.long, device=dev),
-                                "attention_mask": torch.ones(1, 8, dtype=torch.long, device=dev),
-                                "labels": torch.zeros(1, 8, dtype=torch.long, device=dev)})
-    del small
-    peaks = PhasePeaks(dev)
-    gc.collect()
-    before = {"init": now()}
-    peaks.mark("init")
-    with dev:
-        model = _from_config(config, dtype=DTYPES[dtype], seed=0).eval()
+    with tempfile.TemporaryDirectory(prefix="setup_peaks_") as tmp:
+        if load == "checkpoint":
+            save_checkpoint(warm, dtype=dtype, device=dev, checkpoint=Path(tmp, "warm"))
+            save_checkpoint(config, dtype=dtype, device=dev, checkpoint=Path(tmp, "model"))
+        small = start_model(warm, dtype=dtype, load=load, device=dev, checkpoint=Path(tmp, "warm"))
+        with torch.no_grad():
+            labelled_logits(small, {"input_ids": torch.zeros(1, 8, dtype=torch.long, device=dev),
+                                    "attention_mask": torch.ones(1, 8, dtype=torch.long, device=dev),
+                                    "labels": torch.zeros(1, 8, dtype=torch.long, device=dev)})
+        del small
+        peaks = PhasePeaks(dev)
+        gc.collect()
+        before = {"init": now()}
+        peaks.mark("init")
+        model = start_model(config, dtype=dtype, load=load, device=dev, checkpoint=Path(tmp, "model"))
     ids = torch.randint(0, config.vocab_size, (eval_batch, seq_len), device=dev)
     labels = torch.full_like(ids, -100)
     labels[:, -1] = ids[:, -1]
@@ -108,13 +143,16 @@ def main(argv=None) -> dict:
     p.add_argument("--eval-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--load", nargs="+", choices=LOADS, default=list(LOADS),
+                   help="how the model starts: drawn from its config, or loaded from a safetensors checkpoint")
     p.add_argument("--out", help="JSON file to write")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     allocator = "the CUDA caching allocator" if args.device.startswith("cuda") else map_each_allocation()
-    result = measure(tiny_config(args.hidden, args.layers, args.vocab), dtype=args.dtype,
-                     eval_batch=args.eval_batch, seq_len=args.seq_len, device=args.device)
-    result["allocator"] = allocator
+    config = tiny_config(args.hidden, args.layers, args.vocab)
+    result = {"loads": {load: measure(config, dtype=args.dtype, eval_batch=args.eval_batch, seq_len=args.seq_len,
+                                      device=args.device, load=load) for load in args.load},
+              "allocator": allocator}
     result["provenance"] = provenance("setup_peaks.py", argv, cuda=args.device.startswith("cuda"), threads=1)
     emit(result, args.out, indent=1)
     return result
