@@ -16,6 +16,8 @@
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min
 #   update   the fused update on the device (target 3)                                     2 min
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
+#   fits     each preset trained under its card's memory (--card; target 4): the RTX PRO
+#            6000's cap is above an H100's memory, so an H100 runs the two RTX 5090 ones   4 x 2 min
 # Wheels the machine lacks travel in .whl/ (profiling/results/gpu_h200/README.md).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
@@ -44,7 +46,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms matmul update aggshare"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms matmul update aggshare fits"; exit 2; }
 for what in "$@"; do
   case $what in
     exact) step 120 exact python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
@@ -73,6 +75,16 @@ for what in "$@"; do
     aggshare) step 200 aggshare python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
                 --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b \
                 --train-args "${LLAMA[@]}" --layers-per-block 1 ;;
+    fits) for preset in rtx5090_qwen2-1.5b:qwen2-1.5b rtx5090_qwen2.5-3b:qwen2.5-3b-instruct \
+                        rtxpro6000_llama-2-7b:llama-2-7b-hf rtxpro6000_llama-3.1-8b:llama-3.1-8b-instruct; do
+            name=${preset%%:*} card="RTX 5090"
+            [[ $name == rtxpro6000* ]] && card="RTX PRO 6000"
+            # the presets' own micro-batch, sequence length and granularity; sequences filled to 512 tokens
+            step 180 "fits $name" python3 profiling/profile_memory.py --ds-config "ds_configs/$name.json" --card "$card" \
+              --ranks 1 --layers-per-block 2 --steps-per-block 2 --warmup 1 --out "$RES" --name "fits_$name" \
+              --train-args --from-config --model "profiling/configs/${preset#*:}.json" --dataset synthetic \
+              --synthetic-words 600
+          done ;;
     *) echo "unknown step $what"; exit 2 ;;
   esac
 done

@@ -7,10 +7,15 @@ over steps of device memory (torch.cuda max_memory_allocated / memory_allocated 
 process's resident set (psutil RSS, on CPU ranks), the setup's own peak (the whole model is on the
 device once before offloading frees the frozen layers), the median step time, and - for a model
 given by its config - deca_ds.memory's estimate of the peak for exactly that run (same dtypes,
-graph degree, micro-batch, sequence length, checkpointing, offload). Writes
+graph degree, micro-batch, sequence length, checkpointing, offload). With --card
+the runs are capped at that card's memory less deca_ds.memory's reserve for the CUDA context
+(launch/train.py --gpu-memory-gb): a preset that runs to the end fits its card. Writes
 <out>/profile_memory.{md,csv,json,png}.
 
     python profiling/profile_memory.py --ranks 4
+    python profiling/profile_memory.py --ds-config ds_configs/rtx5090_qwen2-1.5b.json --card "RTX 5090" \
+        --ranks 1 --layers-per-block 2 --train-args --from-config --model profiling/configs/qwen2-1.5b.json \
+        --dataset synthetic --synthetic-words 600
     python profiling/profile_memory.py --ds-config ds_configs/profile_bf16.json --ranks 1 \\
         --layers-per-block 1 --offload none frozen \\
         --train-args --from-config --model profiling/configs/llama-3.1-8b-instruct.json
@@ -27,7 +32,7 @@ import numpy as np
 import torch
 
 import runs
-from deca_ds.memory import OFFLOAD_MODES, GiB
+from deca_ds.memory import DEFAULT_RESERVE, GPUS, OFFLOAD_MODES, GiB
 from deca_ds.runtime.options import estimate_run
 from report import provenance, pyplot, save_figure, setting, write_results
 from runs import ROOT
@@ -44,15 +49,26 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "profiling" / "results"))
     p.add_argument("--name", default="profile_memory", help="base name of the result files")
+    p.add_argument("--card", choices=GPUS, help="run as on this card: every rank's CUDA allocator capped at its "
+                   "memory less the reserve for the CUDA context (needs a GPU at least that large)")
     runs.add_run_args(p, work_dir="/tmp/deca_profile_memory")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.card and not torch.cuda.is_available():
+        p.error(f"--card {args.card!r} caps the CUDA allocator: this machine has no GPU")
+    return args
+
+
+def card_cap_gb(card: str | None) -> float | None:
+    """The allocator cap (GB) that stands in for `card`: its memory less DEFAULT_RESERVE."""
+    return None if card is None else (GPUS[card] - DEFAULT_RESERVE) / 1e9
 
 
 def run(args, lpb: int, offload: str, keep: int) -> Path:
     train_args = ["--ds_config", args.ds_config, "--layers-per-block", str(lpb), "--offload", offload,
                   *(["--offload-keep", str(keep)] if keep else []),
                   "--steps-per-block", str(args.steps_per_block), "--rounds", str(args.rounds),
-                  "--eval-limit", "16", "--no-export", *args.train_args]
+                  "--eval-limit", "16", "--no-export",
+                  *(["--gpu-memory-gb", f"{card_cap_gb(args.card):.3f}"] if args.card else []), *args.train_args]
     return runs.train(train_args, args.ranks, Path(args.work_dir) / f"lpb{lpb}_{offload}{keep or ''}", args.timeout,
                       f"layers_per_block={lpb}, offload={offload}, keep={keep}")
 
@@ -124,6 +140,7 @@ def main(argv=None) -> dict:
     summary = {
         **provenance("profile_memory.py", argv, cuda=cuda),
         "ranks": args.ranks, "ds_config": args.ds_config, "train_args": args.train_args, "results": results,
+        "card": args.card, "gpu_memory_gb": card_cap_gb(args.card),
     }
     write(summary, Path(args.out), args.name)
     return summary
@@ -137,7 +154,10 @@ def write(summary: dict, out: Path, name: str) -> None:
     rows = summary["results"]
     md = [f"**Memory per granularity, measured** ({rows[0]['kind']}, per client) on {summary['device']}, "
           f"{summary['ranks']} ranks; command: `{summary['command']}`; {summary['date']}; "
-          f"torch {summary['versions']['torch']}.", "",
+          f"torch {summary['versions']['torch']}."
+          + (f" Run as on an {summary['card']}: every rank's allocator capped at {summary['gpu_memory_gb']:.2f} GB "
+             "(the card's memory less 1 GiB for the CUDA context); every run below finished under it."
+             if summary.get("card") else ""), "",
           "| layers per block | offload | micro-batch × max tokens | blocks | steps | peak (GiB) | peak (GB) "
           "| estimate (GiB) | measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms) "
           "| of which layers below, once per block (ms) | mixing + update (ms) | streamed (GB per step) "

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from deca_ds.data import ClientStream
 from deca_ds.memory import offload_block_stream
 from deca_ds.models import tiny_llama
 from deca_ds.runtime import trainer
-from deca_ds.runtime.dist import ClientLayout, Heartbeat, torchrun_env
+from deca_ds.runtime.dist import ClientLayout, Heartbeat, cap_gpu_memory, torchrun_env
 from deca_ds.runtime.options import parse_args
 from deca_ds.train import main as train_main
 from helpers import RANK_THREADS, free_port, run_script, torch_threads
@@ -296,6 +297,8 @@ BAD_INPUTS = {
     "offload_budget_too_small": (lambda t: ["--offload", "frozen", "--offload-budget", "0.0001"],
                                  r"--offload-budget 0.0001 GB: even with every frozen decoder layer offloaded"),
     "loss_chunk": (lambda t: ["--loss-chunk", "-1"], "loss_chunk must be >= 0"),
+    "gpu_memory_without_gpu": (lambda t: ["--gpu-memory-gb", "31"],
+                               "--gpu-memory-gb 31 caps the CUDA allocator, but this rank runs on the CPU"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),
     "lora_dropout": (lambda t: ["--method", "decaf", "--lora-dropout", "1.5"], "lora dropout"),
 }
@@ -329,6 +332,19 @@ def test_bad_preset_is_refused(preset, message, previous_run, tmp_path, capsys):
         train_main(["--ds_config", str(path), "--output-dir", str(previous_run), "--overwrite"])
     assert __import__("re").search(message, capsys.readouterr().err)
     assert snapshot(previous_run) == before
+
+
+def test_gpu_memory_cap_is_the_fraction_of_the_card_it_names(monkeypatch):
+    """--gpu-memory-gb on a GPU (faked: this machine has none): the allocator's fraction is the cap
+    over the card's memory, and a cap above the card is refused."""
+    cuda, caps = torch.device("cuda", 1), []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: caps.append((f, d)))
+    cap_gpu_memory(0, cuda)
+    cap_gpu_memory(31, cuda)
+    assert caps == [(31 / 80, cuda)]
+    with pytest.raises(ValueError, match="--gpu-memory-gb 96: GPU 1 has only 80.00 GB"):
+        cap_gpu_memory(96, cuda)
 
 
 def test_deepspeed_clipping_default_is_turned_off(tmp_path):
@@ -500,9 +516,15 @@ def test_profile_memory_tool(tmp_path, profiling_runs):
     assert all(r[f"peak_{k}_gib"] is None for r in rows for k in profile_memory.SECTIONS)
     gpu = [{**rows[0], "peak_prefix_gib": None, "peak_forward_gib": 1.5, "peak_backward_gib": 2.25,
             "peak_step_gib": 2.5, **{f"estimate_{k}_gib": 2.0 for k in profile_memory.PHASES}}]
-    profile_memory.write({**summary, "results": gpu}, tmp_path / "gpu", "pm")
+    profile_memory.write({**summary, "results": gpu, "card": "RTX 5090",
+                          "gpu_memory_gb": profile_memory.card_cap_gb("RTX 5090")}, tmp_path / "gpu", "pm")
     table = (tmp_path / "gpu" / "pm.md").read_text()
     assert "| 2 | none | — | 1.50 | 2.25 | 2.50 | 2.00 | 2.00 | 2.00 | 2.00 |" in table
+    # --card: the runs capped at the card's 32607 MiB less 1 GiB; without a GPU, refused before any run
+    assert "Run as on an RTX 5090: every rank's allocator capped at 33.12 GB" in table
+    assert summary["card"] is None
+    with pytest.raises(SystemExit):
+        profile_memory.parse_args(["--card", "RTX 5090"])
 
 
 def test_offloaded_run_equals_resident_run_bit_for_bit(tmp_path, monkeypatch):

@@ -72,6 +72,21 @@ def local_device(device_map: str = "auto") -> torch.device:
     return torch.device("cuda", gpu_of(local_rank, torch.cuda.device_count(), parse_device_map(device_map)))
 
 
+def cap_gpu_memory(gb: float, device: torch.device) -> None:
+    """--gpu-memory-gb: this process's CUDA allocator may hold at most `gb` GB of `device`, as if the
+    card were that small (less its CUDA context, which the cap does not count); an allocation past
+    it raises torch's out-of-memory error, as it would there. 0: no cap."""
+    if not gb:
+        return
+    if device.type != "cuda":
+        raise ValueError(f"--gpu-memory-gb {gb:g} caps the CUDA allocator, but this rank runs on the CPU (no GPU "
+                         "visible)")
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gb * 1e9 > total:
+        raise ValueError(f"--gpu-memory-gb {gb:g}: GPU {device.index} has only {total / 1e9:.2f} GB")
+    torch.cuda.set_per_process_memory_fraction(gb * 1e9 / total, device)
+
+
 def rank_threads(local_ranks: int, device: torch.device) -> int | None:
     """Torch threads for this rank: DECA_RANK_THREADS where set (a comparison with the simulator
     runs both at one count: CPU matmuls round differently at another), else cpu_count / local ranks

@@ -107,6 +107,8 @@ class RunOptions:
                           choices=TRANSPORTS)
     device_map: str = _opt("auto", "GPU of each local rank: 'auto' (local rank modulo the visible GPUs) or "
                            "indices by local rank, e.g. 0,0,1,1")
+    gpu_memory_gb: float = _opt(0.0, "cap this rank's CUDA allocator at this many GB: run as on a smaller card, "
+                                "e.g. 33 for an RTX 5090 (see docs/memory.md; 0 = off)")
     topology: str = _opt("erdos_renyi", "communication graph", choices=(*TOPOLOGIES, "file"))
     er_p: float = _opt(0.5, "Erdős–Rényi edge probability")
     topology_seed: int = _opt(0, "seed of random graphs")
@@ -176,7 +178,7 @@ class RunOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval", "offload_keep",
-                     "offload_budget", "loss_chunk"):
+                     "offload_budget", "loss_chunk", "gpu_memory_gb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("micro_batch", "grad_accum", "clients", "steps"):
@@ -554,7 +556,7 @@ def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_n
 NOT_RESULT = frozenset({"output_dir", "overwrite", "resume", "timeout", "consensus_interval", "eval_interval",
                         "eval_clients", "eval_limit", "checkpoint_interval", "keep_checkpoints", "export",
                         "save_clients", "tensorboard", "offload", "offload_keep", "offload_budget",
-                        "token_cache", "device_map"})
+                        "token_cache", "device_map", "gpu_memory_gb"})
 # DeepSpeed keys that only change logging
 NOT_RESULT_DS = frozenset({"steps_per_print", "wall_clock_breakdown"})
 # Options each site of a run may set for itself (deca_ds.runtime.same_start compares the rest
@@ -563,4 +565,4 @@ NOT_RESULT_DS = frozenset({"steps_per_print", "wall_clock_breakdown"})
 # tokenizer fingerprints, the label names).
 PER_SITE = frozenset({"output_dir", "overwrite", "timeout", "eval_clients", "eval_limit", "keep_checkpoints",
                       "export", "save_clients", "tensorboard", "offload", "offload_keep", "offload_budget",
-                      "token_cache", "device_map", "model", "data_files", "trust_remote_code"})
+                      "token_cache", "device_map", "gpu_memory_gb", "model", "data_files", "trust_remote_code"})

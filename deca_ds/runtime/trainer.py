@@ -44,6 +44,7 @@ from .dist import (
     PeerError,
     all_gather_,
     all_mean_,
+    cap_gpu_memory,
     check_layout,
     host_staging,
     init_process_group,
@@ -361,6 +362,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     n_clients = check_layout(int(os.environ.get("WORLD_SIZE", "1")), opts.ranks_per_client, opts.clients)
     transport = resolve_transport(opts.transport, torch.cuda.is_available())
     places = env_placement(opts.device_map)
+    cap_gpu_memory(opts.gpu_memory_gb, local_device(opts.device_map))  # before anything is on the device
     # {gpu: clients sharing it}: recorded with the run, since step times of time-shared GPUs differ
     placement = {"transport": transport,
                  "clients_per_gpu": check_placement(places, opts.ranks_per_client, transport)}
