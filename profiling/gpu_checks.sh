@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 16 and 17 as named steps, for one call on a lent GPU machine (device
-# tool): `bash profiling/gpu_checks.sh STEP ...` with `carry: [".whl"]`. Each step has its own time
+# The GPU checks of issues 16, 17 and 19 as named steps, for one call on a lent GPU machine (device
+# tool): `bash profiling/gpu_checks.sh STEP ...` with `carry: [".whl"]` (and "data" for reproduce). Each step has its own time
 # limit and runs only while the call's budget lasts (BUDGET seconds, default 560: a call may run
 # 600); the results so far are packed into $OUT/results.tgz after each step (the tool brings back
 # at most 8 files). Copy them to profiling/results/gpu_<device>/ with the commit that ran them.
@@ -18,6 +18,9 @@
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
 #   fits     each preset trained under its card's memory (--card; target 4): the RTX PRO
 #            6000's cap is above an H100's memory, so an H100 runs the two RTX 5090 ones   4 x 2 min
+# Issue 19, the scaled accuracy grid (reproduce/gpu_ag_news.yaml; data/ag_news carried):
+#   reproduce  pretrain the 88M Llama (once per machine), then the grid's cells within the budget, seed 0 of
+#            every method first; the tables of the finished cells. A next call on the warm machine goes on
 # Wheels the machine lacks travel in .whl/ (profiling/results/gpu_h200/README.md).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
@@ -46,7 +49,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms matmul update aggshare fits"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms matmul update aggshare fits reproduce"; exit 2; }
 for what in "$@"; do
   case $what in
     exact) step 120 exact python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
@@ -85,6 +88,20 @@ for what in "$@"; do
               --train-args --from-config --model "profiling/configs/${preset#*:}.json" --dataset synthetic \
               --synthetic-words 600
           done ;;
+    reproduce) [[ -f data/ag_news/train.jsonl ]] || { echo "reproduce: no data/ag_news (carry it)"; exit 2; }
+               # the pretraining of the grid file's header, unless an earlier call on this machine did it
+               [[ -f runs/pretrained/ag_news_88m/model.safetensors ]] ||
+                 step 300 pretrain python3 launch/pretrain.py --output-dir runs/pretrained/ag_news_88m --dataset agnews \
+                   --steps 2000 --seq-len 128 --batch 64 --lr 1e-3 --warmup 100 \
+                   --data-files train=data/ag_news/train.jsonl test=data/ag_news/test.jsonl \
+                   --model '{"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+                             "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 256,
+                             "initializer_range": 0.02}'
+               cp runs/pretrained/ag_news_88m/pretrain.json "$RES/pretrain_ag_news_88m.json"
+               # stopped by its time limit, the grid stops its cells (SIGTERM); finished cells stay finished
+               step 600 grid python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --results-dir "$RES/gpu_ag_news"
+               python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --report-only --results-dir "$RES/gpu_ag_news"
+               pack ;;
     *) echo "unknown step $what"; exit 2 ;;
   esac
 done

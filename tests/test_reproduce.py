@@ -227,6 +227,8 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     synthetic = load_grid("reproduce/cpu_synthetic.yaml", runs_dir=tmp_path)
     # main: 7 methods x 2 seeds; one seed each for 2 more graphs x 4 methods, N = 16 x 4 and 2 more granularities
     assert len(synthetic.cells) == 14 + 8 + 4 + 2
+    # seed by seed: the main table's 7 methods at seed 0 come first, whole
+    assert [(c.seed, "main" in c.tables) for c in synthetic.cells[:8]] == [(0, True)] * 7 + [(1, True)]
     assert {c.seed for c in synthetic.cells if "topology" in c.tables} == {0}
     for name in ("cpu_synthetic", "cpu_ag_news", "gpu_ag_news"):
         small = load_grid(f"reproduce/{name}.yaml", runs_dir=tmp_path)

@@ -250,13 +250,15 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
 
     cells: dict[str, Cell] = {}
     runs = Path(runs_dir or data.get("runs_dir") or f"runs/{data.get('name', path_stem(where))}")
+    # seed by seed: every cell of a sweep's first seed runs before any of its second, so a grid
+    # stopped early (a time limit, a lent GPU's budget) has whole tables at one seed
     for sweep in sweeps:
-        for task in sweep.tasks:
-            for topo in sweep.topology:
-                for n in sweep.clients:
-                    for lpb in sweep.layers_per_block:
-                        for method in sweep.methods:
-                            for seed in sweep.seeds:
+        for seed in sweep.seeds:
+            for task in sweep.tasks:
+                for topo in sweep.topology:
+                    for n in sweep.clients:
+                        for lpb in sweep.layers_per_block:
+                            for method in sweep.methods:
                                 cell = _cell(task, method, topo, n, lpb, seed, preset, base, tasks[task] or {},
                                              method_options.get(method) or {}, runs, where)
                                 old = cells.get(cell.key)
