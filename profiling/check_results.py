@@ -38,6 +38,12 @@ CLAIMS = [
     ("gpu_h100/profile_memory_mb8.json", {"offload": "frozen"}, "peak_gib", "{:.2f} GiB"),
     ("gpu_h100/profile_memory_offload_setup.json", {"offload": "frozen"}, "setup_peak_gib", "{:.2f} GiB"),
     ("gpu_h100/profile_memory_offload_setup.json", {"offload": "frozen"}, "peak_gib", "{:.2f} GiB"),
+    ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "peak_gib", "{:.2f} GiB"),
+    ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "peak_gb", "{:.2f} GB"),
+    ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "estimate_gib", "{:.2f} GiB"),
+    ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "measured_over_estimate",
+     "({:.3f};"),
+    ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "setup_peak_gib", "{:.2f} GiB"),
 ]
 
 
