@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_config:
         print(dump_config(opts, ds_config), end="")
         return
+    import torch
+
     from .runtime.dist import PeerError
     from .runtime.trainer import train
 
@@ -55,6 +57,12 @@ def main(argv: list[str] | None = None) -> None:
         train(opts, ds_config)
     except (ValueError, PeerError) as err:
         _fail(err, peer=isinstance(err, PeerError))
+    except torch.OutOfMemoryError as err:  # the answer --gpu-memory-gb asks for, or a card too small
+        where = (f"within --gpu-memory-gb {opts.gpu_memory_gb:g}: it does not fit a card with that much room"
+                 if opts.gpu_memory_gb else "on this GPU")
+        _fail(RuntimeError(f"out of GPU memory {where} (deca-estimate gives the estimated peak; "
+                           f"--offload frozen, --loss-chunk or a smaller micro-batch lower it). "
+                           f"{str(err).splitlines()[0]}"))
     except Exception:  # a traceback, then out at once (the expected errors are reported above)
         if not cleanup.installed():
             raise

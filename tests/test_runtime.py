@@ -347,6 +347,20 @@ def test_gpu_memory_cap_is_the_fraction_of_the_card_it_names(monkeypatch):
         cap_gpu_memory(96, cuda)
 
 
+def test_out_of_gpu_memory_is_an_error_naming_the_cap(monkeypatch, tmp_path, capsys):
+    """A run that does not fit under --gpu-memory-gb ends with that answer, not a traceback."""
+    def out_of_memory(opts, ds_config):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nthe allocator's details")
+
+    monkeypatch.setattr(trainer, "train", out_of_memory)
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["--ds_config", PRESET, "--output-dir", str(tmp_path / "run"), "--gpu-memory-gb", "33"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert ("error: out of GPU memory within --gpu-memory-gb 33: it does not fit a card with that much room" in err
+            and "Tried to allocate 2.00 GiB." in err and "details" not in err), err
+
+
 def test_deepspeed_clipping_default_is_turned_off(tmp_path):
     """DeepSpeed clips at norm 1.0 by default; DECA must not clip unless the preset says so."""
     _, ds_config = parse_args(["--ds_config", PRESET])
