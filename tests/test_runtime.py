@@ -25,7 +25,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import deca_ds
-from deca_ds.data import ClientStream
 from deca_ds.memory import offload_block_stream
 from deca_ds.models import tiny_llama
 from deca_ds.runtime import trainer
@@ -118,8 +117,7 @@ def test_distributed_run_equals_simulator(reference_run):
     opts, _ = parse_args([*RUN, "--output-dir", "unused"])
     task = trainer.build_task(opts, N)
     model = trainer.build_model(opts, len(task.tokenizer))
-    streams = [ClientStream(task.features, task.client_indices[c], opts.micro_batch,
-                            pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c) for c in range(N)]
+    streams = [task.stream(opts, c) for c in range(N)]  # the trainer's own
     W = deca_ds.make_topology("ring", N).W
     with torch_threads():  # the ranks' count (DECA_RANK_THREADS)
         simulated = deca_ds.simulate(model, streams, W, opts.deca_config())
@@ -394,8 +392,7 @@ def test_ranks_per_client_do_data_parallelism_inside_the_client(tmp_path):
     pad = task.tokenizer.pad_token_id
 
     def merged(c):
-        stream = ClientStream(task.features, task.client_indices[c], opts.micro_batch, pad_id=pad,
-                              seed=opts.seed, client=c)
+        stream = task.stream(opts, c)
         while True:
             yield pad_cat(next(stream), next(stream), pad)
 
