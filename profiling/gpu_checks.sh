@@ -97,7 +97,6 @@ for what in "$@"; do
                    --model '{"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
                              "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 256,
                              "initializer_range": 0.02}'
-               cp runs/pretrained/ag_news_88m/pretrain.json "$RES/pretrain_ag_news_88m.json"
                # stopped by its time limit, the grid stops its cells (SIGTERM); finished cells stay finished
                step 600 grid python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --results-dir "$RES/gpu_ag_news"
                python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --report-only --results-dir "$RES/gpu_ag_news"
