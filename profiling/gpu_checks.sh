@@ -13,6 +13,7 @@
 # Issue 17, one client (profiling/README.md, "GPU measurements that remain"):
 #   setup    setup + training peaks, resident and offloaded, Llama-3.1-8B (target 1)       6 min
 #   terms    the estimator's setup terms against torch.cuda, drawn and from a checkpoint   2 min
+#   ckpt     as setup, the 8B model loaded from a bf16 safetensors checkpoint of it       7 min
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min
 #   update   the fused update on the device (target 3)                                     2 min
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
@@ -49,7 +50,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms matmul update aggshare fits reproduce"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare fits reproduce"; exit 2; }
 for what in "$@"; do
   case $what in
     exact) step 120 exact python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
@@ -68,6 +69,13 @@ for what in "$@"; do
              --offload none frozen --offload-keep 0 --steps-per-block 3 --train-args "${LLAMA[@]}" ;;
     terms) step 150 terms python3 profiling/setup_peaks.py --device cuda --hidden 4096 --layers 8 --vocab 128256 \
              --eval-batch 32 --out "$RES/setup_peaks.json" ;;
+    ckpt) # the random initialisation of `setup`'s runs saved as a checkpoint (profiling/save_init.py), then loaded
+          [[ -f /tmp/llama-3.1-8b-init/model.safetensors ]] ||
+            step 180 "ckpt save" python3 profiling/save_init.py --out /tmp/llama-3.1-8b-init \
+              --train-args --ds_config ds_configs/profile_bf16.json "${LLAMA[@]}"
+          step 420 ckpt python3 profiling/profile_memory.py "${BF16[@]}" --ranks 1 --layers-per-block 1 \
+            --offload none frozen --offload-keep 0 --steps-per-block 3 --name profile_memory_checkpoint_llama-3.1-8b \
+            --train-args --model /tmp/llama-3.1-8b-init ;;
     matmul) step 200 matmul python3 profiling/matmul_efficiency.py --layers 4 --out "$RES/matmul_efficiency.json"
             for gb in 32 96; do
               step 200 "matmul ${gb}gb" python3 profiling/matmul_efficiency.py --layers 4 --card-gb $gb \

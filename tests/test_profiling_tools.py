@@ -1,5 +1,6 @@
-"""profiling/matmul_efficiency.py and profiling/offload_sweep.py (issue 17's GPU measurements):
-the analytic FLOP count against torch's FlopCounterMode, and each tool's smoke run on CPU."""
+"""profiling/matmul_efficiency.py, profiling/offload_sweep.py and profiling/save_init.py (issue 17's
+GPU measurements): the analytic FLOP count against torch's FlopCounterMode, each tool's smoke run on
+CPU, and the saved initialisation against the run's own."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(ROOT / "profiling"))
 
 import matmul_efficiency  # noqa: E402
 import offload_sweep  # noqa: E402
+import save_init  # noqa: E402
 
 TINY = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=50, tie_word_embeddings=False)
@@ -96,3 +98,29 @@ def test_a_failing_run_is_named_with_its_error(tmp_path):
     with pytest.raises(SystemExit, match=failed):
         runs.train(["--steps-per-block", "ten"], 2, tmp_path / "run", 60, "the bad run")
     assert not (tmp_path / "run").exists()
+
+
+def test_save_init_writes_the_model_and_tokenizer_the_run_draws(tmp_path):
+    """profiling/save_init.py: loaded as a checkpoint (--model DIR), the directory gives the model a
+    --from-config run draws, bit for bit and in its working dtype, and the same encoded examples."""
+    from deca_ds.runtime.options import parse_args
+    from deca_ds.runtime.trainer import build_model, build_task
+
+    LlamaConfig(**{**TINY.to_dict(), "vocab_size": 512}).save_pretrained(tmp_path / "config")
+    run = ["--ds_config", str(ROOT / "ds_configs" / "cpu_demo.json"), "--seed", "3", "--working-dtype", "bf16"]
+    drawn = [*run, "--from-config", "--model", str(tmp_path / "config")]
+    out = save_init.main(["--out", str(tmp_path / "init"), "--train-args", *drawn])
+
+    def start(args):
+        opts, _ = parse_args(args)
+        task = build_task(opts, 2)
+        return build_model(opts, len(task.tokenizer)).state_dict(), task.data_fingerprints
+
+    (want, want_data), (got, got_data) = start(drawn), start([*run, "--model", str(out)])
+    assert list(got) == list(want) and all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k])
+                                           for k in want)
+    assert got_data == want_data
+    with pytest.raises(SystemExit):  # never over an existing directory
+        save_init.main(["--out", str(out), "--train-args", *drawn])
+    with pytest.raises(SystemExit):  # only a drawn initialisation
+        save_init.main(["--out", str(tmp_path / "other"), "--train-args", *run])
