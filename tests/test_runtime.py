@@ -334,7 +334,8 @@ def test_bad_preset_is_refused(preset, message, previous_run, tmp_path, capsys):
 
 def test_gpu_memory_cap_is_the_fraction_of_the_card_it_names(monkeypatch):
     """--gpu-memory-gb on a GPU (faked: this machine has none): the allocator's fraction is the cap
-    over the card's memory, and a cap above the card is refused."""
+    over the card's memory; a cap above the card, or caps of the ranks sharing it that add up to
+    more, are refused."""
     cuda, caps = torch.device("cuda", 1), []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80e9))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: caps.append((f, d)))
@@ -343,6 +344,10 @@ def test_gpu_memory_cap_is_the_fraction_of_the_card_it_names(monkeypatch):
     assert caps == [(31 / 80, cuda)]
     with pytest.raises(ValueError, match="--gpu-memory-gb 96: GPU 1 has only 80.00 GB"):
         cap_gpu_memory(96, cuda)
+    cap_gpu_memory(40, cuda, {0: 3, 1: 2})  # two ranks on GPU 1: 2 × 40 GB fit its 80
+    assert caps[-1] == (0.5, cuda)
+    with pytest.raises(ValueError, match="--gpu-memory-gb 31: 3 ranks share GPU 1, so 3 × 31 GB must fit its 80.00"):
+        cap_gpu_memory(31, cuda, {1: 3})
 
 
 def test_out_of_gpu_memory_is_an_error_naming_the_cap(monkeypatch, tmp_path, capsys):

@@ -72,18 +72,23 @@ def local_device(device_map: str = "auto") -> torch.device:
     return torch.device("cuda", gpu_of(local_rank, torch.cuda.device_count(), parse_device_map(device_map)))
 
 
-def cap_gpu_memory(gb: float, device: torch.device) -> None:
+def cap_gpu_memory(gb: float, device: torch.device, ranks_per_gpu: dict[int, int] | None = None) -> None:
     """--gpu-memory-gb: this process's CUDA allocator may hold at most `gb` GB of `device`, as if the
     card were that small (less its CUDA context, which the cap does not count); an allocation past
-    it raises torch's out-of-memory error, as it would there. 0: no cap."""
+    it raises torch's out-of-memory error, as it would there. The ranks that share the GPU
+    (`ranks_per_gpu`, {gpu: ranks}) each have this cap: together they must fit it, or a rank could
+    run out below its cap. 0: no cap."""
     if not gb:
         return
     if device.type != "cuda":
         raise ValueError(f"--gpu-memory-gb {gb:g} caps the CUDA allocator, but this rank runs on the CPU (no GPU "
                          "visible)")
     total = torch.cuda.get_device_properties(device).total_memory
-    if gb * 1e9 > total:
-        raise ValueError(f"--gpu-memory-gb {gb:g}: GPU {device.index} has only {total / 1e9:.2f} GB")
+    sharing = (ranks_per_gpu or {}).get(device.index, 1)
+    if gb * sharing * 1e9 > total:
+        ranks = f"{sharing} ranks share GPU {device.index}, so {sharing} × {gb:g} GB must fit its" if sharing > 1 \
+            else f"GPU {device.index} has only"
+        raise ValueError(f"--gpu-memory-gb {gb:g}: {ranks} {total / 1e9:.2f} GB")
     torch.cuda.set_per_process_memory_fraction(gb * 1e9 / total, device)
 
 

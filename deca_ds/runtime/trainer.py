@@ -362,10 +362,10 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     n_clients = check_layout(int(os.environ.get("WORLD_SIZE", "1")), opts.ranks_per_client, opts.clients)
     transport = resolve_transport(opts.transport, torch.cuda.is_available())
     places = env_placement(opts.device_map)
-    cap_gpu_memory(opts.gpu_memory_gb, local_device(opts.device_map))  # before anything is on the device
     # {gpu: clients sharing it}: recorded with the run, since step times of time-shared GPUs differ
     placement = {"transport": transport,
                  "clients_per_gpu": check_placement(places, opts.ranks_per_client, transport)}
+    cap_gpu_memory(opts.gpu_memory_gb, local_device(opts.device_map), placement["clients_per_gpu"])  # before the model
     topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p,
                              seed=opts.topology_seed, matrix_file=opts.matrix_file)
     # per-client files: a process reads its own client's only
