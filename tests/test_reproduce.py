@@ -99,8 +99,11 @@ def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
     assert len(grid.cells) == 4
     # DECA's T·B·R = 1 round x 2 blocks (2 layers, 1 per block) x 2 steps; Dec-LoRA gets the same
     assert set(grid.budgets.values()) == {(4, 4)}
+    # --only seed=0 first (the tables' first whole seed), then the rest
+    status = run_grid(grid, log=lambda *_: None, select=grid.select(["seed=0"]))
+    assert status == {c.key: "done" if c.seed == 0 else "not selected" for c in grid.cells}, status
     status = run_grid(grid, log=lambda *_: None)
-    assert list(status) == [c.key for c in grid.cells] and set(status.values()) == {"done"}, status
+    assert status == {c.key: "skipped" if c.seed == 0 else "done" for c in grid.cells}, status
     written = write_report(grid, command=["test"]) + write_figures(grid)
     names = {p.name for p in written}
     assert {"main.csv", "ablation.csv", "tables.md", "results.json", "loss_synthetic.png",
@@ -196,6 +199,16 @@ def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     with pytest.raises(GridError, match=message):
         build_grid(tiny_grid("tiny", **change), runs_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_only_takes_the_grids_own_keys_and_values(tmp_path):
+    grid = build_grid(tiny_grid("tiny"), runs_dir=tmp_path)
+    keep = grid.select(["method=dec_lora", "seed=1,0"])
+    assert [c.key for c in grid.cells if keep(c)] == [c.key for c in grid.cells if c.method == "dec_lora"]
+    with pytest.raises(GridError, match=r"--only seed=0,7: the grid has no seed 7 \(it has 0, 1\)"):
+        grid.select(["seed=0,7"])
+    with pytest.raises(GridError, match="--only 'lr=1': give KEY=VALUE"):
+        grid.select(["lr=1"])
 
 
 def test_generation_tasks_and_stray_sweep_tasks_are_refused(tmp_path):

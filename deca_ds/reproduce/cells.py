@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -99,9 +100,10 @@ def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
     return todo, done
 
 
-def run_grid(grid: Grid, *, log=print) -> dict[str, str]:
-    """Run every unfinished cell, `grid.jobs` at a time; returns cell key -> 'done' / 'skipped' /
-    'elsewhere: who' (another grid run holds it) / 'failed: why', in the grid's order.
+def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = None) -> dict[str, str]:
+    """Run every unfinished cell (of those `select` keeps, e.g. Grid.select), `grid.jobs` at a time;
+    returns cell key -> 'done' / 'skipped' / 'not selected' / 'elsewhere: who' (another grid run
+    holds it) / 'failed: why', in the grid's order.
 
     Several grid runs can work through one runs_dir (terminals, or jobs on nodes that share the file
     system): each cell is claimed before it runs, so each is run by one of them. Interrupted
@@ -110,6 +112,9 @@ def run_grid(grid: Grid, *, log=print) -> dict[str, str]:
     run starts afresh."""
     todo, done = check_finished(grid)
     status = {c.key: "skipped" for c in done}
+    if select is not None:
+        status |= {c.key: "not selected" for c in todo if not select(c)}
+        todo = [c for c in todo if select(c)]
     log(f"{grid.name}: {len(grid.cells)} cells, {len(done)} finished, {len(todo)} to run ({grid.backend}"
         + (f", {grid.jobs} at a time)" if grid.jobs > 1 else ")"))
     running = Running()

@@ -22,10 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true",
                    help="check the grid and list its cells (finished, running where and how far, to run); run nothing")
     p.add_argument("--report-only", action="store_true", help="write tables and figures of the finished cells only")
+    p.add_argument("--only", nargs="+", default=[], metavar="KEY=VALUE[,VALUE]",
+                   help="run only the cells with these values (task, method, topology, clients, layers_per_block, "
+                        "seed), e.g. --only seed=0 method=deca,dec_lora; the tables still take every finished cell")
     args = p.parse_args(argv)
     log = partial(print, flush=True)
     try:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs)
+        select = grid.select(args.only)
         todo, done = check_finished(grid)
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -34,16 +38,16 @@ def main(argv: list[str] | None = None) -> int:
         for cell in grid.cells:
             steps, examples = grid.budgets[cell.key]
             held = None if cell in done else holder(grid.cell_dir(cell))
-            state = ("finished" if cell in done else "to run" if held is None else
-                     f"running ({held}), step {steps_done(grid.cell_dir(cell))} of {steps}")
+            state = ("finished" if cell in done else "not selected" if not select(cell) else "to run" if held is None
+                     else f"running ({held}), step {steps_done(grid.cell_dir(cell))} of {steps}")
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
-        log(f"{len(grid.cells)} cells, {len(todo)} to run ({grid.backend}, {grid.jobs} at a time, "
+        log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
             f"timeout {grid.cell_timeout_s:g} s per cell)")
         return 0
     # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        status = {} if args.report_only else run_grid(grid, log=log)
+        status = {} if args.report_only else run_grid(grid, log=log, select=select)
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,9 @@ AXES = ("topology", "clients", "layers_per_block")
 BACKENDS = ("simulate", "deepspeed")
 # Set per cell by the grid, never by `options`.
 CELL_KEYS = ("method", "variant", "seed", "output_dir", *AXES)
+
+
+SELECTABLE = ("task", "method", "topology", "clients", "layers_per_block", "seed")  # Cell fields --only takes
 
 
 class GridError(ValueError):
@@ -99,6 +103,23 @@ class Grid:
 
     def cell_dir(self, cell: Cell) -> Path:
         return self.runs_dir / cell.key
+
+    def select(self, only: list[str]) -> Callable[[Cell], bool]:
+        """`--only KEY=VALUE[,VALUE…] …`: whether a cell has one of the values for every KEY given
+        (a Cell field: task, method, topology, clients, layers_per_block, seed); a key or value
+        the grid does not have is refused, naming what it has."""
+        wanted: dict[str, set[str]] = {}
+        for item in only:
+            key, sep, values = item.partition("=")
+            if not sep or key not in SELECTABLE:
+                raise GridError(f"--only {item!r}: give KEY=VALUE[,VALUE...] with KEY one of {', '.join(SELECTABLE)}")
+            present = {str(getattr(c, key)) for c in self.cells}
+            missing = [v for v in values.split(",") if v not in present]
+            if missing:
+                raise GridError(f"--only {item}: the grid has no {key} {', '.join(missing)} (it has "
+                                f"{', '.join(sorted(present))})")
+            wanted.setdefault(key, set()).update(values.split(","))
+        return lambda cell: all(str(getattr(cell, key)) in values for key, values in wanted.items())
 
 
 _TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "ds_config",
