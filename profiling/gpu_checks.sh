@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 16, 17 and 19 as named steps, for one call on a lent GPU machine (device
-# tool): `bash profiling/gpu_checks.sh STEP ...` with `carry: [".whl"]` (and "data" for reproduce). Each step has its own time
-# limit and runs only while the call's budget lasts (BUDGET seconds, default 560: a call may run
-# 600); the results so far are packed into $OUT/results.tgz after each step (the tool brings back
-# at most 8 files). Copy them to profiling/results/gpu_<device>/ with the commit that ran them.
+# tool): `bash profiling/gpu_checks.sh STEP ...` with `carry: [".whl", "data"]` (data/: reproduce's).
+# Each step has its own time limit and runs only while the call's budget lasts (BUDGET seconds,
+# default 560: a call may run 600); the results so far are packed into $OUT/results.tgz after each
+# step (the tool brings back at most 8 files). Copy them to profiling/results/gpu_<device>/ with the
+# commit that ran them.
 #
 # Issue 16, clients sharing the GPU through the host-staged gloo transport (about, on an H200):
 #   exact    distributed == simulator, 4 clients, fp32 (shared_device_exact.py)           1 min
@@ -17,11 +18,12 @@
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min
 #   update   the fused update on the device (target 3)                                     2 min
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
-#   fits     each preset trained under its card's memory (--card; target 4): the RTX PRO
-#            6000's cap is above an H100's memory, so an H100 runs the two RTX 5090 ones   4 x 2 min
+#   fits     each preset trained under its card's memory (--card; target 4); an H100 refuses
+#            the RTX PRO 6000 ones at once (their cap is above its memory): an H200's     4 x 2 min
 # Issue 19, the scaled accuracy grid (reproduce/gpu_ag_news.yaml; data/ag_news carried):
-#   reproduce  pretrain the 88M Llama (once per machine), then the grid's cells within the budget, seed 0 of
-#            every method first; the tables of the finished cells. A next call on the warm machine goes on
+#   reproduce  pretrain the 88M Llama (once per machine), then the grid's cells within the
+#            budget, seed 0 of every method first, and the tables of the finished cells; a
+#            next call on the warm machine goes on with the rest
 # Wheels the machine lacks travel in .whl/ (profiling/results/gpu_h200/README.md).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
