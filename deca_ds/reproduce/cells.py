@@ -388,6 +388,7 @@ def run_simulated(d: Path) -> dict:
     import torch
 
     from ..optimizer import model_partition
+    from ..runtime.dist import local_device
     from ..runtime.options import RunOptions
     from ..runtime.task import build_task
     from ..runtime.trainer import build_model
@@ -403,18 +404,19 @@ def run_simulated(d: Path) -> dict:
     topology = make_topology(opts.topology, n, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed,
                              matrix_file=opts.matrix_file)
     task = build_task(opts, n)
-    model = build_model(opts, len(task.tokenizer))
+    # on the GPU where there is one (a checkpoint loads into host memory; a config is drawn there)
+    device = local_device(opts.device_map)
+    model = build_model(opts, len(task.tokenizer)).to(device)
     partition = model_partition(model, opts.deca_config())
     method = opts.build_method(partition)
     recording = Recording(method)
-    device = next(model.parameters()).device
     streams = [({k: v.to(device) for k, v in batch.items()} for batch in task.stream(opts, i)) for i in range(n)]
     probe = method.prepare(build_model(opts, len(task.tokenizer)))
     write_json(d / RUN_CONFIG, {
         "options": asdict(opts), "topology": topology.to_dict(), "method": opts.method,
         "trainable_params": method.num_trainable(probe), "n_clients": n,
         "blocks": [asdict(b) for b in partition.blocks], "client_sizes": task.client_sizes,
-        "split_keys": list(task.key_names), "split_histogram": task.key_histogram,
+        "split_keys": list(task.key_names), "split_histogram": task.key_histogram, "device": str(device),
         "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}})
     del probe
     metrics = (d / METRICS).open("w", buffering=1)  # line by line: progress is visible
