@@ -13,8 +13,8 @@ the runs are capped at that card's memory less deca_ds.memory's reserve for the 
 <out>/profile_memory.{md,csv,json,png}.
 
     python profiling/profile_memory.py --ranks 4
-    python profiling/profile_memory.py --ds-config ds_configs/rtx5090_qwen2-1.5b.json --card "RTX 5090" \
-        --ranks 1 --layers-per-block 2 --train-args --from-config --model profiling/configs/qwen2-1.5b.json \
+    python profiling/profile_memory.py --ds-config ds_configs/rtx5090_qwen2-1.5b.json --card "RTX 5090" \\
+        --ranks 1 --layers-per-block 2 --train-args --from-config --model profiling/configs/qwen2-1.5b.json \\
         --dataset synthetic --synthetic-words 600
     python profiling/profile_memory.py --ds-config ds_configs/profile_bf16.json --ranks 1 \\
         --layers-per-block 1 --offload none frozen \\
@@ -156,7 +156,8 @@ def write(summary: dict, out: Path, name: str) -> None:
           f"{summary['ranks']} ranks; command: `{summary['command']}`; {summary['date']}; "
           f"torch {summary['versions']['torch']}."
           + (f" Run as on an {summary['card']}: every rank's allocator capped at {summary['gpu_memory_gb']:.2f} GB "
-             "(the card's memory less 1 GiB for the CUDA context); every run below finished under it."
+             f"(the card's memory less {DEFAULT_RESERVE / GiB:g} GiB for the CUDA context); every run below "
+             "finished under it."
              if summary.get("card") else ""), "",
           "| layers per block | offload | micro-batch × max tokens | blocks | steps | peak (GiB) | peak (GB) "
           "| estimate (GiB) | measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms) "

@@ -50,25 +50,29 @@ def tiny_config(hidden: int, layers: int, vocab: int):
                        num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab, tie_word_embeddings=False)
 
 
+def draw(config, *, dtype: str, device: torch.device):
+    """The random initialisation of `config` (seed 0) in `dtype`, drawn on `device`."""
+    from deca_ds.models import _from_config
+
+    with device:
+        return _from_config(config, dtype=DTYPES[dtype], seed=0)
+
+
 def start_model(config, *, dtype: str, load: str, device: torch.device, checkpoint: Path):
     """The model as the trainer starts it (trainer.build_model, then .to(device)): drawn on the
     device from `config`, or `load="checkpoint"`: loaded from the safetensors checkpoint that
     `save_checkpoint` wrote to `checkpoint`."""
-    from deca_ds.models import _from_config, load_model
+    from deca_ds.models import load_model
 
     if load == "checkpoint":
         return load_model(str(checkpoint), dtype=DTYPES[dtype]).to(device).eval()
-    with device:
-        return _from_config(config, dtype=DTYPES[dtype], seed=0).eval()
+    return draw(config, dtype=dtype, device=device).eval()
 
 
 def save_checkpoint(config, *, dtype: str, device: torch.device, checkpoint: Path) -> None:
-    """The random initialisation of `config` (seed 0) as a safetensors checkpoint in `dtype`,
-    drawn on `device` (fast on a GPU) and freed before any measurement."""
-    from deca_ds.models import _from_config
-
-    with device:
-        _from_config(config, dtype=DTYPES[dtype], seed=0).save_pretrained(checkpoint)
+    """draw()'s model as a safetensors checkpoint, drawn on `device` (fast on a GPU) and freed
+    before any measurement."""
+    draw(config, dtype=dtype, device=device).save_pretrained(checkpoint)
     gc.collect()
 
 
