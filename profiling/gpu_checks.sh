@@ -99,15 +99,8 @@ for what in "$@"; do
               --synthetic-words 600
           done ;;
     reproduce) [[ -f data/ag_news/train.jsonl ]] || { echo "reproduce: no data/ag_news (carry it)"; exit 2; }
-               # the pretraining of the grid file's header, unless an earlier call on this machine did it
-               [[ -f runs/pretrained/ag_news_88m/model.safetensors ]] ||
-                 step 300 pretrain python3 launch/pretrain.py --output-dir runs/pretrained/ag_news_88m --dataset agnews \
-                   --steps 2000 --seq-len 128 --batch 64 --lr 1e-3 --warmup 100 \
-                   --data-files train=data/ag_news/train.jsonl test=data/ag_news/test.jsonl \
-                   --model '{"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
-                             "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 256,
-                             "initializer_range": 0.02}'
-               # stopped by its time limit, the grid stops its cells (SIGTERM); finished cells stay finished
+               # the grid pretrains its model first (once per machine); stopped by its time limit, it stops its
+               # cells (SIGTERM) and finished cells stay finished
                step 600 grid python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --results-dir "$RES/gpu_ag_news"
                python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --report-only --results-dir "$RES/gpu_ag_news"
                pack ;;

@@ -195,11 +195,76 @@ def test_smooth_is_a_trailing_mean():
     ({"jobs": 0}, r"jobs must be an integer >= 1, got 0"),
     ({"backend": "deepspeed", "ds_config": "ds_configs/cpu_demo.json", "jobs": 2},
      r"jobs 2: a cell of the deepspeed backend takes every GPU"),
+    ({"pretrain": {"output_dir": "x"}}, r"pretrain: unknown key\(s\) \['output_dir'\]"),
+    ({"pretrain": {}}, r"pretrain makes the one model every cell fine-tunes.*\['tiny'\]"),
 ])
 def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     with pytest.raises(GridError, match=message):
         build_grid(tiny_grid("tiny", **change), runs_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+TINY_PRETRAIN = {"steps": 2, "batch": 8, "seq_len": 32, "warmup": 1,
+                 "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}}
+
+
+def test_a_grid_pretrains_its_model_once_and_refuses_another_in_its_place(tmp_path, capsys):
+    from deca_ds.reproduce.cells import base_state, claim, pretrain_base
+    from deca_ds.reproduce.cli import main
+
+    base = tmp_path / "base"
+    grid = build_grid(tiny_grid(str(base), pretrain=TINY_PRETRAIN), runs_dir=tmp_path / "runs")
+    # the budget reads the depth the section gives the model (2 layers, 1 per block), before it exists
+    assert set(grid.budgets.values()) == {(4, 4)}
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(tiny_grid(str(base), pretrain=TINY_PRETRAIN)))
+    assert main([str(tmp_path / "grid.yaml"), "--runs-dir", str(tmp_path / "runs"), "--dry-run"]) == 0
+    assert f"model {base}: to pretrain (2 steps, before the first cell)" in capsys.readouterr().out
+
+    pretrain_base(grid, log=lambda *_: None)
+    assert base_state(grid) == "pretrained" and load_model(str(base), dtype=torch.float32).config.num_hidden_layers == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".base.lock", "base", "grid.yaml"]  # no partial copy
+    stamp = (base / "model.safetensors").stat().st_mtime_ns
+    pretrain_base(grid, log=lambda *_: None)  # made earlier with the same options: not again
+    assert (base / "model.safetensors").stat().st_mtime_ns == stamp
+
+    other = tiny_grid(str(base), pretrain={**TINY_PRETRAIN, "lr": 0.01})
+    with pytest.raises(GridError, match=r"was pretrained with other settings \(lr: 0\.003 -> 0\.01\)"):
+        base_state(build_grid(other, runs_dir=tmp_path / "runs"))
+    # a model directory the grid did not make is neither used for the recipe nor written over
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_text("theirs")
+    grid = build_grid(tiny_grid(str(foreign), pretrain=TINY_PRETRAIN), runs_dir=tmp_path / "runs")
+    with pytest.raises(GridError, match="foreign holds files but no pretrain.json"):
+        pretrain_base(grid, log=lambda *_: None)
+    assert (foreign / "model.safetensors").read_text() == "theirs"
+    # another run pretraining the model: waited for, at most cell_timeout_s
+    grid = build_grid(tiny_grid(str(tmp_path / "later"), pretrain=TINY_PRETRAIN, cell_timeout_s=0.01),
+                      runs_dir=tmp_path / "runs")
+    with claim(tmp_path / "later") as held:
+        assert held is None
+        with pytest.raises(GridError, match=r"later is still being pretrained by pid \d+ on .* after 0.01 s"):
+            pretrain_base(grid, log=lambda *_: None, poll_s=0.01)
+    assert not (tmp_path / "later").exists()
+
+
+def test_pretrain_never_writes_over_files_nor_leaves_half_a_checkpoint(tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="out already holds files"):
+        pretrain(PretrainOptions(str(tmp_path / "out"), **TINY_PRETRAIN), log=lambda *_: None)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", interrupted)  # after the weights are written
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(PretrainOptions(str(tmp_path / "new"), **TINY_PRETRAIN), log=lambda *_: None)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_only_takes_the_grids_own_keys_and_values(tmp_path):

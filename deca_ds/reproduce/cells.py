@@ -35,6 +35,7 @@ from pathlib import Path
 from ..reporting import REPO
 from ..runtime.checkpoint import atomic_write
 from .grid import Cell, Grid, GridError
+from .pretrain import pretrain, pretrained_state
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
 
@@ -154,11 +155,48 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
     return {c.key: status[c.key] for c in grid.cells}
 
 
+def base_state(grid: Grid) -> str | None:
+    """None when the grid fine-tunes a model it does not make; else 'pretrained' (earlier, with the
+    grid's `pretrain` options) or 'to pretrain'. GridError for a directory holding anything else."""
+    if grid.pretrain is None:
+        return None
+    try:
+        return pretrained_state(grid.pretrain)
+    except ValueError as err:
+        raise GridError(f"pretrain: {err}") from None
+
+
+def pretrain_base(grid: Grid, *, log=print, command: list[str] | None = None, poll_s: float = 2.0) -> None:
+    """Make the grid's model (its `pretrain` section) unless it has been made. Several runs of one
+    grid: the one holding the lock beside the model's directory pretrains; the others wait for it,
+    at most cell_timeout_s, then fine-tune what it made."""
+    model = Path(grid.pretrain.output_dir) if grid.pretrain else None
+    deadline = time.monotonic() + grid.cell_timeout_s
+    waited = False
+    while base_state(grid) == "to pretrain":
+        with claim(model) as held:
+            if held is None:
+                if base_state(grid) == "to pretrain":  # not made by the run this one waited for
+                    log(f"pretraining {model}")
+                    try:
+                        pretrain(grid.pretrain, log=log, command=command)
+                    except ValueError as err:
+                        raise GridError(f"pretrain: {err}") from None
+                return
+        if time.monotonic() > deadline:
+            raise GridError(f"{model} is still being pretrained by {held} after {grid.cell_timeout_s:g} s "
+                            "(cell_timeout_s); run the grid again once it has finished")
+        if not waited:
+            log(f"waiting for {held}, which is pretraining {model}")
+            waited = True
+        time.sleep(poll_s)
+
+
 @contextlib.contextmanager
 def claim(cell_dir: Path):
-    """Hold the cell for this grid run (yields None), or yield who holds it. The lock file sits beside
-    the cell's directory, which a run deletes when it starts the cell afresh; flock's lock goes with
-    its process, so a killed run leaves none behind."""
+    """Hold the cell (or the model pretrain_base makes) for this grid run (yields None), or yield who
+    holds it. The lock file sits beside the cell's directory, which a run deletes when it starts the
+    cell afresh; flock's lock goes with its process, so a killed run leaves none behind."""
     import fcntl
 
     cell_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import signal
 import sys
 from functools import partial
 
-from .cells import check_finished, holder, run_grid, steps_done
+from .cells import base_state, check_finished, holder, pretrain_base, run_grid, steps_done
 from .figures import write_figures
 from .grid import GridError, load_grid
 from .report import write_report
@@ -31,10 +31,15 @@ def main(argv: list[str] | None = None) -> int:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs)
         select = grid.select(args.only)
         todo, done = check_finished(grid)
+        base = base_state(grid)
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    command = ["python", "launch/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
     if args.dry_run:
+        if base:
+            log(f"model {grid.pretrain.output_dir}: {base}" + (f" ({grid.pretrain.steps} steps, before the first "
+                                                                "cell)" if base == "to pretrain" else ""))
         for cell in grid.cells:
             steps, examples = grid.budgets[cell.key]
             held = None if cell in done else holder(grid.cell_dir(cell))
@@ -46,12 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    status = {}
     try:
-        status = {} if args.report_only else run_grid(grid, log=log, select=select)
+        if not args.report_only:
+            if any(map(select, todo)):
+                pretrain_base(grid, log=log, command=command)
+            status = run_grid(grid, log=log, select=select)
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    command = ["python", "launch/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
     for path in write_report(grid, command=command) + write_figures(grid):
         log(f"wrote {path}")
     elsewhere = sum(v.startswith("elsewhere") for v in status.values())

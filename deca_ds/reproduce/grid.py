@@ -7,6 +7,9 @@ and `sweeps`: each sweep names the table it feeds (main, topology, clients, gran
 values of its axes (and optionally its own subset of `tasks` and its own `seeds`); an axis it leaves
 out keeps the value of `options`. Cells that two sweeps share (the ER / 8-client cell of the main
 and topology tables) run once. Relative paths are read from the directory the grid runs in.
+An optional `pretrain` section (the scaled protocol) holds launch/pretrain.py's options for the
+model `options.model` names: the grid pretrains it before its first cell unless that directory
+already holds it, made with the same options.
 
 Equal step budgets, as in the paper: every method of a comparison (the cells that differ only in
 the method) takes the same number of model update steps - DECA's T·B·R, which the baselines get
@@ -28,6 +31,7 @@ from ..datasets import TASKS
 from ..models import TINY_LLAMA
 from ..runtime.options import RunOptions
 from ..runtime.task import DATASETS
+from .pretrain import PretrainOptions
 
 # The grid's methods: the three DECA variants of the ablation table and the baselines.
 METHODS = ("deca", "trivial_bma", "no_bma", "dadam", "dec_lora", "dec_adapter", "decaf")
@@ -99,6 +103,7 @@ class Grid:
     threads: int | None  # torch threads of each cell's process (None: torch's default)
     jobs: int  # cells run at once (simulate backend only)
     deepspeed_args: list[str]  # the deepspeed launcher's arguments (default: --num_gpus <ranks of the cell>)
+    pretrain: PretrainOptions | None = None  # how the cells' model is made, when the grid makes it
     source: dict = field(repr=False, default_factory=dict)
 
     def cell_dir(self, cell: Cell) -> Path:
@@ -123,7 +128,7 @@ class Grid:
 
 
 _TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "ds_config",
-        "deepspeed_args", "options", "tasks", "methods", "method_options", "seeds", "sweeps"}
+        "deepspeed_args", "pretrain", "options", "tasks", "methods", "method_options", "seeds", "sweeps"}
 _SWEEP = {"table", "tasks", "seeds", "methods", *AXES}
 
 
@@ -181,13 +186,13 @@ def _ds_batch(ds_config: str | None) -> dict:
             "grad_accum": data.get("gradient_accumulation_steps"), **data.get("deca", {})}
 
 
-def step_budget(options: dict, method: str) -> tuple[int | str, int]:
+def step_budget(options: dict, method: str, layers: int | None = None) -> tuple[int | str, int]:
     """(model update steps, examples per client step) of a cell: DECA's T·B·R, or a baseline's
-    explicit `steps`. Steps are symbolic ('T·⌈L/layers per block⌉·R', L the model's decoder layers) when
-    the model's depth is unknown offline."""
+    explicit `steps`. `layers`: the model's decoder layers where the grid makes the model (else read
+    from its config). Steps are symbolic ('T·⌈L/layers per block⌉·R') when the depth is unknown offline."""
     examples = (options.get("micro_batch") or 1) * (options.get("grad_accum") or 1) * options.get("ranks_per_client", 1)
     tbr = (options["rounds"], options["layers_per_block"], options["steps_per_block"])
-    layers = num_layers(options["model"])
+    layers = layers or num_layers(options["model"])
     deca_steps = (options["rounds"] * math.ceil(layers / options["layers_per_block"]) * options["steps_per_block"]
                   if layers else f"{tbr[0]}·⌈L/{tbr[1]}⌉·{tbr[2]}")
     if method in VARIANT_OF or not options.get("steps"):
@@ -285,7 +290,9 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
                                 old = cells.get(cell.key)
                                 tables = (old.tables if old else ()) + (sweep.table,)
                                 cells[cell.key] = dataclasses.replace(cell, tables=tuple(dict.fromkeys(tables)))
-    budgets = {key: step_budget(c.options, c.method) for key, c in cells.items()}
+    pretrain = _pretrain(data.get("pretrain"), list(cells.values()), where)
+    depth = pretrain.model["num_hidden_layers"] if pretrain else None
+    budgets = {key: step_budget(c.options, c.method, depth) for key, c in cells.items()}
     _check_budgets(list(cells.values()), budgets, where)
     if backend == "simulate":
         for c in cells.values():
@@ -311,7 +318,24 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
                 results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, ranks=ranks, threads=threads, jobs=jobs,
-                deepspeed_args=[str(a) for a in data.get("deepspeed_args") or []], source=data)
+                deepspeed_args=[str(a) for a in data.get("deepspeed_args") or []], pretrain=pretrain, source=data)
+
+
+def _pretrain(section, cells: list[Cell], where: str) -> PretrainOptions | None:
+    """The grid's `pretrain` section as launch/pretrain.py's options, writing the model every cell
+    fine-tunes."""
+    if section is None:
+        return None
+    known = {f.name for f in dataclasses.fields(PretrainOptions)} - {"output_dir"}
+    _check_keys(f"{where}: pretrain", section, known)
+    models = sorted({c.options["model"] for c in cells})
+    if len(models) > 1 or models[0] == "tiny":
+        raise GridError(f"{where}: pretrain makes the one model every cell fine-tunes, a directory `options.model` "
+                        f"names; the cells fine-tune {models}")
+    try:
+        return PretrainOptions(output_dir=models[0], **section)
+    except (ValueError, TypeError) as err:
+        raise GridError(f"{where}: pretrain: {err}") from None
 
 
 def path_stem(where: str) -> str:

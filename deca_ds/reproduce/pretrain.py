@@ -12,16 +12,23 @@ step pushes their logits down along one shared direction and their head rows end
 (cosine 0.85 between the synthetic task's label rows), which a fine-tuning that keeps the head
 frozen, as DECA's blocks do, cannot separate; every method's consensus model then stayed at chance
 predicting one class. The initializer range is TINY_LLAMA's 0.1 for the same frozen head.
+
+The checkpoint appears whole or not at all (written beside its directory, then renamed into place),
+and never over files already there; its pretrain.json records the options it was trained with, so
+a grid file's `pretrain` section (deca_ds.reproduce.grid) can tell its own checkpoint, made
+earlier, from one made otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -31,7 +38,6 @@ from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
 from ..runtime.options import RunOptions, per_client
 from ..runtime.task import load_records
-from .report import provenance
 
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
@@ -51,15 +57,16 @@ class PretrainOptions:
     warmup: int = 20
     seed: int = 0
     device: str = "auto"  # auto: the first GPU if one is visible, else the CPU
-    model: dict = field(default_factory=lambda: dict(SMALL_LLAMA))
+    model: dict = field(default_factory=dict)  # overrides of SMALL_LLAMA (merged in when checked)
 
     def __post_init__(self) -> None:
+        self.model = {**SMALL_LLAMA, **self.model}
         for name in ("vocab_size", "seq_len", "batch", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0 or self.warmup < 0:
             raise ValueError(f"lr must be > 0 and warmup >= 0, got {self.lr}, {self.warmup}")
-        if self.seq_len > self.model.get("max_position_embeddings", SMALL_LLAMA["max_position_embeddings"]):
+        if self.seq_len > self.model["max_position_embeddings"]:
             raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_position_embeddings")
         # the task options are launch/train.py's: RunOptions checks them (dataset name, data_files form)
         if any(per_client(item.split("=", 1)[-1]) for item in self.data_files or ()):
@@ -80,6 +87,46 @@ class PretrainOptions:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device}: no GPU is visible to torch")
         return device
+
+
+# Where the model is written and which device trains it: not what it is.
+NOT_RECIPE = ("output_dir", "device")
+
+
+def recipe(options: dict) -> dict:
+    """What decides a pretrained model, from PretrainOptions as a dict (or a pretrain.json's
+    "options"), flat: the model's keys as model.<key>. An option a record predates reads as its
+    default."""
+    flat = {}
+    for f in fields(PretrainOptions):
+        if f.name in NOT_RECIPE:
+            continue
+        value = options.get(f.name, f.default if f.default is not MISSING else f.default_factory())
+        if f.name == "model":
+            flat |= {f"model.{k}": v for k, v in {**SMALL_LLAMA, **value}.items()}
+        else:
+            flat[f.name] = value
+    return json.loads(json.dumps(flat))  # as a record reads back: lists, not tuples
+
+
+def pretrained_state(opts: PretrainOptions) -> str:
+    """'pretrained' when opts.output_dir holds the checkpoint pretrain() made with these options,
+    'to pretrain' when it is absent or empty. ValueError for anything else, naming it: such a
+    directory is neither fine-tuned in place of this recipe's model nor overwritten."""
+    out = Path(opts.output_dir)
+    if _vacant(out):
+        return "to pretrain"
+    record = out / "pretrain.json"
+    if not record.is_file():
+        raise ValueError(f"{out} holds files but no pretrain.json: not a checkpoint launch/pretrain.py made, so it "
+                         "is neither used as this pretraining's output nor overwritten; give the model another "
+                         "directory, or drop `pretrain` to fine-tune that one as it is")
+    old, new = recipe(json.loads(record.read_text())["options"]), recipe(asdict(opts))
+    changed = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
+    if changed:
+        raise ValueError(f"{out} was pretrained with other settings ({'; '.join(changed)}); give the model another "
+                         "directory, or remove that one to pretrain it again")
+    return "pretrained"
 
 
 def training_text(opts: PretrainOptions) -> tuple[list[str], list[str]]:
@@ -111,15 +158,21 @@ def packed_rows(tokenizer, prompts: list[str], seq_len: int) -> torch.Tensor:
 
 
 def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = None) -> dict:
-    """Train and save; returns what was written to pretrain.json (loss curve, sizes, wall time)."""
+    """Train and save; returns what was written to pretrain.json (loss curve, sizes, wall time).
+    Refuses, before training, an output directory that already holds files."""
+    from .report import provenance  # report reads the grid, whose `pretrain` section is PretrainOptions
+
     out = Path(opts.output_dir)
+    if not _vacant(out):
+        raise ValueError(f"{out} already holds files; pretraining writes a new checkpoint and never writes over "
+                         "one: give another output directory")
     start = time.perf_counter()
     prompts, keep = training_text(opts)
     tokenizer = build_tokenizer(prompts, keep, opts.vocab_size)
     device = opts.torch_device()
     rows = packed_rows(tokenizer, prompts, opts.seq_len).to(device)
     torch.manual_seed(opts.seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**SMALL_LLAMA, **opts.model}, vocab_size=len(tokenizer),
+    model = LlamaForCausalLM(LlamaConfig(**opts.model, vocab_size=len(tokenizer),
                                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                          bos_token_id=None)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
@@ -142,18 +195,38 @@ def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = No
         losses.append(loss.item())
         if step % 50 == 0 or step == opts.steps - 1:
             log(f"step {step}: loss {loss.item():.4f}")
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
     report = {"options": asdict(opts), "vocab": len(tokenizer), "unseen_words": int(unseen.sum()),
               "rows": len(rows), "prompts": len(prompts),
               "params": sum(p.numel() for p in model.parameters()), "loss_first": losses[0],
               "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "losses": losses,
               "wall_s": time.perf_counter() - start, "provenance": provenance(command)}
-    (out / "pretrain.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+    _save(out, model, tokenizer, report)
+    # The allocator would keep this memory cached while a grid's cells, other processes, use the GPU.
+    del model, optimizer, schedule, rows, batch, logits, loss
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     log(f"wrote {out} ({report['params']:,} parameters, vocabulary {report['vocab']}, "
         f"loss {report['loss_first']:.3f} -> {report['loss_last10']:.3f}, {report['wall_s']:.0f} s)")
     return report
+
+
+def _vacant(out: Path) -> bool:
+    return not out.exists() or (out.is_dir() and not any(out.iterdir()))
+
+
+def _save(out: Path, model, tokenizer, report: dict) -> None:
+    """The checkpoint, its tokenizer and pretrain.json, whole or not at all: written into a
+    directory beside `out`, then renamed to it (an empty `out` is replaced)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
+        (partial / "pretrain.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+        partial.replace(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,7 +247,6 @@ def main(argv: list[str] | None = None) -> None:
                    "'{\"hidden_size\": 256}'")
     args = vars(p.parse_args(argv))
     command = ["python", "launch/pretrain.py", *(sys.argv[1:] if argv is None else argv)]
-    args["model"] = {**SMALL_LLAMA, **args["model"]}
     try:
         pretrain(PretrainOptions(**args), command=command)
     except ValueError as err:
