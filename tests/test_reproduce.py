@@ -20,6 +20,7 @@ from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_fini
 from deca_ds.reproduce.figures import smooth, write_figures
 from deca_ds.reproduce.grid import Cell
 from deca_ds.reproduce.report import Table, build_table, marks, to_csv, to_markdown, write_report
+from deca_ds.runtime.checkpoint import sha256
 
 
 def tiny_grid(model: str, **overrides) -> dict:
@@ -224,6 +225,11 @@ def test_a_grid_pretrains_its_model_once_and_refuses_another_in_its_place(tmp_pa
     pretrain_base(grid, log=lambda *_: None)
     assert base_state(grid) == "pretrained" and load_model(str(base), dtype=torch.float32).config.num_hidden_layers == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [".base.lock", "base", "grid.yaml"]  # no partial copy
+    # the record names the weights, and the same options give them again (deterministic kernels)
+    weights = json.loads((base / "pretrain.json").read_text())["weights_sha256"]
+    assert weights == sha256(base / "model.safetensors")
+    assert pretrain(PretrainOptions(str(tmp_path / "again"), **TINY_PRETRAIN), log=lambda *_: None)[
+        "weights_sha256"] == weights
     stamp = (base / "model.safetensors").stat().st_mtime_ns
     pretrain_base(grid, log=lambda *_: None)  # made earlier with the same options: not again
     assert (base / "model.safetensors").stat().st_mtime_ns == stamp
@@ -247,6 +253,33 @@ def test_a_grid_pretrains_its_model_once_and_refuses_another_in_its_place(tmp_pa
         with pytest.raises(GridError, match=r"later is still being pretrained by pid \d+ on .* after 0.01 s"):
             pretrain_base(grid, log=lambda *_: None, poll_s=0.01)
     assert not (tmp_path / "later").exists()
+
+
+def test_cells_fine_tuned_from_other_base_weights_never_share_a_table(tmp_path):
+    from deca_ds.reproduce.cells import CELL, FINAL, base_weights, cell_settings, check_finished, pretrain_base
+
+    grid = build_grid(tiny_grid(str(tmp_path / "base"), pretrain=TINY_PRETRAIN), runs_dir=tmp_path / "runs")
+    first, second = grid.cells[:2]
+
+    def finished(cell, base):  # what run_grid leaves: the settings it ran with, then final.json
+        d = grid.cell_dir(cell)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / CELL).write_text(json.dumps({"settings": cell_settings(cell, base)}))
+        (d / FINAL).write_text("{}")
+
+    finished(first, "a" * 64)
+    finished(second, "b" * 64)
+    # cells brought together from two machines, the model not made here: they disagree with each other
+    with pytest.raises(GridError, match=r"fine-tuned from 2 different weights of .*base \(aaaaaaaaaaaa: 1 cell"):
+        check_finished(grid)
+    # made here, with other weights than both
+    pretrain_base(grid, log=lambda *_: None)
+    with pytest.raises(GridError, match=r"2 finished cell\(s\) hold results of other settings.*the base model's "
+                                        r"weights"):
+        check_finished(grid)
+    finished(first, base_weights(grid))
+    finished(second, base_weights(grid))
+    assert check_finished(grid)[1] == [first, second]
 
 
 def test_pretrain_never_writes_over_files_nor_leaves_half_a_checkpoint(tmp_path, monkeypatch):

@@ -5,7 +5,9 @@ resolved: topology, client sizes, trainable parameters, budget), metrics.jsonl (
 model update step: the clients' mean training loss, and the consensus distance every
 `consensus_interval` steps) and, once it has finished, final.json (accuracy and macro-F1 of the
 consensus model x̄, losses, wall time). A cell with final.json and the same settings is skipped;
-one with other settings stops the grid before anything runs. A grid run claims a cell (a lock
+one with other settings stops the grid before anything runs. Where the grid makes its base model
+(`pretrain`), the settings include the sha256 of its weights: cells fine-tuned from other weights
+(pretrained again elsewhere, on another device) never share a table. A grid run claims a cell (a lock
 file beside its directory, .<seed>.lock) before it runs it, so that several runs can share a grid.
 
 Backends: `simulate` runs the N clients of a cell in one process through deca_ds.simulate (small
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -33,9 +36,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..reporting import REPO
-from ..runtime.checkpoint import atomic_write
+from ..runtime.checkpoint import atomic_write, sha256
 from .grid import Cell, Grid, GridError
-from .pretrain import pretrain, pretrained_state
+from .pretrain import WEIGHTS, pretrain, pretrained_state
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
 
@@ -58,37 +61,70 @@ def is_finished(cell_dir: Path) -> bool:
     return (cell_dir / FINAL).is_file()
 
 
+BASE = "base_sha256"  # settings' key: the weights of the model the grid's `pretrain` made
+
+
 def settings_changed(saved: dict | None, now: dict) -> list[str]:
     """The options in which a finished cell's saved settings and the grid's differ in what they
     compute. Options that change no result (runtime.options.NOT_RESULT) are not compared, and an
     option the cell's code did not have yet counts as its default: a new option's default keeps
-    the old behaviour."""
+    the old behaviour. The base model's weights are compared where both settings know them."""
     from ..runtime.options import NOT_RESULT, RunOptions
 
     if saved is None or saved.get("key") != now["key"]:
         return ["no settings saved" if saved is None else "key"]
     defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(RunOptions)}, allow_nan=False))
     old, new = saved["options"], now["options"]
-    return sorted(k for k in (set(old) | set(new)) - NOT_RESULT
-                  if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
+    changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT
+                     if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
+    if None not in (saved.get(BASE), now.get(BASE)) and saved[BASE] != now[BASE]:
+        changed.append("the base model's weights")
+    return changed
 
 
-def finished_changes(grid: Grid, cell: Cell) -> list[str] | None:
+def cell_settings(cell: Cell, base: str | None) -> dict:
+    """What decides the cell's result: its options and, where the grid makes its base model, the
+    sha256 `base` of that model's weights (None while it is not made)."""
+    return cell.settings() | ({BASE: base} if base else {})
+
+
+def base_weights(grid: Grid) -> str | None:
+    """sha256 of the weights the grid's `pretrain` made; None without the section or the model."""
+    path = Path(grid.pretrain.output_dir) / WEIGHTS if grid.pretrain else None
+    if path is None or not path.is_file():
+        return None
+    stat = path.stat()
+    return _sha256(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, mtime_ns: int, size: int) -> str:
+    """Once per version of the file (the grid checks its cells several times a run)."""
+    return sha256(Path(path))
+
+
+def finished_changes(grid: Grid, cell: Cell, base: str | None) -> list[str] | None:
     """None while the cell is unfinished; once finished, the settings in which its results differ
-    from the grid's ([] when they are the grid's)."""
+    from the grid's ([] when they are the grid's); `base` as cell_settings."""
     d = grid.cell_dir(cell)
     if not is_finished(d):
         return None
-    saved = read_json(d / CELL)["settings"] if (d / CELL).is_file() else None
-    return settings_changed(saved, cell.settings())
+    return settings_changed(saved_settings(d), cell_settings(cell, base))
+
+
+def saved_settings(cell_dir: Path) -> dict | None:
+    return read_json(cell_dir / CELL)["settings"] if (cell_dir / CELL).is_file() else None
 
 
 def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
     """(cells to run, cells already finished with the same settings); raises when a finished cell's
-    settings differ from the grid's, naming them, so no run overwrites a result."""
+    settings differ from the grid's, naming them, so no run overwrites a result, and when finished
+    cells were fine-tuned from different weights of the grid's base model (their results do not
+    compare, whichever weights the model now has)."""
     todo, done, conflicts = [], [], []
+    base = base_weights(grid)
     for cell in grid.cells:
-        changed = finished_changes(grid, cell)
+        changed = finished_changes(grid, cell, base)
         if changed is None:
             todo.append(cell)
         elif changed:
@@ -98,6 +134,16 @@ def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
     if conflicts:
         raise GridError(f"{len(conflicts)} finished cell(s) hold results of other settings and would be overwritten: "
                         + "; ".join(conflicts[:5]) + ". Give another runs_dir or remove those directories.")
+    bases: dict[str, list[str]] = {}
+    for cell in done:
+        sha = (saved_settings(grid.cell_dir(cell)) or {}).get(BASE)
+        if sha:
+            bases.setdefault(sha, []).append(cell.key)
+    if len(bases) > 1:
+        detail = "; ".join(f"{sha[:12]}: {len(keys)} cell(s), e.g. {keys[0]}" for sha, keys in bases.items())
+        raise GridError(f"the finished cells were fine-tuned from {len(bases)} different weights of "
+                        f"{grid.pretrain.output_dir} ({detail}); results of different base models do not compare: "
+                        "keep one set of cells (pretraining is deterministic on one device type, not across)")
     return todo, done
 
 
@@ -112,6 +158,7 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
     started, before re-raising: a cell left running would go on writing into a directory the next
     run starts afresh."""
     todo, done = check_finished(grid)
+    base = base_weights(grid)
     status = {c.key: "skipped" for c in done}
     if select is not None:
         status |= {c.key: "not selected" for c in todo if not select(c)}
@@ -126,15 +173,15 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
             if held:
                 log(f"[{i}/{len(todo)}] {cell.key}: run by {held}")
                 return f"elsewhere: run by {held}"
-            changed = finished_changes(grid, cell)  # by another grid run, since this one looked
+            changed = finished_changes(grid, cell, base)  # by another grid run, since this one looked
             if changed is not None:
                 return f"failed: finished meanwhile with other settings ({', '.join(changed[:6])})" if changed \
                     else "skipped"
             if d.exists():
                 shutil.rmtree(d)  # an unfinished earlier attempt: start clean
             d.mkdir(parents=True)
-            write_json(d / CELL, {"settings": cell.settings(), "options": cell.options, "tables": list(cell.tables),
-                                  "budget": list(grid.budgets[cell.key])})
+            write_json(d / CELL, {"settings": cell_settings(cell, base), "options": cell.options,
+                                  "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
             start = time.perf_counter()
             log(f"[{i}/{len(todo)}] {cell.key} ...")
             result = _run_one(grid, cell, d, running)

@@ -16,7 +16,12 @@ predicting one class. The initializer range is TINY_LLAMA's 0.1 for the same fro
 The checkpoint appears whole or not at all (written beside its directory, then renamed into place),
 and never over files already there; its pretrain.json records the options it was trained with, so
 a grid file's `pretrain` section (deca_ds.reproduce.grid) can tell its own checkpoint, made
-earlier, from one made otherwise.
+earlier, from one made otherwise, and the sha256 of its weights.
+
+Pretraining runs torch's deterministic kernels (a warning names any op that has none), so the same
+options give the same weights again on the same device type and software: a grid split over
+machines, or over days on a GPU lent for minutes, fine-tunes one base model. Where the weights do
+differ, the grid's cells tell (each records the hash of the base it fine-tuned).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import shutil
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -36,6 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
+from ..runtime.checkpoint import sha256
 from ..runtime.options import RunOptions, per_client
 from ..runtime.task import load_records
 
@@ -89,6 +96,7 @@ class PretrainOptions:
         return device
 
 
+WEIGHTS = "model.safetensors"  # save_pretrained's file for a model of this size (one shard)
 # Where the model is written and which device trains it: not what it is.
 NOT_RECIPE = ("output_dir", "device")
 
@@ -106,7 +114,7 @@ def recipe(options: dict) -> dict:
             flat |= {f"model.{k}": v for k, v in {**SMALL_LLAMA, **value}.items()}
         else:
             flat[f.name] = value
-    return json.loads(json.dumps(flat))  # as a record reads back: lists, not tuples
+    return json.loads(json.dumps(flat, allow_nan=False))  # as a record reads back: lists, not tuples
 
 
 def pretrained_state(opts: PretrainOptions) -> str:
@@ -184,17 +192,18 @@ def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = No
     model.train()
     unseen = torch.ones(len(tokenizer), dtype=torch.bool, device=device)
     unseen[rows.unique()] = False
-    for step in range(opts.steps):
-        batch = rows[torch.randint(len(rows), (opts.batch,), generator=generator).to(device)]
-        logits = model(input_ids=batch).logits[:, :-1].masked_fill(unseen, float("-inf"))
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if step % 50 == 0 or step == opts.steps - 1:
-            log(f"step {step}: loss {loss.item():.4f}")
+    with _deterministic(device):
+        for step in range(opts.steps):
+            batch = rows[torch.randint(len(rows), (opts.batch,), generator=generator).to(device)]
+            logits = model(input_ids=batch).logits[:, :-1].masked_fill(unseen, float("-inf"))
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if step % 50 == 0 or step == opts.steps - 1:
+                log(f"step {step}: loss {loss.item():.4f}")
     report = {"options": asdict(opts), "vocab": len(tokenizer), "unseen_words": int(unseen.sum()),
               "rows": len(rows), "prompts": len(prompts),
               "params": sum(p.numel() for p in model.parameters()), "loss_first": losses[0],
@@ -210,17 +219,37 @@ def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = No
     return report
 
 
+@contextmanager
+def _deterministic(device: torch.device):
+    """torch's deterministic kernels, warning for an op that has none; cuBLAS needs a fixed
+    workspace for them (CUBLAS_WORKSPACE_CONFIG, read when this process first uses cuBLAS: a grid's
+    pretraining comes before any other GPU work of its process). Both restored afterwards."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if device.type == "cuda" and workspace is None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
 def _vacant(out: Path) -> bool:
     return not out.exists() or (out.is_dir() and not any(out.iterdir()))
 
 
 def _save(out: Path, model, tokenizer, report: dict) -> None:
-    """The checkpoint, its tokenizer and pretrain.json, whole or not at all: written into a
-    directory beside `out`, then renamed to it (an empty `out` is replaced)."""
+    """The checkpoint, its tokenizer and pretrain.json (the report, plus the weights' sha256),
+    whole or not at all: written into a directory beside `out`, then renamed to it (an empty `out`
+    is replaced)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         model.save_pretrained(partial, safe_serialization=True)
+        report["weights_sha256"] = sha256(partial / WEIGHTS)
         tokenizer.save_pretrained(partial)
         (partial / "pretrain.json").write_text(json.dumps(report, indent=2, allow_nan=False))
         partial.replace(out)
