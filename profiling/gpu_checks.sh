@@ -23,7 +23,10 @@
 # Issue 19, the scaled accuracy grid (reproduce/gpu_ag_news.yaml; data/ag_news carried):
 #   reproduce  pretrain the 88M Llama (once per machine), then the grid's cells within the
 #            budget, seed 0 of every method first, and the tables of the finished cells; a
-#            next call on the warm machine goes on with the rest
+#            next call on the warm machine goes on with the rest, and so does a later session
+#            given the cell directories back (results' gpu_ag_news_runs/, carried as
+#            runs/gpu_ag_news; its machine pretrains again, to the same weights on the same
+#            GPU type, which the cells' base hash checks)
 # Wheels the machine lacks travel in .whl/ (profiling/results/gpu_h200/README.md).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
@@ -103,6 +106,9 @@ for what in "$@"; do
                # cells (SIGTERM) and finished cells stay finished
                step 600 grid python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --results-dir "$RES/gpu_ag_news"
                python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --report-only --results-dir "$RES/gpu_ag_news"
+               # the cell directories (settings, metrics, scores: kilobytes) come back too; carried as
+               # runs/gpu_ag_news, a later session's grid skips the finished cells
+               mkdir -p "$RES/gpu_ag_news_runs" && cp -r runs/gpu_ag_news/. "$RES/gpu_ag_news_runs/"
                pack ;;
     *) echo "unknown step $what"; exit 2 ;;
   esac
