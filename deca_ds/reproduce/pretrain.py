@@ -14,9 +14,9 @@ frozen, as DECA's blocks do, cannot separate; every method's consensus model the
 predicting one class. The initializer range is TINY_LLAMA's 0.1 for the same frozen head.
 
 The checkpoint appears whole or not at all (written beside its directory, then renamed into place),
-and never over files already there; its pretrain.json records the options it was trained with, so
-a grid file's `pretrain` section (deca_ds.reproduce.grid) can tell its own checkpoint, made
-earlier, from one made otherwise, and the sha256 of its weights.
+and never over files already there. Its pretrain.json records the options it was trained with (a
+grid file's `pretrain` section, deca_ds.reproduce.grid, thereby tells its own checkpoint, made
+earlier, from one made otherwise) and the sha256 of its weights.
 
 Pretraining runs torch's deterministic kernels (a warning names any op that has none), so the same
 options give the same weights again on the same device type and software: a grid split over
