@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from deca_ds.models import load_model, load_tokenizer
@@ -76,6 +77,7 @@ def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
     ({"device": "gpu"}, r"device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
     ({"device": "meta"}, r"device must be auto, cpu, cuda or cuda:N, got 'meta'"),
     ({"steps": 0}, r"steps must be >= 1, got 0"),
+    ({"dtype": "fp16"}, r"dtype must be fp32 or bf16, got 'fp16'"),
     ({"seq_len": 512}, r"seq_len 512 exceeds the model's max_position_embeddings"),
     ({"dataset": "emotion"}, r"emotion"),
     ({"dataset": "files", "data_files": ["train=c{client}.jsonl", "test=t.jsonl"]},
@@ -230,6 +232,10 @@ def test_a_grid_pretrains_its_model_once_and_refuses_another_in_its_place(tmp_pa
     assert weights == sha256(base / "model.safetensors")
     assert pretrain(PretrainOptions(str(tmp_path / "again"), **TINY_PRETRAIN), log=lambda *_: None)[
         "weights_sha256"] == weights
+    # bf16 autocast: other weights, still stored in fp32
+    bf16 = pretrain(PretrainOptions(str(tmp_path / "bf16"), dtype="bf16", **TINY_PRETRAIN), log=lambda *_: None)
+    assert bf16["weights_sha256"] != weights
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.float32}
     stamp = (base / "model.safetensors").stat().st_mtime_ns
     pretrain_base(grid, log=lambda *_: None)  # made earlier with the same options: not again
     assert (base / "model.safetensors").stat().st_mtime_ns == stamp

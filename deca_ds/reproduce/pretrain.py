@@ -38,6 +38,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..data import PROMPT, SyntheticTask, build_word_tokenizer
@@ -64,6 +65,7 @@ class PretrainOptions:
     warmup: int = 20
     seed: int = 0
     device: str = "auto"  # auto: the first GPU if one is visible, else the CPU
+    dtype: str = "fp32"  # bf16: forward and loss under bf16 autocast (the weights and AdamW stay fp32)
     model: dict = field(default_factory=dict)  # overrides of SMALL_LLAMA (merged in when checked)
 
     def __post_init__(self) -> None:
@@ -73,6 +75,8 @@ class PretrainOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0 or self.warmup < 0:
             raise ValueError(f"lr must be > 0 and warmup >= 0, got {self.lr}, {self.warmup}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if self.seq_len > self.model["max_position_embeddings"]:
             raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_position_embeddings")
         # the task options are launch/train.py's: RunOptions checks them (dataset name, data_files form)
@@ -195,8 +199,9 @@ def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = No
     with _deterministic(device):
         for step in range(opts.steps):
             batch = rows[torch.randint(len(rows), (opts.batch,), generator=generator).to(device)]
-            logits = model(input_ids=batch).logits[:, :-1].masked_fill(unseen, float("-inf"))
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            with torch.autocast(device.type, torch.bfloat16, enabled=opts.dtype == "bf16"):
+                logits = model(input_ids=batch).logits[:, :-1].masked_fill(unseen, float("-inf"))
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
             loss.backward()
             optimizer.step()
             schedule.step()
@@ -270,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
         default = PretrainOptions.__dataclass_fields__[name].default
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--lr", type=float, default=PretrainOptions.lr)
+    p.add_argument("--dtype", default=PretrainOptions.dtype, choices=("fp32", "bf16"),
+                   help="bf16: forward and loss under bf16 autocast, weights and AdamW in fp32 (default fp32)")
     p.add_argument("--device", default=PretrainOptions.device, help="auto (default: the first GPU if one is "
                    "visible, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--model", type=json.loads, default={}, help="JSON overrides of the Llama config, e.g. "
