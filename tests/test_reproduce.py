@@ -278,6 +278,9 @@ def test_cells_fine_tuned_from_other_base_weights_never_share_a_table(tmp_path):
     # cells brought together from two machines, the model not made here: they disagree with each other
     with pytest.raises(GridError, match=r"fine-tuned from 2 different weights of .*base \(aaaaaaaaaaaa: 1 cell"):
         check_finished(grid)
+    without = build_grid(tiny_grid(str(tmp_path / "base")), runs_dir=tmp_path / "runs")  # `pretrain` dropped
+    with pytest.raises(GridError, match=r"fine-tuned from 2 different weights of .*base"):
+        check_finished(without)
     # made here, with other weights than both
     pretrain_base(grid, log=lambda *_: None)
     with pytest.raises(GridError, match=r"2 finished cell\(s\) hold results of other settings.*the base model's "

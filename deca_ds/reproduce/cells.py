@@ -142,7 +142,7 @@ def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
     if len(bases) > 1:
         detail = "; ".join(f"{sha[:12]}: {len(keys)} cell(s), e.g. {keys[0]}" for sha, keys in bases.items())
         raise GridError(f"the finished cells were fine-tuned from {len(bases)} different weights of "
-                        f"{grid.pretrain.output_dir} ({detail}); results of different base models do not compare: "
+                        f"{done[0].options['model']} ({detail}); results of different base models do not compare: "
                         "keep one set of cells (pretraining is deterministic on one device type, not across)")
     return todo, done
 
