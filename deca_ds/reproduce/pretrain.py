@@ -43,7 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
-from ..runtime.checkpoint import sha256
+from ..runtime.checkpoint import sha256, write_json
 from ..runtime.options import RunOptions, per_client
 from ..runtime.task import load_records
 
@@ -256,7 +256,7 @@ def _save(out: Path, model, tokenizer, report: dict) -> None:
         model.save_pretrained(partial, safe_serialization=True)
         report["weights_sha256"] = sha256(partial / WEIGHTS)
         tokenizer.save_pretrained(partial)
-        (partial / "pretrain.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+        write_json(partial / "pretrain.json", report)
         partial.replace(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
