@@ -685,6 +685,21 @@ def test_step_sections_keep_their_own_allocation_peaks(monkeypatch):
     assert Timer(torch.device("cpu")).memory().keys() == {"mem_rss"}
 
 
+def test_start_and_end_loss_windows_never_overlap():
+    """The summary's start/end loss: the mean of the first/last 10 steps, or of a tenth of a run
+    shorter than 100 steps, so that a short run's start and end are different steps."""
+    from deca_ds.runtime.metrics import summarize
+
+    def ends(losses):
+        client = summarize([[{"step": s, "loss": loss} for s, loss in enumerate(losses)]])["clients"][0]
+        return client["loss_start"], client["loss_end"]
+
+    assert ends([4.0, 3.0, 2.0]) == (4.0, 2.0)
+    assert ends([float(s) for s in range(10, 0, -1)]) == (10.0, 1.0)
+    assert ends([float(s) for s in range(35)]) == (1.0, 33.0)  # windows of 3
+    assert ends([float(s) for s in range(200)]) == (4.5, 194.5)  # windows of 10
+
+
 def test_rank_threads_from_the_environment(monkeypatch):
     from deca_ds.runtime.dist import rank_threads
 

@@ -288,7 +288,7 @@ def test_two_sites_that_share_no_files_train_summarize_and_resume(tmp_path, monk
     assert summary["transport"] == "gloo" and summary["host_staging"] is False and summary["clients_per_gpu"] == {}
     losses = [json.loads(line)["loss"] for line in (outs[1] / "metrics" / "client_003.jsonl").read_text().splitlines()]
     assert len(losses) == 6  # node b's records reached rank 0 over the process group:
-    assert summary["clients"][3]["loss_end"] == pytest.approx(np.mean(losses[-10:]), rel=1e-12)
+    assert summary["clients"][3]["loss_end"] == losses[-1]  # a run this short: its last step
     assert not (outs[1] / "summary.json").exists() and not (outs[1] / "consensus").exists()
     for node, out in enumerate(outs):
         mine = [f"client_{c:03d}" for c in range(4) if site_of[c] == node]

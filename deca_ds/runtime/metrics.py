@@ -54,12 +54,19 @@ def _mean(records: list[dict], key: str, scale: float = 1.0) -> float | None:
     return scale * float(np.mean(values)) if values else None  # JSON has no NaN
 
 
-def summarize(records: list[list[dict]], window: int = 10) -> dict:
-    """Start/end loss (mean of the first/last `window` steps), bytes and step-time split per client;
-    x̄'s evaluation before training (client 0's first record), None without one."""
+def loss_window(steps: int, most: int = 10) -> int:
+    """How many steps the start and end losses average: `most`, or a tenth of a shorter run, so
+    that the two windows never overlap (a 10-step run compares its first step with its last)."""
+    return max(1, min(most, steps // 10))
+
+
+def summarize(records: list[list[dict]]) -> dict:
+    """Start/end loss (mean of the first/last loss_window steps), bytes and step-time split per
+    client; x̄'s evaluation before training (client 0's first record), None without one."""
     clients = []
     for c, recs in enumerate(records):
         dist = [r["consensus_distance"] for r in recs if "consensus_distance" in r]
+        window = loss_window(len(recs))
         clients.append({
             "client": c,
             "loss_start": _mean(recs[:window], "loss"),
