@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import runpy
 import socket
 import sys
@@ -52,6 +53,36 @@ def client_batches(n_clients: int, steps: int, batch: int = 2, seq: int = 8, see
 
 
 PORTS: list[int] = []  # every port handed to a job in this session (conftest checks /dev/shm for them)
+
+
+def assert_resume_mid_block_is_bit_identical(base, cfg, checkpoint) -> None:
+    """12 steps of a DecaOptimizer straight, against 6 steps, a checkpoint (`checkpoint` takes and
+    returns the model's and the optimizer's state dicts), a rebuilt model and optimizer that load
+    it, and the 6 steps left: the same bits. Block 1, step 2 of 4 at the cut (steps_per_block 4)."""
+    from deca_ds import DecaOptimizer
+
+    batches = client_batches(1, steps=12)[0]
+
+    def run(model, opt, steps):
+        for batch in steps:
+            model(**batch).loss.backward()
+            opt.step()
+
+    straight = copy.deepcopy(base)
+    run(straight, DecaOptimizer(straight, cfg), batches)
+    first = copy.deepcopy(base)
+    opt = DecaOptimizer(first, cfg)
+    run(first, opt, batches[:6])
+    model_state, opt_state = checkpoint(first.state_dict(), opt.state_dict())
+    resumed = copy.deepcopy(base)
+    resumed.load_state_dict(model_state)
+    opt2 = DecaOptimizer(resumed, cfg)
+    opt2.load_state_dict(opt_state)
+    assert (opt2.active.index, opt2.step_in_block) == (1, 2)
+    assert opt2.state_bytes() == opt.state_bytes()
+    run(resumed, opt2, batches[6:])
+    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
 
 
 def free_port() -> int:

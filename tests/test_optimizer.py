@@ -7,7 +7,7 @@ import torch
 
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, partition_model, simulate
 from deca_ds.mixing import ClientView
-from helpers import client_batches, tiny_llama
+from helpers import assert_resume_mid_block_is_bit_identical, client_batches, tiny_llama
 
 
 def config(**kw):
@@ -138,30 +138,8 @@ def test_frozen_parameters_are_bit_identical_after_training():
 def test_state_dict_resume_is_bit_identical():
     """Stop mid-block, rebuild model and optimizer from the checkpoint, continue: same bits."""
     cfg = config(master_dtype=torch.float32, steps_per_block=4, rounds=1, variant="deca")
-    batches = client_batches(1, steps=12)[0]
-    base = tiny_llama(layers=3, dtype=torch.bfloat16)
-
-    def run(model, opt, steps):
-        for batch in steps:
-            model(**batch).loss.backward()
-            opt.step()
-
-    straight = copy.deepcopy(base)
-    run(straight, DecaOptimizer(straight, cfg), batches)
-
-    first = copy.deepcopy(base)
-    opt = DecaOptimizer(first, cfg)
-    run(first, opt, batches[:6])  # block 1, step 2 of 4
-    saved_model, saved_opt = copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict())
-
-    resumed = copy.deepcopy(base)
-    resumed.load_state_dict(saved_model)
-    opt2 = DecaOptimizer(resumed, cfg)
-    opt2.load_state_dict(saved_opt)
-    assert (opt2.active.index, opt2.step_in_block) == (1, 2)
-    run(resumed, opt2, batches[6:])
-    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
-        assert torch.equal(a, b), n
+    assert_resume_mid_block_is_bit_identical(tiny_llama(layers=3, dtype=torch.bfloat16), cfg,
+                                             lambda model, opt: (copy.deepcopy(model), copy.deepcopy(opt)))
 
 
 def test_resume_with_another_config_is_refused():

@@ -1,6 +1,5 @@
 """8-bit moments (DecaConfig(state_bits=8)): exact bytes, tensor-by-tensor work, drift, resume, errors."""
 
-import copy
 import importlib.util
 import io
 import math
@@ -11,7 +10,7 @@ import torch
 
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
 from deca_ds.quantized import QUANT_BLOCK, QuantizedVector
-from helpers import client_batches, tiny_llama
+from helpers import assert_resume_mid_block_is_bit_identical, client_batches, tiny_llama
 
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                reason="the optional bnb extra is not installed")
@@ -93,35 +92,15 @@ def test_8bit_run_trains_and_stays_close_to_the_fp32_state_run(variant):
 @needs_bnb
 def test_state_dict_resume_is_bit_identical():
     """Checkpoint mid-block (through torch.save / torch.load(weights_only=True)), resume: same bits."""
+    def through_a_file(model, opt):
+        buffer = io.BytesIO()
+        torch.save({"model": model, "optimizer": opt}, buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=True)
+        return saved["model"], saved["optimizer"]
+
     cfg = config(steps_per_block=4, rounds=1, variant="trivial_bma")
-    batches = client_batches(1, steps=12)[0]
-    base = tiny_llama(layers=3, dtype=torch.float32)
-
-    def run(model, opt, steps):
-        for batch in steps:
-            model(**batch).loss.backward()
-            opt.step()
-
-    straight = copy.deepcopy(base)
-    run(straight, DecaOptimizer(straight, cfg), batches)
-
-    first = copy.deepcopy(base)
-    opt = DecaOptimizer(first, cfg)
-    run(first, opt, batches[:6])  # block 1, step 2 of 4
-    buffer = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optimizer": opt.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-
-    resumed = copy.deepcopy(base)
-    resumed.load_state_dict(saved["model"])
-    opt2 = DecaOptimizer(resumed, cfg)
-    opt2.load_state_dict(saved["optimizer"])
-    assert (opt2.active.index, opt2.step_in_block) == (1, 2)
-    assert opt2.state_bytes() == opt.state_bytes()
-    run(resumed, opt2, batches[6:])
-    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
-        assert torch.equal(a, b), n
+    assert_resume_mid_block_is_bit_identical(tiny_llama(layers=3, dtype=torch.float32), cfg, through_a_file)
 
 
 def test_8bit_without_bitsandbytes_names_the_extra(monkeypatch):
