@@ -28,27 +28,38 @@
 #            runs/gpu_ag_news; its machine pretrains again, to the same weights on the same
 #            GPU type, which the cells' base hash checks)
 # Wheels the machine lacks travel in .whl/ (profiling/results/gpu_h200/README.md).
+# DRY_RUN=1 prints each command instead of running it, and sets nothing up (no GPU needed): the
+# tests parse every printed command's options, so a typo cannot waste a lent GPU's minutes.
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 RES=/tmp/res
 DEADLINE=$((SECONDS + ${BUDGET:-560}))
-mkdir -p "$RES" "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
+# run CMD...: CMD, or with DRY_RUN its words, shell-quoted, on one line
+run() {
+  if [[ -n ${DRY_RUN:-} ]]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
 # step LIMIT NAME CMD...: CMD with at most LIMIT seconds, fewer if the call's budget is shorter
 step() {
   local limit=$1 name=$2 left=$((DEADLINE - SECONDS - 10))
   shift 2
   if ((left < 30)); then echo "$name skipped: the call's budget is spent"; return; fi
+  if [[ -n ${DRY_RUN:-} ]]; then run "$@"; return; fi
   timeout $((limit < left ? limit : left)) "$@"
   echo "$name rc=$?"
   pack
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/device.txt"
-PYTHONPATH=/tmp/site python3 -m pip check | grep -v "^$" | head -20  # what the carried wheels still lack
-python3 -c "import torch, deepspeed, transformers, peft, huggingface_hub.hf_api, deca_ds.runtime.trainer
-print(torch.__version__, deepspeed.__version__, transformers.__version__, peft.__version__)" | tee -a "$RES/device.txt" || exit 1
+if [[ -z ${DRY_RUN:-} ]]; then
+  mkdir -p "$RES" "$OUT"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
+    exit 1
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/device.txt"
+  PYTHONPATH=/tmp/site python3 -m pip check | grep -v "^$" | head -20  # what the carried wheels still lack
+  python3 -c "import torch, deepspeed, transformers, peft, huggingface_hub.hf_api, deca_ds.runtime.trainer
+print(torch.__version__, deepspeed.__version__, transformers.__version__, peft.__version__)" | tee -a "$RES/device.txt" ||
+    exit 1
+fi
 
 QWEN=(--from-config --model profiling/configs/qwen2-1.5b.json --transport gloo --layers-per-block 4)
 LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
@@ -101,15 +112,15 @@ for what in "$@"; do
               --train-args --from-config --model "profiling/configs/${preset#*:}.json" --dataset synthetic \
               --synthetic-words 600
           done ;;
-    reproduce) [[ -f data/ag_news/train.jsonl ]] || { echo "reproduce: no data/ag_news (carry it)"; exit 2; }
+    reproduce) [[ -f data/ag_news/train.jsonl || -n ${DRY_RUN:-} ]] || { echo "reproduce: no data/ag_news (carry it)"; exit 2; }
                # the grid pretrains its model first (once per machine); stopped by its time limit, it stops its
                # cells (SIGTERM) and finished cells stay finished
                step 600 grid python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --results-dir "$RES/gpu_ag_news"
-               python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --report-only --results-dir "$RES/gpu_ag_news"
+               run python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --report-only --results-dir "$RES/gpu_ag_news"
                # the cell directories (settings, metrics, scores: kilobytes) come back too; carried as
                # runs/gpu_ag_news, a later session's grid skips the finished cells
-               mkdir -p "$RES/gpu_ag_news_runs" && cp -r runs/gpu_ag_news/. "$RES/gpu_ag_news_runs/"
-               pack ;;
+               [[ -n ${DRY_RUN:-} ]] || { mkdir -p "$RES/gpu_ag_news_runs" && cp -r runs/gpu_ag_news/. "$RES/gpu_ag_news_runs/"
+                                          pack; } ;;
     *) echo "unknown step $what"; exit 2 ;;
   esac
 done

@@ -89,7 +89,7 @@ def measure(model, config, batch: int, seq_len: int, device: torch.device, repea
             "step_tflops": 3 * flops / both / 1e12}
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(ROOT / "profiling" / "configs" / "llama-3.1-8b-instruct.json"))
     p.add_argument("--layers", type=int, help="keep this many decoder layers (the FLOP rate is per layer)")
@@ -101,7 +101,11 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--card-gb", type=float, help="cap the CUDA allocator at this many GB (emulate a smaller card)")
     p.add_argument("--out", help="JSON file to write")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]

@@ -19,23 +19,28 @@ import argparse
 from pathlib import Path
 
 from deca_ds.runtime.checkpoint import save_hf_model
-from deca_ds.runtime.options import parse_args
+from deca_ds.runtime.options import parse_args as parse_run_args
 from deca_ds.runtime.trainer import build_model, build_task
 
 
-def main(argv=None) -> Path:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the model directory to write (must not exist)")
     p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
                    help="launch/train.py's options of the run whose initialisation to save (with --from-config)")
     args = p.parse_args(argv)
-    opts, _ = parse_args(args.train_args)
+    opts, _ = parse_run_args(args.train_args)
     if not opts.from_config:
         p.error("--train-args must hold --from-config --model CONFIG: what is saved is the random "
                 "initialisation of a config")
+    return args, opts
+
+
+def main(argv=None) -> Path:
+    args, opts = parse_args(argv)
     out = Path(args.out)
     if out.exists():
-        p.error(f"--out {out} exists; give a new directory")
+        raise SystemExit(f"save_init.py: --out {out} exists; give a new directory")
     tokenizer = build_task(opts, 1).tokenizer
     save_hf_model(build_model(opts, len(tokenizer)), out, tokenizer)
     print(f"wrote {out}")

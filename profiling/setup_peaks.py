@@ -138,7 +138,7 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
             "setup_phases_estimated": est.setup_phases, "params": est.total_params, "block_params": est.block_params}
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
@@ -150,7 +150,11 @@ def main(argv=None) -> dict:
     p.add_argument("--load", nargs="+", choices=LOADS, default=list(LOADS),
                    help="how the model starts: drawn from its config, or loaded from a safetensors checkpoint")
     p.add_argument("--out", help="JSON file to write")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     allocator = "the CUDA caching allocator" if args.device.startswith("cuda") else map_each_allocation()
     config = tiny_config(args.hidden, args.layers, args.vocab)

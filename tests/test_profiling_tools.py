@@ -1,6 +1,6 @@
 """profiling/matmul_efficiency.py, profiling/offload_sweep.py and profiling/save_init.py (issue 17's
 GPU measurements): the analytic FLOP count against torch's FlopCounterMode, each tool's smoke run on
-CPU, and the saved initialisation against the run's own."""
+CPU, and the saved initialisation against the run's own; and every command of gpu_checks.sh."""
 
 from __future__ import annotations
 
@@ -120,7 +120,43 @@ def test_save_init_writes_the_model_and_tokenizer_the_run_draws(tmp_path):
     assert list(got) == list(want) and all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k])
                                            for k in want)
     assert got_data == want_data
-    with pytest.raises(SystemExit):  # never over an existing directory
+    with pytest.raises(SystemExit, match="exists; give a new directory"):  # never over an existing directory
         save_init.main(["--out", str(out), "--train-args", *drawn])
     with pytest.raises(SystemExit):  # only a drawn initialisation
         save_init.main(["--out", str(tmp_path / "other"), "--train-args", *run])
+
+
+def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
+    """gpu_checks.sh with DRY_RUN prints its commands, every step's: each tool's options parse, the
+    runs' launch/train.py options resolve, and the grid passes --dry-run, so no lent GPU minute is
+    lost to a typo."""
+    import importlib
+    import shlex
+    import subprocess
+
+    from deca_ds.reproduce import cli
+    from deca_ds.runtime.options import parse_args as parse_run_args
+
+    steps = "exact table9 memory offload setup terms ckpt matmul update aggshare fits reproduce".split()
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", "profiling/gpu_checks.sh", *steps], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    commands = [shlex.split(line) for line in done.stdout.splitlines()]
+    assert not (tmp_path / "out").exists()  # nothing set up, nothing packed
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --card asks for a GPU
+    tools = set()
+    for python, script, *args in commands:
+        assert python == "python3", commands
+        tools.add(script)
+        if script == "launch/reproduce.py":
+            args = [a for a in args if a != "--report-only"]
+            assert cli.main([*args, "--dry-run", "--runs-dir", str(tmp_path / "runs")]) == 0
+            continue
+        parsed = importlib.import_module(Path(script).stem).parse_args(args)
+        parsed = parsed[0] if isinstance(parsed, tuple) else parsed  # save_init: (args, run options)
+        ds_config = ["--ds_config", parsed.ds_config] if hasattr(parsed, "ds_config") else []
+        if parsed.__dict__.get("train_args") and "--ds_config" not in parsed.train_args:
+            parse_run_args([*ds_config, *parsed.train_args])
+    assert len(commands) == 23 and len(tools) == 8, sorted(tools)
