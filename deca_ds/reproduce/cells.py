@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..reporting import REPO
 from ..runtime.checkpoint import atomic_write, sha256
-from ..runtime.metrics import loss_window
+from ..runtime.metrics import loss_ends
 from .grid import Cell, Grid, GridError
 from .pretrain import WEIGHTS, pretrain, pretrained_state
 
@@ -404,9 +404,9 @@ def collect_deepspeed(d: Path, *, wall_s: float) -> None:
 def finish(d: Path, evaluation: dict, *, wall_s: float, final_distance: float) -> dict:
     """final.json from the cell's metrics and the consensus model's evaluation."""
     losses = [json.loads(line)["loss"] for line in (d / METRICS).read_text().splitlines() if line]
-    window = loss_window(len(losses))
-    final = {**evaluation, "loss_start": sum(losses[:window]) / window, "loss_end": sum(losses[-window:]) / window,
-             "steps": len(losses), "final_consensus_distance": final_distance, "wall_s": wall_s}
+    loss_start, loss_end = loss_ends(losses)
+    final = {**evaluation, "loss_start": loss_start, "loss_end": loss_end, "steps": len(losses),
+             "final_consensus_distance": final_distance, "wall_s": wall_s}
     write_json(d / FINAL, final)
     return final
 

@@ -54,23 +54,27 @@ def _mean(records: list[dict], key: str, scale: float = 1.0) -> float | None:
     return scale * float(np.mean(values)) if values else None  # JSON has no NaN
 
 
-def loss_window(steps: int, most: int = 10) -> int:
-    """How many steps the start and end losses average: `most`, or a tenth of a shorter run, so
-    that the two windows never overlap (a 10-step run compares its first step with its last)."""
-    return max(1, min(most, steps // 10))
+def loss_ends(losses: list[float], most: int = 10) -> tuple[float | None, float | None]:
+    """The start and end loss of a run: the mean of its first and last `most` steps, or of a tenth
+    of a shorter run, so that the two never overlap (a 10-step run compares its first step with
+    its last); None without steps."""
+    if not losses:
+        return None, None
+    window = max(1, min(most, len(losses) // 10))
+    return float(np.mean(losses[:window])), float(np.mean(losses[-window:]))
 
 
 def summarize(records: list[list[dict]]) -> dict:
-    """Start/end loss (mean of the first/last loss_window steps), bytes and step-time split per
-    client; x̄'s evaluation before training (client 0's first record), None without one."""
+    """Start/end loss (loss_ends), bytes and step-time split per client; x̄'s evaluation before
+    training (client 0's first record), None without one."""
     clients = []
     for c, recs in enumerate(records):
         dist = [r["consensus_distance"] for r in recs if "consensus_distance" in r]
-        window = loss_window(len(recs))
+        loss_start, loss_end = loss_ends([r["loss"] for r in recs if "loss" in r])
         clients.append({
             "client": c,
-            "loss_start": _mean(recs[:window], "loss"),
-            "loss_end": _mean(recs[-window:], "loss"),
+            "loss_start": loss_start,
+            "loss_end": loss_end,
             "bytes_sent": int(sum(r.get("bytes_sent", 0) for r in recs)),
             "forward_ms": _mean(recs, "t_forward", 1e3),
             "backward_ms": _mean(recs, "t_backward", 1e3),
