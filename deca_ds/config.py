@@ -54,7 +54,7 @@ class DecaConfig:
     8 bits (deca_ds.quantized, the optional `bnb` extra), the master and the arithmetic stay fp32.
     fused_update: run the update as two torch.compile'd calls that move only what the update
     must read and write, instead of one pass per op (compiled at the first step;
-    deca_ds.decentralized.fused). With neighbors the block's gradient and x½ are then held
+    deca_ds.kernels.fused). With neighbors the block's gradient and x½ are then held
     together; a client without neighbors (N = 1) updates in place and holds no x½ at all.
     """
 

@@ -626,7 +626,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         grad_allreduce = _largest_bucket(spec.tensor_numels(partition, block)) * (w + (4 if w != 4 else 0))
 
     d, M = spec.total_params, 2 * spec.total_params
-    in_place = fused_update and state_bits == 32 and n_neighbors == 0  # DecaOptimizer._alone
+    in_place = fused_update and state_bits == 32 and n_neighbors == 0  # deca_ds.updates.InPlaceUpdate
     return MemoryEstimate(
         model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,
         num_layers=spec.num_layers, layers_per_block=layers_per_block, num_blocks=B, block=block, block_params=n,

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
-from deca_ds.decentralized import fused, moments_
+from deca_ds.kernels import carry_and_write, discrepancy_, fused, moments_
 from deca_ds.methods import AdamConfig, DAdam
-from deca_ds.optimizer import carry_and_write, discrepancy_
 from helpers import client_batches, tiny_llama
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deca_ds import DecaConfig, make_topology, simulate
-from deca_ds.decentralized import segments
+from deca_ds.kernels import segments
 from deca_ds.methods import METHODS, AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA, truncated_factors
 from deca_ds.mixing import InProcessMixer
 from deca_ds.models import tiny_llama

@@ -19,7 +19,8 @@ from torch import nn
 
 from ..blocks import partition_model
 from ..config import check_betas, check_bool, check_master_dtype
-from ..decentralized import DecentralizedOptimizer, check_saved_config, clip_scale, half_step, segments, write_params
+from ..decentralized import DecentralizedOptimizer, check_saved_config
+from ..kernels import clip_scale, half_step, segments, write_params
 from ..mixing import IdentityMixer, Mixer
 from .base import Method
 

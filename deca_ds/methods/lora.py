@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..decentralized import segments
+from ..kernels import segments
 from ..mixing import Mixer
 from .adam import AdamConfig, MixedAdam
 from .base import Method, seeded

@@ -1,0 +1,205 @@
+"""The arithmetic of every method's update, apart from the optimizers that call it (as DeepSpeed's
+`ops/adam/`): Adam's half step, which every method's local step is, and DECA's BMA carry.
+
+Each comes as eager in-place PyTorch ops over the flat vectors or tensor by tensor, and as a
+function `fused` compiles into kernels that read and write each tensor once. The optimizers
+(deca_ds.optimizer, deca_ds.methods.adam) pick which to run; nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+
+def segments(params: Sequence[nn.Parameter], flat: torch.Tensor):
+    """(param, view of `flat` shaped like param) for each tensor, in order."""
+    offset = 0
+    for p in params:
+        yield p, flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
+def flat_segments(params: Sequence[nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor's 1-D slice of `flat`, in order: the lists the compiled kernels go through."""
+    return list(flat.split([p.numel() for p in params]))
+
+
+def clip_scale(params: Iterable[nn.Parameter], max_norm: float | None, dtype: torch.dtype) -> float:
+    """Factor that clips the gradients of `params` to global norm `max_norm` (1.0 when None)."""
+    if max_norm is None:
+        return 1.0
+    norms = [p.grad.detach().to(dtype).norm() for p in params if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+    return min(1.0, max_norm / (total + 1e-6))
+
+
+@functools.cache
+def fused(fn: Callable) -> Callable:
+    """`fn` compiled by torch.compile into fused kernels: one pass over its tensors where eager
+    PyTorch makes one pass per op (profiling/update_cost.py counts them). Compiled on the first
+    call, for any length.
+
+    Python floats are compiled in as constants, each guarded, so a new value recompiles: torch
+    2.13's symbolic floats can reuse a stale value where one reaches an op's `alpha=`/`value=`
+    (pytorch/pytorch#194976, #197889), the form the in-place math here is written in. A scalar
+    that changes every step (bias correction, a scheduled lr) therefore enters as a 0-d tensor;
+    a run compiles each kernel once per dtype, and a process that trains under many
+    hyperparameters (the tests) may hold more versions than dynamo's default limit of 8."""
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def call(*args):
+        with torch._dynamo.config.patch(specialize_float=True, recompile_limit=64):
+            return compiled(*args)
+    return call
+
+
+def moments_(m: torch.Tensor, v: torch.Tensor, u: torch.Tensor, c1: float, c2: float) -> None:
+    """m = c1·m + (1−c1)·u, v = c2·v + (1−c2)·u⊙u in place: the gradient's fold into Adam's
+    moments and DECA's BMA carry of h alike."""
+    m.mul_(c1).add_(u, alpha=1 - c1)
+    v.mul_(c2).addcmul_(u, u, value=1 - c2)
+
+
+def moments(m: torch.Tensor, v: torch.Tensor, u: torch.Tensor, c1: float, c2: float):
+    """moments_ out of place, for compiled kernels that keep the results in registers (the same
+    ops, so the same arithmetic)."""
+    return torch.add(m * c1, u, alpha=1 - c1), torch.addcmul(v * c2, u, u, value=1 - c2)
+
+
+def _adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
+               eps: float, keep: torch.Tensor | None, out: torch.Tensor) -> None:
+    torch.div(v, bc2, out=out).sqrt_().add_(eps)  # √v̂ + ε, in the x½ buffer
+    torch.div(m, out, out=out)
+    if keep is None:  # no weight decay: one pass less for the eager ops
+        torch.addcmul(x, out, neg_step, out=out)
+    else:
+        out.mul_(neg_step).addcmul_(x, keep)
+
+
+def adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
+              eps: float, keep: torch.Tensor | None) -> torch.Tensor:
+    """x½ from m½, v½ out of place (the ops of _adam_step), for compiled kernels."""
+    u = m / ((v / bc2).sqrt() + eps)
+    return torch.addcmul(x, u, neg_step) if keep is None else torch.addcmul(u * neg_step, x, keep)
+
+
+def _fold_and_step(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
+                   outs: list[torch.Tensor], a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor,
+                   eps: float, keep: torch.Tensor | None) -> None:
+    for x, m, v, g, out in zip(xs, ms, vs, gs, outs):
+        moments_(m, v, g, a1, a2)
+        _adam_step(x, m, v, neg_step, bc2, eps, keep, out)
+
+
+def step_inputs(params: Sequence[nn.Parameter], x: torch.Tensor, *, lr: float, betas: tuple[float, float], t: int,
+                weight_decay: float, scale: float):
+    """What Adam's step at t on `params` (master vector x) reads besides x, m, v: the flat
+    gradients, scaled in place first when clipped (a lower-precision one is widened inside the
+    ops that read it; a zero of x's dtype where a tensor got none), and the step's scalars as 0-d
+    tensors (compiled kernels take them without recompiling): −γ/(1−α1^t), 1−α2^t and 1−γλ
+    (None without weight decay)."""
+    scalar = lambda value: torch.full((), value, dtype=x.dtype, device=x.device)  # noqa: E731
+    neg_step, bc2 = scalar(-lr / (1 - betas[0] ** t)), scalar(1 - betas[1] ** t)
+    keep = scalar(1 - lr * weight_decay) if weight_decay else None
+    zero = scalar(0.0)
+    grads = [zero if p.grad is None else (p.grad if scale == 1.0 else p.grad.mul_(scale)).reshape(-1) for p in params]
+    return grads, neg_step, bc2, keep
+
+
+@torch.no_grad()
+def half_step(params: Sequence[nn.Parameter], x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
+              betas: tuple[float, float], eps: float, t: int, weight_decay: float = 0.0, scale: float = 1.0,
+              use_fused: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Adam's local step on `params`, whose master vector is x: fold each gradient into the moments
+    in place (m½ = α1·m + (1−α1)·g, v½ = α2·v + (1−α2)·g⊙g), drop the gradients, and return
+
+        x½ = (1 − γ·λ)·x − γ/(1−α1^t) · m½/(√(v½/(1−α2^t)) + ε)
+
+    in `out` (default: a new buffer). Each gradient is widened inside the adds (scaled in place
+    first, when clipped): no master-dtype copy of it is ever held; a tensor without a gradient
+    folds a zero. Eager, the fold runs tensor by tensor and the step as a few large ops over the
+    flat vectors. Fused, one compiled call does both tensor by tensor, reading and writing m and v
+    once; it holds the gradients and x½ together, where the eager path frees the gradients first."""
+    a1, a2 = betas
+    grads, neg_step, bc2, keep = step_inputs(params, x, lr=lr, betas=betas, t=t, weight_decay=weight_decay,
+                                             scale=scale)
+    if use_fused:
+        out = torch.empty_like(x) if out is None else out
+        fused(_fold_and_step)(*(flat_segments(params, t) for t in (x, m, v)), grads, flat_segments(params, out),
+                              a1, a2, neg_step, bc2, eps, keep)
+    else:
+        for m_p, v_p, g in zip(flat_segments(params, m), flat_segments(params, v), grads):
+            moments_(m_p, v_p, g, a1, a2)
+    del grads
+    for p in params:
+        p.grad = None
+    if use_fused:
+        return out
+    out = torch.empty_like(x) if out is None else out  # allocated once the gradients are gone
+    _adam_step(x, m, v, neg_step, bc2, eps, keep, out)
+    return out
+
+
+@torch.no_grad()
+def write_params(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy the flat master vector into the (possibly lower-precision) working parameters."""
+    for p, x in segments(params, flat):
+        p.copy_(x)
+
+
+# ---- DECA's steps 6–8 (BMA), for deca_ds.optimizer's update paths
+def discrepancy_(x: torch.Tensor, x_plus: torch.Tensor) -> torch.Tensor:
+    """h = (x − x⁺)/‖x − x⁺‖ over the whole block, written into x (h = 0 where x = x⁺)."""
+    d = x.sub_(x_plus)
+    return d.div_(torch.linalg.vector_norm(d).clamp_min(torch.finfo(d.dtype).tiny))
+
+
+def carry_and_write(xs: list[torch.Tensor], x_pluses: list[torch.Tensor], ms: list[torch.Tensor],
+                    vs: list[torch.Tensor], weights: list[torch.Tensor], c1: float, c2: float) -> None:
+    """Steps 6–8 in one compiled call, tensor by tensor: h = (x − x⁺)/‖x − x⁺‖ over the block,
+    m = c1·m + (1−c1)·h, v = c2·v + (1−c2)·h⊙h, and the working weights from x⁺. Written without
+    in-place ops on x (the eager path's discrepancy_ writes h into x), which would make the
+    compiled code store h back into x for nothing: one pass for the norm, one for the rest."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x - xp) for x, xp in zip(xs, x_pluses)]))
+    norm = norm.clamp_min(torch.finfo(norm.dtype).tiny)
+    for x, xp, m, v, w in zip(xs, x_pluses, ms, vs, weights):
+        moments_(m, v, (x - xp) / norm, c1, c2)
+        w.copy_(xp)
+
+
+def distance_alone(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
+                   a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor, eps: float,
+                   keep: torch.Tensor | None) -> torch.Tensor:
+    """‖x − x½‖ over the block, x½ formed tensor by tensor in registers and never stored: for a
+    client without neighbors this is step 6's ‖x − x⁺‖ before any x⁺ exists."""
+    norms = [torch.linalg.vector_norm(x - adam_step(x, *moments(m, v, g, a1, a2), neg_step, bc2, eps, keep))
+             for x, m, v, g in zip(xs, ms, vs, gs)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def update_alone(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
+                 weights: list[torch.Tensor], a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor,
+                 eps: float, keep: torch.Tensor | None, distance: torch.Tensor | None, variant: str, c1: float,
+                 c2: float) -> None:
+    """Steps 2–8 of a client without neighbors in one compiled call, tensor by tensor and in
+    place: m½, v½ and x½ = x⁺ again (the same ops as distance_alone), h = (x − x½)/distance,
+    m, v carried by variant, then x and the working weights from x½. Reads g, x, m, v and writes
+    x, m, v and the weights once."""
+    if distance is not None:
+        distance = distance.clamp_min(torch.finfo(distance.dtype).tiny)
+    for x, m, v, g, w in zip(xs, ms, vs, gs, weights):
+        m_half, v_half = moments(m, v, g, a1, a2)
+        x_half = adam_step(x, m_half, v_half, neg_step, bc2, eps, keep)
+        if variant == "no_bma":
+            m_new, v_new = m_half, v_half
+        else:  # deca carries from m½, v½; trivial_bma from the moments before this step
+            carried = (m_half, v_half) if variant == "deca" else (m, v)
+            m_new, v_new = moments(*carried, (x - x_half) / distance, c1, c2)
+        m.copy_(m_new)
+        v.copy_(v_new)
+        x.copy_(x_half)
+        w.copy_(x_half)
