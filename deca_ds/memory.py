@@ -51,7 +51,7 @@ streaming buffers; `offload_stream` is what a step copies from host memory. One 
                    then keeps them in host memory; one layer's recomputation bounds a no-grad forward)
 
 Setup, before the first step (`setup_phases`; the process's peak is `process_peak`, the larger of
-`setup_peak` and the training `peak`), in the runtime's order (deca_ds.runtime.trainer.train):
+`setup_peak` and the training `peak`), in the runtime's order (deca_ds.runtime.trainer.start_job):
 
     init           weights + offload_buffers + init_transient
                    (the model drawn in the working dtype on the device - on the host with offload

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
@@ -357,8 +357,25 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
     print("examples per client:", task.client_sizes)
 
 
-def train(opts: RunOptions, ds_config: dict) -> dict | None:
-    # ---- everything that can fail on bad input, before any rank talks or writes --------------
+@dataclass
+class Plan:
+    """What a run will do, built from its options with everything that can fail on bad input checked,
+    before any rank talks or writes (plan_run)."""
+
+    n_clients: int
+    placement: dict  # transport, clients_per_gpu; host_staging once the mixer exists
+    topology: Topology
+    task: Task
+    model: torch.nn.Module
+    fingerprint: dict  # compared across ranks once connected (same_start)
+    partition: Partition
+    method: Method
+    trainable: int
+    out: Path
+    resume_changes: dict[str, list]
+
+
+def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     n_clients = check_layout(int(os.environ.get("WORLD_SIZE", "1")), opts.ranks_per_client, opts.clients)
     transport = resolve_transport(opts.transport, torch.cuda.is_available())
     places = env_placement(opts.device_map)
@@ -373,7 +390,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
                       if opts.client_data else None)
     model = build_model(opts, len(task.tokenizer))
     # compared across sites once connected; the weights only where nodes load them from their own disks
-    start = start_fingerprint(model, task.tokenizer, opts, ds_config, weights=spans_nodes())
+    fingerprint = start_fingerprint(model, task.tokenizer, opts, ds_config, weights=spans_nodes())
     partition = model_partition(model, opts.deca_config())
     if opts.offload_budget:
         opts.offload_keep = offload_keep_for_budget(
@@ -387,20 +404,36 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     model = method.prepare(model)
     trainable = method.num_trainable(model)
     out, resume_changes = check_output_dir(opts, ds_config, task)
+    return Plan(n_clients, placement, topology, task, model, fingerprint, partition, method, trainable, out,
+                resume_changes)
 
-    # ---- the job ---------------------------------------------------------------------------
-    rank, world_size, device, store = init_process_group(opts.timeout, transport, opts.device_map)
+
+def train(opts: RunOptions, ds_config: dict) -> dict | None:
+    """The whole run on this rank: the plan (nothing talks or writes before it is checked), the job
+    set up, its steps, then the consensus and the summary."""
+    job = start_job(opts, ds_config, plan_run(opts, ds_config))
+    while not job.optimizer.done:
+        job.step()
+    return job.finish()
+
+
+def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
+    """This rank's part of the run set up: process group, mixer, the resumed state, the model on
+    its device (offloaded layers in host memory), the optimizer and DeepSpeed's engine, the run's
+    files claimed and written."""
+    model, partition, out = plan.model, plan.partition, plan.out
+    rank, world_size, device, store = init_process_group(opts.timeout, plan.placement["transport"], opts.device_map)
     layout = ClientLayout(rank, world_size, opts.ranks_per_client)
-    check_same_start(start, layout)
-    task = share_counts(task, layout)
+    check_same_start(plan.fingerprint, layout)
+    task = share_counts(plan.task, layout)
     heartbeat = Heartbeat(store, layout)
-    groups = ClientGroups(layout, topology.W, opts.timeout,
+    groups = ClientGroups(layout, plan.topology.W, opts.timeout,
                           client_backend="nccl" if device.type == "cuda" and layout.ranks_per_client > 1 else None)
     torch.manual_seed(opts.seed * 1_000_003 + rank)
-    mixer = DistributedMixer(topology.W, layout, groups, timeout_s=opts.timeout,
+    mixer = DistributedMixer(plan.topology.W, layout, groups, timeout_s=opts.timeout,
                              transfer_dtype=_DTYPES[opts.working_dtype] if opts.mix_dtype == "working" else None,
                              staging=host_staging(device))
-    placement["host_staging"] = mixer.staging is not None
+    placement = {**plan.placement, "host_staging": mixer.staging is not None}
     start, state = 0, None
     if opts.resume:  # the weights go into the model where it is now (host memory unless drawn on the device)
         start = _resume_step(out, layout)
@@ -426,7 +459,7 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
         offload.activate(first_block)
         if before:
             print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
-    optimizer = method.optimizer(model, mixer)
+    optimizer = plan.method.optimizer(model, mixer)
     # stopped by the launcher (another rank failed): name who went silent before exiting
     cleanup.set_board(lambda: heartbeat.silent_ranks(optimizer.global_step, 1.0), heartbeat.wait_for_readers)
     prefix = None
@@ -438,7 +471,6 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single),
                         device)
     stream = task.stream(opts, layout.client)
-    lead = layout.local_rank == 0
 
     if opts.resume:
         optimizer.load_state_dict(state["optimizer"])
@@ -453,11 +485,12 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
         # there is what --resume looks for on that node (same content everywhere, written atomically).
         outputs.claim(out, resume=opts.resume)
         if opts.resume:
-            outputs.record_resume(out, resume_changes)
+            outputs.record_resume(out, plan.resume_changes)
         else:
-            write_run_config(out, opts, ds_config, topology, partition, layout, task, trainable, placement)
+            write_run_config(out, opts, ds_config, plan.topology, partition, layout, task, plan.trainable, placement)
     dist.barrier()
-    metrics = MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard) if lead else None
+    metrics = (MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard)
+               if layout.local_rank == 0 else None)
 
     # The setup's peak (the first evaluation's batch, say) is logged apart (first record), not as
     # the training step's.
@@ -468,116 +501,182 @@ def train(opts: RunOptions, ds_config: dict) -> dict | None:
     optimizer.clock = mixer.clock = timer.now
     bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
                dynamic_ncols=True, desc=opts.method)
-    last_step_s = 0.0
-    skipped = state["rank"].get("nonfinite_skipped", 0) if state else 0  # --skip-nonfinite, over the whole run
-    consecutive = 0
-    while not optimizer.done:
-        step, where = optimizer.global_step, optimizer.where()
-        record = {"step": step, **where}
+    return Job(opts, layout, device, groups, heartbeat, mixer, offload, prefix, optimizer, engine, stream, task,
+               plan.method, out, placement, metrics, timer, bar, start=start, before=before,
+               setup_peak=setup.get("mem_peak", setup.get("mem_rss")),
+               skipped=state["rank"].get("nonfinite_skipped", 0) if state else 0)
+
+
+@dataclass
+class Job:
+    """One rank's part of a run once set up (start_job): step() until the optimizer is done, then finish()."""
+
+    opts: RunOptions
+    layout: ClientLayout
+    device: torch.device
+    groups: ClientGroups
+    heartbeat: Heartbeat
+    mixer: DistributedMixer
+    offload: FrozenLayerOffload
+    prefix: FrozenPrefix | None
+    optimizer: DecentralizedOptimizer
+    engine: object  # DeepSpeed's engine around the model and the optimizer
+    stream: ClientStream
+    task: Task
+    method: Method
+    out: Path
+    placement: dict
+    metrics: MetricsWriter | None  # a client's first rank writes its records
+    timer: Timer
+    bar: tqdm
+    start: int  # the step the run started (or resumed) at
+    before: dict | None  # x̄ scored before training (rank 0, a new run)
+    setup_peak: int | None  # bytes the setup peaked at, logged with the first step
+    skipped: int = 0  # --skip-nonfinite: steps skipped over the whole run
+    consecutive: int = 0  # ... and in a row up to now
+    last_step_s: float = 0.0
+
+    def step(self) -> None:
+        """One step of the schedule: every micro-batch's forward and backward, the optimizer's step
+        (mixing included) on the last, then the step's record, and a checkpoint when one is due. A
+        collective that fails (a rank lost) stops the rank naming the ranks that went silent."""
+        step, where = self.optimizer.global_step, self.optimizer.where()
         step_start = time.perf_counter()
-        sent, exchanged = mixer.total_bytes_sent, mixer.total_exchange_s
-        streamed = offload.bytes_streamed if offload.enabled else 0
         try:
-            heartbeat.beat(step)
-            if opts.consensus_interval and step % opts.consensus_interval == 0:
-                record["consensus_distance"] = _consensus_distance(optimizer.consensus_vector())
-            t_fwd = t_bwd = t_step = t_prefix = 0.0
-            if prefix is not None and prefix.enabled and (optimizer.step_in_block == 0 or step == start):
-                # the layers below the block, once for the micro-batches of all its remaining steps
-                t0 = timer.mark()
-                left = (optimizer.config.steps_per_block - optimizer.step_in_block) * opts.grad_accum
-                shards = upcoming_shards(stream, layout, left)
-                prefix.fill(engine.module, optimizer.active.index,
-                            [{k: v.to(device) for k, v in shard.items()} for shard in shards])
-                t_prefix = timer.mark("prefix") - t0
-            losses, bad = [], {}
-            for micro in range(opts.grad_accum):
-                batch = {k: v.to(device) for k, v in next_shard(stream, layout).items()}
-                if prefix is not None:
-                    prefix.next(batch)
-                t0 = timer.mark()
-                loss = causal_lm_loss(engine, batch, loss_chunk=opts.loss_chunk)
-                t1 = timer.mark("forward")
-                engine.backward(loss)
-                t2 = timer.mark("backward")
-                losses.append(loss.item())
-                if opts.skip_nonfinite and micro == opts.grad_accum - 1:  # all ranks skip together, or none
-                    bad = nonfinite_ranks(nonfinite_problem(losses, engine.module), layout, device)
-                with skipped_update(optimizer, bool(bad)):
-                    engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
-                t3 = timer.mark("step")
-                t_fwd, t_bwd, t_step = t_fwd + t1 - t0, t_bwd + t2 - t1, t_step + t3 - t2
-            if bad:
-                skipped, consecutive = skipped + 1, consecutive + 1
-                if rank == 0:
-                    print(f"--skip-nonfinite: skipped step {step} (round {where['round']}, block {where['block']}): "
-                          f"{describe_nonfinite(bad, layout)}; {skipped} skipped so far", flush=True)
-                if consecutive > MAX_CONSECUTIVE_SKIPS:
-                    raise NonFiniteError(f"{consecutive} consecutive steps non-finite up to step {step}: the run "
-                                         "has diverged; every rank stops and nothing is exported (a smaller --lr)")
-                continue
-            consecutive = 0
-            if prefix is not None and not prefix.pending:
-                prefix.clear()  # the block is done: its layers compute again
-            # on the device: NCCL reduces GPU tensors only
-            loss_t = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
-            if layout.ranks_per_client > 1:
-                dist.all_reduce(loss_t, group=groups.client)
-                loss_t /= layout.ranks_per_client
-            problem = 1 if not math.isfinite(loss_t.item()) else 0 if update_finite(optimizer) else 2
-            stop_if_nonfinite(problem, layout, device, f"at step {step} (round {where['round']}, block "
-                                                       f"{where['block']}, r {where['r']})")
-            t_exchange = mixer.total_exchange_s - exchanged
-            record.update(loss=loss_t.item(), t_forward=t_fwd, t_backward=t_bwd, t_mix_update=t_step,
-                          t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
-                          t_aggregate=optimizer.last_times["combine"] - t_exchange,
-                          bytes_sent=mixer.total_bytes_sent - sent, **timer.memory())
-            if offload.enabled:
-                # the first step of a block also runs the layers below it for all the block's steps
-                record.update(t_prefix=t_prefix, bytes_streamed=offload.bytes_streamed - streamed)
-            if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
-                record.update(evaluate_during_training(engine.module, task, opts, layout))
-            if skipped:
-                record["nonfinite_skipped"] = skipped
-            if step == start:
-                record["mem_setup_peak"] = setup.get("mem_peak", setup.get("mem_rss"))
-            if step == 0 and before:
-                record.update({f"eval_initial_{k}": v for k, v in before.items()})
-            if metrics:
-                metrics.write(record)
-            bar.set_postfix(**where, loss=f"{record['loss']:.4f}")
-            bar.update(1)
-            if opts.checkpoint_interval and (step + 1) % opts.checkpoint_interval == 0 and not optimizer.done:
-                with offload.host_weights():
-                    save_checkpoint(out, step + 1, layout, engine.module, optimizer, stream, opts.keep_checkpoints,
-                                    skipped)
-            last_step_s = time.perf_counter() - step_start
+            if self._step(step, where):
+                self.last_step_s = time.perf_counter() - step_start
         except RuntimeError as err:  # PeerError from mixing, or a collective that lost a rank
             # Live ranks post a step (or their own failure) within a few step times.
-            grace = min(opts.timeout, max(3.0, 3 * last_step_s))
-            raise PeerError(f"rank {rank} (client {layout.client}) failed at step {step} (round {where['round']}, "
-                            f"block {where['block']}, r {where['r']}): {err}; "
-                            f"{heartbeat.silent_ranks(step, grace)}") from err
-    bar.close()
+            grace = min(self.opts.timeout, max(3.0, 3 * self.last_step_s))
+            raise PeerError(f"rank {self.layout.rank} (client {self.layout.client}) failed at step {step} (round "
+                            f"{where['round']}, block {where['block']}, r {where['r']}): {err}; "
+                            f"{self.heartbeat.silent_ranks(step, grace)}") from err
 
-    if metrics:
-        metrics.close()
-    with offload.host_weights():
-        finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
-    stop_if_nonfinite(0 if finite else 3, layout, device, "after the last step")
-    with offload.host_weights():  # offloaded layers are averaged and exported from host memory
-        distance, final_model = export_consensus(engine.module, optimizer, method, out, task.tokenizer, layout,
-                                                 opts, device)
-    distances = [None] * world_size
-    dist.all_gather_object(distances, distance)
-    records = gather_metrics(out, layout)
-    result = None
-    if rank == 0:
-        result = final_report(out, final_model, task, opts, records, distances[::layout.ranks_per_client],
-                              placement)
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+    def _step(self, step: int, where: dict) -> bool:
+        """step()'s work; False when --skip-nonfinite skipped it."""
+        opts, optimizer, mixer, offload, layout = self.opts, self.optimizer, self.mixer, self.offload, self.layout
+        record = {"step": step, **where}
+        sent, exchanged = mixer.total_bytes_sent, mixer.total_exchange_s
+        streamed = offload.bytes_streamed if offload.enabled else 0
+        self.heartbeat.beat(step)
+        if opts.consensus_interval and step % opts.consensus_interval == 0:
+            record["consensus_distance"] = _consensus_distance(optimizer.consensus_vector())
+        t_prefix = self._fill_prefix(step)
+        losses, bad, times = self._micro_batches()
+        if bad:
+            self._skip(step, where, bad)
+            return False
+        self.consecutive = 0
+        if self.prefix is not None and not self.prefix.pending:
+            self.prefix.clear()  # the block is done: its layers compute again
+        loss = self._client_loss(losses)
+        problem = 1 if not math.isfinite(loss) else 0 if update_finite(optimizer) else 2
+        stop_if_nonfinite(problem, layout, self.device, f"at step {step} (round {where['round']}, block "
+                                                        f"{where['block']}, r {where['r']})")
+        t_exchange = mixer.total_exchange_s - exchanged
+        record.update(loss=loss, **times, t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
+                      t_aggregate=optimizer.last_times["combine"] - t_exchange,
+                      bytes_sent=mixer.total_bytes_sent - sent, **self.timer.memory())
+        if offload.enabled:
+            # the first step of a block also runs the layers below it for all the block's steps
+            record.update(t_prefix=t_prefix, bytes_streamed=offload.bytes_streamed - streamed)
+        if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
+            record.update(evaluate_during_training(self.engine.module, self.task, opts, layout))
+        if self.skipped:
+            record["nonfinite_skipped"] = self.skipped
+        if step == self.start:
+            record["mem_setup_peak"] = self.setup_peak
+        if step == 0 and self.before:
+            record.update({f"eval_initial_{k}": v for k, v in self.before.items()})
+        if self.metrics:
+            self.metrics.write(record)
+        self.bar.set_postfix(**where, loss=f"{record['loss']:.4f}")
+        self.bar.update(1)
+        if opts.checkpoint_interval and (step + 1) % opts.checkpoint_interval == 0 and not optimizer.done:
+            with offload.host_weights():
+                save_checkpoint(self.out, step + 1, layout, self.engine.module, optimizer, self.stream,
+                                opts.keep_checkpoints, self.skipped)
+        return True
+
+    def _fill_prefix(self, step: int) -> float:
+        """With offloaded layers, at a block's first step (or the first after resuming): the layers
+        below the block, run once for the micro-batches of all its remaining steps. Its seconds."""
+        prefix, optimizer = self.prefix, self.optimizer
+        if prefix is None or not prefix.enabled or not (optimizer.step_in_block == 0 or step == self.start):
+            return 0.0
+        t0 = self.timer.mark()
+        left = (optimizer.config.steps_per_block - optimizer.step_in_block) * self.opts.grad_accum
+        shards = upcoming_shards(self.stream, self.layout, left)
+        prefix.fill(self.engine.module, optimizer.active.index,
+                    [{k: v.to(self.device) for k, v in shard.items()} for shard in shards])
+        return self.timer.mark("prefix") - t0
+
+    def _micro_batches(self) -> tuple[list[float], dict[int, int], dict[str, float]]:
+        """Forward and backward of each micro-batch; DeepSpeed runs the optimizer's step (mixing
+        included) on the last. The losses, the ranks with a non-finite loss or gradient
+        (--skip-nonfinite: then no rank updates) and the phases' seconds."""
+        engine, timer = self.engine, self.timer
+        losses, bad, times = [], {}, dict.fromkeys(("t_forward", "t_backward", "t_mix_update"), 0.0)
+        for micro in range(self.opts.grad_accum):
+            batch = {k: v.to(self.device) for k, v in next_shard(self.stream, self.layout).items()}
+            if self.prefix is not None:
+                self.prefix.next(batch)
+            t0 = timer.mark()
+            loss = causal_lm_loss(engine, batch, loss_chunk=self.opts.loss_chunk)
+            t1 = timer.mark("forward")
+            engine.backward(loss)
+            t2 = timer.mark("backward")
+            losses.append(loss.item())
+            if self.opts.skip_nonfinite and micro == self.opts.grad_accum - 1:  # all ranks skip together, or none
+                bad = nonfinite_ranks(nonfinite_problem(losses, engine.module), self.layout, self.device)
+            with skipped_update(self.optimizer, bool(bad)):
+                engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
+            t3 = timer.mark("step")
+            for key, t in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[key] += t
+        return losses, bad, times
+
+    def _skip(self, step: int, where: dict, bad: dict[int, int]) -> None:
+        self.skipped, self.consecutive = self.skipped + 1, self.consecutive + 1
+        if self.layout.rank == 0:
+            print(f"--skip-nonfinite: skipped step {step} (round {where['round']}, block {where['block']}): "
+                  f"{describe_nonfinite(bad, self.layout)}; {self.skipped} skipped so far", flush=True)
+        if self.consecutive > MAX_CONSECUTIVE_SKIPS:
+            raise NonFiniteError(f"{self.consecutive} consecutive steps non-finite up to step {step}: the run "
+                                 "has diverged; every rank stops and nothing is exported (a smaller --lr)")
+
+    def _client_loss(self, losses: list[float]) -> float:
+        """The client's loss of this step: the mean over its micro-batches and its G ranks."""
+        # on the device: NCCL reduces GPU tensors only
+        loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=self.device)
+        if self.layout.ranks_per_client > 1:
+            dist.all_reduce(loss, group=self.groups.client)
+            loss /= self.layout.ranks_per_client
+        return loss.item()
+
+    def finish(self) -> dict | None:
+        """After the last step: refuse non-finite weights, export the consensus model, and on rank 0
+        the summary of every client's metrics (returned; None on other ranks)."""
+        layout, offload, engine = self.layout, self.offload, self.engine
+        self.bar.close()
+        if self.metrics:
+            self.metrics.close()
+        with offload.host_weights():
+            finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
+        stop_if_nonfinite(0 if finite else 3, layout, self.device, "after the last step")
+        with offload.host_weights():  # offloaded layers are averaged and exported from host memory
+            distance, final_model = export_consensus(engine.module, self.optimizer, self.method, self.out,
+                                                     self.task.tokenizer, layout, self.opts, self.device)
+        distances = [None] * layout.world_size
+        dist.all_gather_object(distances, distance)
+        records = gather_metrics(self.out, layout)
+        result = None
+        if layout.rank == 0:
+            result = final_report(self.out, final_model, self.task, self.opts, records,
+                                  distances[::layout.ranks_per_client], self.placement)
+        dist.barrier()
+        dist.destroy_process_group()
+        return result
 
 
 def evaluate_during_training(model, task: Task, opts: RunOptions, layout: ClientLayout) -> dict:
