@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import test_runtime
-from deca_ds.runtime import outputs, trainer
+from deca_ds.runtime import nonfinite, outputs, trainer
 from deca_ds.train import STORE_LINGER_S
 from deca_ds.train import main as train_main
 from helpers import free_port
@@ -377,9 +377,9 @@ def test_skipped_update_runs_engine_step_without_the_optimizer_step():
             Counting.steps += 1
 
     opt = Counting([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    with trainer.skipped_update(opt, True):
+    with nonfinite.skipped_update(opt, True):
         opt.step()
-    with trainer.skipped_update(opt, False):
+    with nonfinite.skipped_update(opt, False):
         opt.step()
     opt.step()
     assert Counting.steps == 2 and "step" not in vars(opt)
@@ -390,10 +390,10 @@ def test_nonfinite_problem_sees_losses_and_gradients():
 
     model = torch.nn.Linear(2, 1)
     model(torch.ones(1, 2)).sum().backward()
-    assert trainer.nonfinite_problem([1.0, 2.0], model) == 0
-    assert trainer.nonfinite_problem([1.0, float("nan")], model) == 1
+    assert nonfinite.nonfinite_problem([1.0, 2.0], model) == 0
+    assert nonfinite.nonfinite_problem([1.0, float("nan")], model) == 1
     model.weight.grad[0, 0] = float("inf")
-    assert trainer.nonfinite_problem([1.0], model) == 2
+    assert nonfinite.nonfinite_problem([1.0], model) == 2
 
 
 def test_skip_nonfinite_skips_on_every_rank_then_stops_a_diverged_run(tmp_path):
@@ -404,11 +404,11 @@ def test_skip_nonfinite_skips_on_every_rank_then_stops_a_diverged_run(tmp_path):
     errs = [(tmp_path / "logs" / f"rank{r}.err").read_text() for r in range(2)]
     assert codes == [1, 1], errs
     skips = re.findall(r"--skip-nonfinite: skipped step (\d+) .*; (\d+) skipped so far", outs[0])
-    assert len(skips) == trainer.MAX_CONSECUTIVE_SKIPS + 1, outs[0][-3000:]
+    assert len(skips) == nonfinite.MAX_CONSECUTIVE_SKIPS + 1, outs[0][-3000:]
     assert [int(n) for _, n in skips] == list(range(1, len(skips) + 1))
     assert len({s for s, _ in skips}) == 1, "a skipped step does not advance the schedule"
     for err in errs:
-        assert f"{trainer.MAX_CONSECUTIVE_SKIPS + 1} consecutive steps non-finite" in err, err[-2000:]
+        assert f"{nonfinite.MAX_CONSECUTIVE_SKIPS + 1} consecutive steps non-finite" in err, err[-2000:]
     assert not (out / "consensus").exists()
 
 

@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..methods import Method
-from ..mixing import ClientView
 from ..models import causal_lm_loss, check_plain_logits, enable_activation_checkpointing, load_model
 from ..offload import FrozenLayerOffload, check_keep
 from ..optimizer import block_schedule, model_partition
@@ -36,14 +34,13 @@ from ..prefix import FrozenPrefix
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from . import cleanup, outputs
+from .consensus import consensus_distance, consensus_weights, export_consensus, frozen
 from .dist import (
     ClientGroups,
     ClientLayout,
     DistributedMixer,
     Heartbeat,
     PeerError,
-    all_gather_,
-    all_mean_,
     cap_gpu_memory,
     check_layout,
     host_staging,
@@ -52,6 +49,16 @@ from .dist import (
 )
 from .ds_engine import ClientMPU, initialize
 from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize, summary_table
+from .nonfinite import (
+    MAX_CONSECUTIVE_SKIPS,
+    NonFiniteError,
+    describe_nonfinite,
+    nonfinite_problem,
+    nonfinite_ranks,
+    skipped_update,
+    stop_if_nonfinite,
+    update_finite,
+)
 from .options import RunOptions, dump_config, offload_keep_for_budget
 from .same_start import check_same_start, start_fingerprint
 from .task import Task, build_task, share_counts
@@ -183,144 +190,6 @@ def choose_resume_step(complete: list[list[int]], problems: list[dict[int, str]]
     if skipped:
         skipped.append(f"resuming from step {start}, the newest checkpoint complete for every client")
     return start, skipped
-
-
-def update_finite(optimizer: DecentralizedOptimizer) -> bool:
-    """Whether the active block's (or the trainable vector's) new values are finite. Right after a
-    block's last step no block is active: its weights are checked by the next step's loss and
-    before export."""
-    if getattr(optimizer, "active", True) is None:
-        return True
-    return bool(torch.isfinite(optimizer.consensus_vector()).all())
-
-
-class NonFiniteError(ValueError):
-    """A client's loss or update is NaN or infinite; every rank stops at the same step."""
-
-
-_NONFINITE = {1: "loss", 2: "gradient or update", 3: "weights"}
-
-
-def nonfinite_ranks(problem: int, layout: ClientLayout, device: torch.device) -> dict[int, int]:
-    """Every rank posts its `problem` (0: none, else a key of _NONFINITE) and learns everyone's with
-    one all-reduce, so all ranks decide the same: {rank: problem} of the ranks that have one."""
-    flags = torch.zeros(layout.world_size, dtype=torch.float64, device=device)
-    flags[layout.rank] = problem
-    dist.all_reduce(flags)
-    return {r: int(f) for r, f in enumerate(flags.tolist()) if f}
-
-
-def describe_nonfinite(bad: dict[int, int], layout: ClientLayout) -> str:
-    return "; ".join(f"non-finite {_NONFINITE[f]} on client {r // layout.ranks_per_client} (rank {r})"
-                     for r, f in bad.items())
-
-
-def stop_if_nonfinite(problem: int, layout: ClientLayout, device: torch.device, when: str) -> None:
-    """All ranks stop at the same step with the same message naming the clients."""
-    bad = nonfinite_ranks(problem, layout, device)
-    if bad:
-        raise NonFiniteError(f"{describe_nonfinite(bad, layout)} {when}: every rank stops here and nothing is "
-                             "exported (a smaller --lr, or check the data; --skip-nonfinite skips such steps)")
-
-
-def nonfinite_problem(losses: list[float], model: torch.nn.Module) -> int:
-    """1 if a loss is not finite, 2 if a gradient is not (before the update), else 0."""
-    if not all(math.isfinite(x) for x in losses):
-        return 1
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return 2 if grads and not all(torch.isfinite(g).all() for g in grads) else 0
-
-
-@contextmanager
-def skipped_update(optimizer: DecentralizedOptimizer, skip: bool):
-    """DeepSpeed's engine.step() on the accumulation boundary without the optimizer's step (no
-    update, no mixing, the schedule does not advance); the gradients are still cleared."""
-    if not skip:
-        yield
-        return
-    optimizer.step = lambda closure=None: None
-    try:
-        yield
-    finally:
-        del optimizer.step  # the class's step again
-
-
-# Consecutive skipped steps after which --skip-nonfinite gives up (the run has diverged).
-MAX_CONSECUTIVE_SKIPS = 10
-
-
-def _consensus_distance(x: torch.Tensor) -> float:
-    mean = all_mean_(x.detach().clone())
-    return torch.linalg.vector_norm(x - mean).item()
-
-
-def to_consensus_(model, device: torch.device | None = None) -> float:
-    """Replace this client's weights by x̄ = mean over clients (one all-reduce per tensor, in at
-    least fp32 and on `device` - a weight in host memory goes there one tensor at a time - so no
-    full-model buffer is ever allocated); return ‖x_i − x̄‖ of this client."""
-    sq = 0.0
-    with torch.no_grad():
-        for p in model.parameters():
-            x = p.detach().to(device=device or p.device, dtype=torch.promote_types(p.dtype, torch.float32),
-                              copy=True)
-            mean = all_mean_(x.clone())
-            sq += x.sub_(mean).square_().sum().item()
-            p.copy_(mean)
-    return math.sqrt(sq)
-
-
-@contextmanager
-def frozen(model):
-    """The model with no trainable parameter while it is scored before the optimizer exists: the
-    optimizer has not chosen what trains yet, so offloading streams every layer as a frozen one.
-    The flags come back as they were."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.requires_grad_(False)
-    try:
-        yield model
-    finally:
-        for p in trainable:
-            p.requires_grad_(True)
-
-
-@contextmanager
-def consensus_weights(model):
-    """Evaluate x̄ in the middle of training: the client's own weights wait in host memory and
-    come back bit for bit (the optimizer's master copy is not touched)."""
-    own = [p.detach().to("cpu", copy=True) for p in model.parameters()]
-    to_consensus_(model)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, saved in zip(model.parameters(), own):
-                p.copy_(saved)
-
-
-def factor_consensus_(optimizer) -> float:
-    """x̄ of a method whose combination is not linear (DeCAF): its own combination of every
-    client's vector with uniform weights (each client's G ranks hold the same vector; the frozen
-    weights are the same everywhere). Returns ‖x_i − x̄‖ over the trainable vector."""
-    x = optimizer.consensus_vector()
-    gathered = all_gather_(x)
-    before = x.clone()
-    optimizer.combine_now(ClientView([(1 / len(gathered), g) for g in gathered], x))
-    return torch.linalg.vector_norm(before - x).item()
-
-
-def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, layout: ClientLayout,
-                     opts: RunOptions, device: torch.device) -> tuple[float, object]:
-    """Write the clients (optionally) and x̄ (rank 0, the method's format, unless --no-export);
-    return ‖x_i − x̄‖ and the model to evaluate (x̄ itself)."""
-    if opts.save_clients and layout.local_rank == 0:
-        directory = out / "clients" / f"client_{layout.client:03d}"
-        ckpt.save_hf_model(model, directory, tokenizer, state=method.plain_state(model))
-        method.save_extras(model, directory)
-    distance = to_consensus_(model, device) if optimizer.linear else factor_consensus_(optimizer)
-    if layout.rank == 0 and opts.export:
-        model = method.save_consensus(model, out / "consensus", tokenizer)
-    return distance, model
 
 
 def loss_positions_max(opts: RunOptions, task: Task) -> int:
@@ -560,7 +429,7 @@ class Job:
         streamed = offload.bytes_streamed if offload.enabled else 0
         self.heartbeat.beat(step)
         if opts.consensus_interval and step % opts.consensus_interval == 0:
-            record["consensus_distance"] = _consensus_distance(optimizer.consensus_vector())
+            record["consensus_distance"] = consensus_distance(optimizer.consensus_vector())
         t_prefix = self._fill_prefix(step)
         losses, bad, times = self._micro_batches()
         if bad:

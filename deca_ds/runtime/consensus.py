@@ -1,0 +1,93 @@
+"""The consensus model x̄: the clients' mean (or, for a method that does not combine linearly, its
+own combination with uniform weights), formed in place across the process group, and exported."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ..methods import Method
+from ..mixing import ClientView
+from . import checkpoint as ckpt
+from .dist import ClientLayout, all_gather_, all_mean_
+from .options import RunOptions
+
+
+def consensus_distance(x: torch.Tensor) -> float:
+    """‖x_i − x̄‖ of this client's flat vector x (one all-reduce)."""
+    mean = all_mean_(x.detach().clone())
+    return torch.linalg.vector_norm(x - mean).item()
+
+
+def to_consensus_(model, device: torch.device | None = None) -> float:
+    """Replace this client's weights by x̄ = mean over clients (one all-reduce per tensor, in at
+    least fp32 and on `device` - a weight in host memory goes there one tensor at a time - so no
+    full-model buffer is ever allocated); return ‖x_i − x̄‖ of this client."""
+    sq = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            x = p.detach().to(device=device or p.device, dtype=torch.promote_types(p.dtype, torch.float32),
+                              copy=True)
+            mean = all_mean_(x.clone())
+            sq += x.sub_(mean).square_().sum().item()
+            p.copy_(mean)
+    return math.sqrt(sq)
+
+
+@contextmanager
+def frozen(model):
+    """The model with no trainable parameter while it is scored before the optimizer exists: the
+    optimizer has not chosen what trains yet, so offloading streams every layer as a frozen one.
+    The flags come back as they were."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        yield model
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+
+
+@contextmanager
+def consensus_weights(model):
+    """Evaluate x̄ in the middle of training: the client's own weights wait in host memory and
+    come back bit for bit (the optimizer's master copy is not touched)."""
+    own = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    to_consensus_(model)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), own):
+                p.copy_(saved)
+
+
+def factor_consensus_(optimizer) -> float:
+    """x̄ of a method whose combination is not linear (DeCAF): its own combination of every
+    client's vector with uniform weights (each client's G ranks hold the same vector; the frozen
+    weights are the same everywhere). Returns ‖x_i − x̄‖ over the trainable vector."""
+    x = optimizer.consensus_vector()
+    gathered = all_gather_(x)
+    before = x.clone()
+    optimizer.combine_now(ClientView([(1 / len(gathered), g) for g in gathered], x))
+    return torch.linalg.vector_norm(before - x).item()
+
+
+def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, layout: ClientLayout,
+                     opts: RunOptions, device: torch.device) -> tuple[float, object]:
+    """Write the clients (optionally) and x̄ (rank 0, the method's format, unless --no-export);
+    return ‖x_i − x̄‖ and the model to evaluate (x̄ itself)."""
+    if opts.save_clients and layout.local_rank == 0:
+        directory = out / "clients" / f"client_{layout.client:03d}"
+        ckpt.save_hf_model(model, directory, tokenizer, state=method.plain_state(model))
+        method.save_extras(model, directory)
+    distance = to_consensus_(model, device) if optimizer.linear else factor_consensus_(optimizer)
+    if layout.rank == 0 and opts.export:
+        model = method.save_consensus(model, out / "consensus", tokenizer)
+    return distance, model
+
+

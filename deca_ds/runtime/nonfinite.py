@@ -1,0 +1,80 @@
+"""A NaN is an error, not a result: every rank learns every rank's non-finite loss, gradient, update
+or weights with one all-reduce, and all stop (or, with --skip-nonfinite, skip the step) together,
+with one message naming the clients."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from ..decentralized import DecentralizedOptimizer
+from .dist import ClientLayout
+
+
+def update_finite(optimizer: DecentralizedOptimizer) -> bool:
+    """Whether the active block's (or the trainable vector's) new values are finite. Right after a
+    block's last step no block is active: its weights are checked by the next step's loss and
+    before export."""
+    if getattr(optimizer, "active", True) is None:
+        return True
+    return bool(torch.isfinite(optimizer.consensus_vector()).all())
+
+
+class NonFiniteError(ValueError):
+    """A client's loss or update is NaN or infinite; every rank stops at the same step."""
+
+
+_NONFINITE = {1: "loss", 2: "gradient or update", 3: "weights"}
+
+
+def nonfinite_ranks(problem: int, layout: ClientLayout, device: torch.device) -> dict[int, int]:
+    """Every rank posts its `problem` (0: none, else a key of _NONFINITE) and learns everyone's with
+    one all-reduce, so all ranks decide the same: {rank: problem} of the ranks that have one."""
+    flags = torch.zeros(layout.world_size, dtype=torch.float64, device=device)
+    flags[layout.rank] = problem
+    dist.all_reduce(flags)
+    return {r: int(f) for r, f in enumerate(flags.tolist()) if f}
+
+
+def describe_nonfinite(bad: dict[int, int], layout: ClientLayout) -> str:
+    return "; ".join(f"non-finite {_NONFINITE[f]} on client {r // layout.ranks_per_client} (rank {r})"
+                     for r, f in bad.items())
+
+
+def stop_if_nonfinite(problem: int, layout: ClientLayout, device: torch.device, when: str) -> None:
+    """All ranks stop at the same step with the same message naming the clients."""
+    bad = nonfinite_ranks(problem, layout, device)
+    if bad:
+        raise NonFiniteError(f"{describe_nonfinite(bad, layout)} {when}: every rank stops here and nothing is "
+                             "exported (a smaller --lr, or check the data; --skip-nonfinite skips such steps)")
+
+
+def nonfinite_problem(losses: list[float], model: torch.nn.Module) -> int:
+    """1 if a loss is not finite, 2 if a gradient is not (before the update), else 0."""
+    if not all(math.isfinite(x) for x in losses):
+        return 1
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return 2 if grads and not all(torch.isfinite(g).all() for g in grads) else 0
+
+
+@contextmanager
+def skipped_update(optimizer: DecentralizedOptimizer, skip: bool):
+    """DeepSpeed's engine.step() on the accumulation boundary without the optimizer's step (no
+    update, no mixing, the schedule does not advance); the gradients are still cleared."""
+    if not skip:
+        yield
+        return
+    optimizer.step = lambda closure=None: None
+    try:
+        yield
+    finally:
+        del optimizer.step  # the class's step again
+
+
+# Consecutive skipped steps after which --skip-nonfinite gives up (the run has diverged).
+MAX_CONSECUTIVE_SKIPS = 10
+
+
