@@ -9,21 +9,28 @@ import torch
 
 VARIANTS = ("deca", "trivial_bma", "no_bma")
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float64": torch.float64, "fp64": torch.float64,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+# The dtype names every option, config and the estimator accept: the first name of each is its short one.
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
 }
 
 
-def parse_dtype(value: str | torch.dtype, what: str = "dtype") -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    try:
-        return _DTYPES[str(value).lower()]
-    except KeyError:
-        raise ValueError(f"{what} must be one of {sorted(_DTYPES)}, got {value!r}") from None
+def parse_dtype(value: str | torch.dtype, what: str = "dtype",
+                allowed: Sequence[torch.dtype] | None = None) -> torch.dtype:
+    """A dtype from its name (or itself), refused naming `what` and the names it may take."""
+    dtype = value if isinstance(value, torch.dtype) else DTYPES.get(str(value).lower())
+    if dtype is None or (allowed is not None and dtype not in allowed):
+        names = sorted(k for k, v in DTYPES.items() if allowed is None or v in allowed)
+        raise ValueError(f"{what} must be one of {names}, got {value!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name of a dtype of DTYPES (bf16, fp32, ...)."""
+    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 def check_master_dtype(value) -> torch.dtype:

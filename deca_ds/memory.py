@@ -80,7 +80,9 @@ import torch
 from torch import nn
 
 from .blocks import Partition, find_decoder_layers, partition_model
+from .config import dtype_name, parse_dtype
 from .mixing import MIX_CHUNK
+from .offload import OFFLOAD_MODES
 from .quantized import num_absmax
 
 GiB = 2**30
@@ -109,26 +111,8 @@ DEEPSPEED_ALLREDUCE_BUCKET = 500_000_000
 
 PAPER_STEPS_PER_BLOCK = 48  # R, the paper's default; used for the per-round communication
 
-OFFLOAD_MODES = ("none", "frozen")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 TRANSFER_DTYPES = ("master", "working")
-
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-}
-
-
-def _dtype(value: str | torch.dtype, what: str, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
-    dtype = value if isinstance(value, torch.dtype) else _DTYPES.get(str(value).lower())
-    if dtype not in allowed:
-        names = sorted(k for k, v in _DTYPES.items() if v in allowed)
-        raise ValueError(f"{what} must be one of {names}, got {value!r}")
-    return dtype
-
-
-def _short(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -555,8 +539,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     the KV cache the scoring forward kept before use_cache=False).
     """
     spec = ModelSpec.from_config(spec)
-    working = _dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
-    master = _dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
+    working = parse_dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
+    master = parse_dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
     if transfer_dtype not in TRANSFER_DTYPES:
         raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got {transfer_dtype!r}")
     if offload not in OFFLOAD_MODES:
@@ -630,7 +614,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     return MemoryEstimate(
         model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,
         num_layers=spec.num_layers, layers_per_block=layers_per_block, num_blocks=B, block=block, block_params=n,
-        working_dtype=_short(working), master_dtype=_short(master), transfer_dtype=transfer_dtype,
+        working_dtype=dtype_name(working), master_dtype=dtype_name(master), transfer_dtype=transfer_dtype,
         n_neighbors=n_neighbors, micro_batch=b, seq_len=s, checkpointing=checkpointing, offload=offload,
         variant=variant, state_bits=state_bits, fused_update=fused_update, attn_implementation=attn_implementation,
         inputs_require_grad=inputs_require_grad,
@@ -673,8 +657,8 @@ def communication(spec, layers_per_block: int = 1, *, n_neighbors: int = 2, tran
                   master_dtype="fp32", working_dtype="bf16", steps_per_block: int = PAPER_STEPS_PER_BLOCK) -> dict:
     """Bytes one client sends: per inner step for each block, its maximum, and per round."""
     spec = ModelSpec.from_config(spec)
-    master = _dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
-    working = _dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
+    master = parse_dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
+    working = parse_dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
     tb = _size(master if transfer_dtype == "master" else working)
     per_block = [n_neighbors * blk.numel * tb for blk in spec.partition(layers_per_block).blocks]
     return {"per_step": per_block, "max_per_step": max(per_block),

@@ -36,7 +36,9 @@ import torch
 from torch import nn
 
 from .blocks import Partition, find_decoder_layers
-from .memory import OFFLOAD_MODES
+
+# none: every layer resident; frozen: the decoder layers outside the active block (but the top `keep`) in host memory.
+OFFLOAD_MODES = ("none", "frozen")
 
 
 def check_keep(num_layers: int, keep: int) -> None:

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 import runs
-from deca_ds.memory import DEFAULT_RESERVE, GPUS, OFFLOAD_MODES, GiB
+from deca_ds.memory import DEFAULT_RESERVE, GPUS, GiB
+from deca_ds.offload import OFFLOAD_MODES
 from deca_ds.runtime.options import estimate_run
 from report import provenance, pyplot, save_figure, setting, write_results
 from runs import ROOT

@@ -189,8 +189,8 @@ def test_choice_lists_agree_with_the_algorithm_modules():
     from deca_ds.blocks import BLOCK_ORDERS
     from deca_ds.config import VARIANTS
     from deca_ds.datasets import TASKS
-    from deca_ds.memory import OFFLOAD_MODES
     from deca_ds.methods import METHODS
+    from deca_ds.offload import OFFLOAD_MODES
     from deca_ds.topology import TOPOLOGIES, WEIGHT_SCHEMES
 
     assert set(options_module.VARIANTS) == set(VARIANTS)
@@ -200,6 +200,22 @@ def test_choice_lists_agree_with_the_algorithm_modules():
     assert set(options_module.TOPOLOGIES) == set(TOPOLOGIES)
     assert set(options_module.WEIGHT_SCHEMES) == set(WEIGHT_SCHEMES)
     assert set(options_module.BLOCK_ORDERS) == set(BLOCK_ORDERS)
+
+
+def test_one_dtype_table_parses_names_and_refuses_with_the_allowed_ones():
+    import torch
+
+    from deca_ds.config import DTYPES, dtype_name, parse_dtype
+
+    assert parse_dtype("BF16") is torch.bfloat16 and parse_dtype(torch.float64) is torch.float64
+    assert all(parse_dtype(dtype_name(d)) is d for d in set(DTYPES.values()))
+    assert [dtype_name(d) for d in (torch.float32, torch.bfloat16)] == ["fp32", "bf16"]
+    low = (torch.bfloat16, torch.float16, torch.float32)
+    with pytest.raises(ValueError, match=re.escape("working_dtype must be one of ['bf16', 'bfloat16', 'float16', "
+                                                   "'float32', 'fp16', 'fp32'], got 'fp64'")):
+        parse_dtype("fp64", "working_dtype", low)
+    with pytest.raises(ValueError, match=re.escape("dtype must be one of [")):
+        parse_dtype("int8")
 
 
 def test_public_api_loads_lazily():

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 VARIANTS = ("deca", "trivial_bma", "no_bma")  # deca_ds.config.VARIANTS
 TASK_NAMES = ("nwgi", "agnews", "tfns", "mnli", "alpaca")  # deca_ds.datasets.TASKS
 METHOD_NAMES = ("deca", "dadam", "dec_lora", "dec_adapter", "decaf")  # deca_ds.methods.METHODS
-OFFLOAD_MODES = ("none", "frozen")  # deca_ds.memory.OFFLOAD_MODES
+OFFLOAD_MODES = ("none", "frozen")  # deca_ds.offload.OFFLOAD_MODES
 TOPOLOGIES = ("ring", "erdos_renyi", "complete_bipartite", "complete", "torus", "exponential")  # deca_ds.topology
 WEIGHT_SCHEMES = ("metropolis_hastings", "uniform", "laplacian")  # deca_ds.topology
 BLOCK_ORDERS = ("ascending", "descending", "random")  # deca_ds.blocks.BLOCK_ORDERS

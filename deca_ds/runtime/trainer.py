@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..blocks import Partition, find_decoder_layers
+from ..config import parse_dtype
 from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
@@ -64,13 +65,11 @@ from .same_start import check_same_start, start_fingerprint
 from .task import Task, build_task, share_counts
 from .transport import check_placement, env_placement, resolve_transport, spans_nodes
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-
 
 def build_model(opts: RunOptions, vocab_size: int):
     # A random initialisation is drawn on the rank's device (on the CPU an 8B model takes minutes),
     # except with offloading, whose point is that the device never holds every layer.
-    model = load_model(opts.model, dtype=_DTYPES[opts.working_dtype], trust_remote_code=opts.trust_remote_code,
+    model = load_model(opts.model, dtype=parse_dtype(opts.working_dtype), trust_remote_code=opts.trust_remote_code,
                        from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
                        init_device=local_device(opts.device_map) if opts.offload == "none" else "cpu")
     if opts.loss_chunk:
@@ -300,7 +299,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
                           client_backend="nccl" if device.type == "cuda" and layout.ranks_per_client > 1 else None)
     torch.manual_seed(opts.seed * 1_000_003 + rank)
     mixer = DistributedMixer(plan.topology.W, layout, groups, timeout_s=opts.timeout,
-                             transfer_dtype=_DTYPES[opts.working_dtype] if opts.mix_dtype == "working" else None,
+                             transfer_dtype=parse_dtype(opts.working_dtype) if opts.mix_dtype == "working" else None,
                              staging=host_staging(device))
     placement = {**plan.placement, "host_staging": mixer.staging is not None}
     start, state = 0, None
