@@ -61,6 +61,18 @@ def test_registry_names_every_method():
     assert set(METHODS) == {"deca", "dadam", "dec_lora", "dec_adapter", "decaf"}
 
 
+def test_the_interfaces_are_declared_and_combine_now_is_refused_where_the_consensus_is_the_mean():
+    from deca_ds import DecentralizedOptimizer
+    from deca_ds.methods import Method
+
+    assert {"trainable", "optimizer"} <= Method.__abstractmethods__
+    assert {"local_step", "combine", "consensus_vector", "total_steps"} <= DecentralizedOptimizer.__abstractmethods__
+    model = base_model(2)
+    deca = Deca(DecaConfig(steps_per_block=1, rounds=1)).optimizer(model)
+    with pytest.raises(NotImplementedError, match="DecaOptimizer combines linearly: its consensus is the clients'"):
+        deca.combine_now(InProcessMixer(make_topology("ring", 2).W).client(0))
+
+
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_each_method_lowers_the_loss_with_four_clients(name):
     method = make(name, steps=45, lr=3e-2)

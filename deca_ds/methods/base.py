@@ -7,6 +7,7 @@ Data, topology, mixing transport, metrics and checkpoints are the runtime's, the
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ..decentralized import DecentralizedOptimizer
 from ..mixing import Mixer
 
 
-class Method:
+class Method(ABC):
     name: str = ""
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -25,12 +26,14 @@ class Method:
         initialized identically on every client."""
         return model
 
+    @abstractmethod
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
         """The tensors the method trains and mixes, in mixing order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> DecentralizedOptimizer:
-        raise NotImplementedError
+        """The optimizer over `trainable(model)` whose combine() mixes through `mixer` (default: a
+        client alone)."""
 
     def num_trainable(self, model: nn.Module) -> int:
         return sum(p.numel() for p in self.trainable(model))
