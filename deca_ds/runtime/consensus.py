@@ -38,21 +38,6 @@ def to_consensus_(model, device: torch.device | None = None) -> float:
 
 
 @contextmanager
-def frozen(model):
-    """The model with no trainable parameter while it is scored before the optimizer exists: the
-    optimizer has not chosen what trains yet, so offloading streams every layer as a frozen one.
-    The flags come back as they were."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.requires_grad_(False)
-    try:
-        yield model
-    finally:
-        for p in trainable:
-            p.requires_grad_(True)
-
-
-@contextmanager
 def consensus_weights(model):
     """Evaluate x̄ in the middle of training: the client's own weights wait in host memory and
     come back bit for bit (the optimizer's master copy is not touched)."""

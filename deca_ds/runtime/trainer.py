@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from ..prefix import FrozenPrefix
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from . import cleanup, outputs
-from .consensus import consensus_distance, consensus_weights, export_consensus, frozen
+from .consensus import consensus_distance, consensus_weights, export_consensus
 from .dist import (
     ClientGroups,
     ClientLayout,
@@ -189,6 +190,21 @@ def choose_resume_step(complete: list[list[int]], problems: list[dict[int, str]]
     if skipped:
         skipped.append(f"resuming from step {start}, the newest checkpoint complete for every client")
     return start, skipped
+
+
+@contextmanager
+def frozen(model):
+    """The model with no trainable parameter while it is scored before the optimizer exists: the
+    optimizer has not chosen what trains yet, so offloading streams every layer as a frozen one.
+    The flags come back as they were."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        yield model
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
 
 
 def loss_positions_max(opts: RunOptions, task: Task) -> int:
