@@ -44,22 +44,39 @@ CLAIMS = [
     ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "measured_over_estimate",
      "({:.3f};"),
     ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "setup_peak_gib", "{:.2f} GiB"),
+    ("gpu_h100/profile_resources_4clients_qwen2-1.5b.json", {"method": "DECA"}, "comm_mb", "{:.3f} MB"),
+    ("gpu_h100/profile_resources_4clients_qwen2-1.5b.json", {"method": "DECA"}, "exchange_ms", "{:.0f} of"),
+    ("gpu_h100/profile_resources_4clients_qwen2-1.5b.json", {"method": "DECA"}, "step_ms", "of {:.0f} ms"),
+    ("gpu_h200/update_cost.json", {"variant": "deca", "update": "eager"}, "update_ms", "{:.2f} ms eagerly"),
+    ("gpu_h200/update_cost.json", {"variant": "deca", "update": "fused"}, "update_ms", "{:.2f} ms with"),
+    ("gpu_h200/update_cost.json", {"variant": "deca", "update": "fused_alone"}, "update_ms", "{:.2f} ms in place"),
+    ("gpu_h200/update_cost.json", {"variant": "deca", "update": "fused"}, "update_in_copies", "{:.1f} and"),
+    ("gpu_h200/update_cost.json", {"variant": "deca", "update": "fused_alone"}, "update_in_copies", "and {:.1f}"),
 ]
 
 
 def quoted(text: str, claim: tuple) -> tuple[str, bool]:
     """The claim's value as the README writes it, and whether the README has it."""
     name, where, key, fmt = claim
-    rows = json.loads((RESULTS / name).read_text())["results"]
+    data = json.loads((RESULTS / name).read_text())
+    rows = data["results"] if "results" in data else data["rows"]
     row = next(r for r in rows if all(r.get(k) == v for k, v in where.items()))
     value = fmt.format(row[key])
     return value, value in text
 
 
-def recorded_commit(path: Path) -> str | None:
+def recorded(path: Path) -> dict:
+    """The result's provenance: its top level, or its "provenance" (setup_peaks.py nests it there)."""
     data = json.loads(path.read_text())
-    if isinstance(data, dict) and data.get("commit") not in (None, "unknown"):
-        return data["commit"].split("+")[0]
+    if not isinstance(data, dict):
+        return {}
+    return data.get("provenance", data)
+
+
+def recorded_commit(path: Path) -> str | None:
+    commit = recorded(path).get("commit")
+    if commit not in (None, "unknown"):
+        return commit.split("+")[0]
     folder_readme = path.parent / "README.md"
     if path.parent != RESULTS and folder_readme.exists():
         found = re.search(r"Code: commit `([0-9a-f]{7,40})`", folder_readme.read_text())
@@ -68,8 +85,7 @@ def recorded_commit(path: Path) -> str | None:
 
 
 def described_code(path: Path) -> list[str]:
-    data = json.loads(path.read_text())
-    command = data.get("command", "") if isinstance(data, dict) else ""
+    command = recorded(path).get("command", "")
     tool = re.search(r"profiling/(\w+\.py)", command)
     return ["deca_ds", *(["profiling/" + tool.group(1)] if tool else [])]
 

@@ -9,6 +9,7 @@
 # Issue 16, clients sharing the GPU through the host-staged gloo transport (about, on an H200):
 #   exact    distributed == simulator, 4 clients, fp32 (shared_device_exact.py)           1 min
 #   table9   Table 9, 4 clients, Qwen2-1.5B: one method per call, merged into one table   5 x 1-2 min
+#            (D-Adam's 4 clients need an H200's memory; on an H100 it stops at its first step)
 #   memory   Llama-3.1-8B, 2 clients, ring: peak per client against the estimator         2 min
 #   offload  Llama-3.1-8B, 4 clients with --offload frozen (an H200's memory)              4 min
 # Issue 17, one client (profiling/README.md, "GPU measurements that remain"):

@@ -38,6 +38,23 @@ def test_results_older_than_their_code_are_stale():
     assert check_results.newer_commits(head, ["deca_ds"]) == []
 
 
+def test_a_result_s_own_commit_wins_over_its_folder_s_readme(tmp_path):
+    """setup_peaks.py nests its provenance; a README naming an older commit must not stand in for it."""
+    (tmp_path / "README.md").write_text("Code: commit `1111111` of this repository.")
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"loads": {}, "provenance": {"commit": "2222222+dirty", '
+                      '"command": "python profiling/setup_peaks.py --out x"}}')
+    top = tmp_path / "top.json"
+    top.write_text('{"commit": "3333333", "command": "python profiling/update_cost.py", "rows": []}')
+    bare = tmp_path / "bare.json"
+    bare.write_text('{"results": []}')
+    assert check_results.recorded_commit(nested) == "2222222"
+    assert check_results.described_code(nested) == ["deca_ds", "profiling/setup_peaks.py"]
+    assert check_results.recorded_commit(top) == "3333333"
+    assert check_results.described_code(top) == ["deca_ds", "profiling/update_cost.py"]
+    assert check_results.recorded_commit(bare) == "1111111"
+
+
 def test_provenance_names_the_checkout_s_head(tmp_path):
     """A result's commit is HEAD's short hash, "+dirty" with uncommitted changes to tracked files
     outside the result's own directory (`exclude`), which the result itself may be."""
