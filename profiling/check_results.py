@@ -1,5 +1,7 @@
-"""Checks the GPU numbers profiling/README.md quotes against the result files, and lists result
-files whose recorded commit is older than the code they describe (issue 17, target 5).
+"""Checks the GPU numbers the docs quote (profiling/README.md, docs/memory.md, docs/transport.md)
+against the result files, and lists result files whose recorded commit is older than the code they
+describe (issue 17, target 5). A claim is found in its document with the line breaks and runs of
+spaces read as one space, so re-wrapping a paragraph does not break it.
 
 A result's commit is its JSON's "commit" (report.provenance writes it) or, for files older than
 that key, the one its folder's README.md names ("Code: commit `…`"). The code it describes is
@@ -19,10 +21,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "profiling" / "results"
-README = ROOT / "profiling" / "README.md"
 
-# (result file, the row's fields, the value's key, how the README writes it)
-CLAIMS = [
+# (result file, the row's fields, the value's key, how the document writes it). Without fields the key is
+# a path of top-level keys ("ratios.deca_step_over_D-Adam"); a format is a str.format pattern or a function.
+PROFILING = [
     ("gpu_h100/profile_memory.json", {"offload": "none"}, "peak_gib", "{:.2f} GiB"),
     ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "peak_gib", "{:.2f} GiB"),
     ("gpu_h100/profile_memory.json", {"offload": "none"}, "estimate_gib", "{:.2f}"),
@@ -53,16 +55,72 @@ CLAIMS = [
     ("gpu_h200/update_cost.json", {"variant": "deca", "update": "fused"}, "update_in_copies", "{:.1f} and"),
     ("gpu_h200/update_cost.json", {"variant": "deca", "update": "fused_alone"}, "update_in_copies", "and {:.1f}"),
 ]
+MEMORY = [
+    ("gpu_h100/profile_memory.json", {"offload": "none"}, "peak_gib", "**{:.2f} GiB"),
+    ("gpu_h100/profile_memory.json", {"offload": "none"}, "peak_gb", "{:.2f} GB**"),
+    ("gpu_h100/profile_memory.json", {"offload": "none"}, "estimate_gib", "{:.2f} GiB (×"),
+    ("gpu_h100/profile_memory.json", {"offload": "none"}, "measured_over_estimate", "(×{:.3f})"),
+    ("gpu_h100/profile_memory.json", {"offload": "none"}, "step_ms", "| {:.0f} ms |"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "peak_gib", "**{:.2f} GiB"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "peak_gb", "{:.2f} GB**"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "estimate_gib", "{:.2f} GiB (×"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "measured_over_estimate", "(×{:.3f})"),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "step_ms", "| {:.0f} ms ("),
+    ("gpu_h100/profile_memory.json", {"offload": "frozen"}, "step_over_resident", "({:.2f}× resident)"),
+    ("gpu_h100/profile_memory_mb8.json", {"offload": "none"}, "peak_gib", "{:.2f} GiB resident"),
+    ("gpu_h100/profile_memory_mb8.json", {"offload": "frozen"}, "peak_gib", "{:.2f} GiB offloaded"),
+    ("gpu_h100/profile_memory_mb8.json", {"offload": "frozen"}, "step_over_resident", "step {:.2f}× resident"),
+    ("gpu_h100/profile_resources_qwen2-1.5b.json", None, "ratios.deca_step_over_D-Adam", "{:.2f}× the time"),
+    ("gpu_h100/profile_resources_qwen2-1.5b.json", None, "ratios.deca_step_over_Dec-LoRA", "{:.2f}× /"),
+    ("gpu_h100/profile_resources_llama-3.1-8b.json", None, "ratios.deca_step_over_Dec-LoRA", "/ {:.2f}× that"),
+    ("gpu_h100/profile_resources_qwen2-1.5b.json", None, "ratios.deca_agg_up_share_of_step",
+     lambda v: f"is {100 * v:.1f} % /"),
+    ("gpu_h100/profile_resources_llama-3.1-8b.json", None, "ratios.deca_agg_up_share_of_step",
+     lambda v: f"/ {100 * v:.1f} % of"),
+]
+TRANSPORT = [
+    ("gpu_h100/shared_device_exact.json", None, "max_abs_diff", "largest difference was {:.1f},"),
+    ("gpu_h100/profile_resources_4clients_qwen2-1.5b.json", {"method": "DECA"}, "comm_mb", "DECA {:.3f} MB"),
+    ("gpu_h100/profile_resources_4clients_qwen2-1.5b.json", {"method": "Dec-LoRA"}, "comm_mb",
+     "Dec-LoRA and DeCAF {:.3f} MB"),
+    ("gpu_h100/profile_resources_4clients_qwen2-1.5b.json", {"method": "DeCAF"}, "comm_mb",
+     "Dec-LoRA and DeCAF {:.3f} MB"),
+    ("gpu_h100/profile_resources_4clients_qwen2-1.5b.json", {"method": "Dec-Adapter"}, "comm_mb",
+     "Dec-Adapter {:.3f} MB"),
+    ("gpu_h200/profile_resources_4clients_qwen2-1.5b.json", {"method": "D-Adam"}, "comm_mb", "D-Adam {:,.3f} MB"),
+    ("gpu_h100/profile_resources_4clients_qwen2-1.5b.json", {"method": "DECA"}, "exchange_ms", "({:.0f} of"),
+    ("gpu_h100/profile_resources_4clients_qwen2-1.5b.json", {"method": "DECA"}, "step_ms", "of {:.0f} ms on the H100"),
+    ("gpu_h200/profile_resources_4clients_qwen2-1.5b.json", None, "ratios.deca_step_over_D-Adam",
+     "{:.2f}× D-Adam's"),
+    ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "peak_gib",
+     "{:.2f} GiB peak per client"),
+    ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "estimate_gib",
+     "{:.2f} GiB estimated ("),
+    ("gpu_h200/profile_memory_2clients_llama-3.1-8b.json", {"offload": "none"}, "measured_over_estimate",
+     "({:.3f};"),
+]
+# {document: its claims}
+CLAIMS = {"profiling/README.md": PROFILING, "docs/memory.md": MEMORY, "docs/transport.md": TRANSPORT}
+
+
+def claims() -> list[tuple[str, tuple]]:
+    """(document, claim) for every claim of every document."""
+    return [(doc, claim) for doc, listed in CLAIMS.items() for claim in listed]
 
 
 def quoted(text: str, claim: tuple) -> tuple[str, bool]:
-    """The claim's value as the README writes it, and whether the README has it."""
+    """The claim's value as the document writes it, and whether `text` has it (whitespace folded)."""
     name, where, key, fmt = claim
     data = json.loads((RESULTS / name).read_text())
-    rows = data["results"] if "results" in data else data["rows"]
-    row = next(r for r in rows if all(r.get(k) == v for k, v in where.items()))
-    value = fmt.format(row[key])
-    return value, value in text
+    if where is None:
+        value = data
+        for part in key.split("."):
+            value = value[part]
+    else:
+        rows = data["results"] if "results" in data else data["rows"]
+        value = next(r for r in rows if all(r.get(k) == v for k, v in where.items()))[key]
+    written = fmt(value) if callable(fmt) else fmt.format(value)
+    return written, written in " ".join(text.split())
 
 
 def recorded(path: Path) -> dict:
@@ -109,11 +167,10 @@ def stale(gpu_only: bool = True) -> list[dict]:
 
 
 def main() -> int:
-    text = README.read_text()
     wrong = []
-    for claim in CLAIMS:
-        value, ok = quoted(text, claim)
-        print(f"{'ok  ' if ok else 'MISS'} {claim[0]} {claim[1]} {claim[2]}: {value}")
+    for doc, claim in claims():
+        value, ok = quoted((ROOT / doc).read_text(), claim)
+        print(f"{'ok  ' if ok else 'MISS'} {doc}: {claim[0]} {claim[1]} {claim[2]}: {value}")
         wrong += [] if ok else [value]
     for s in stale():
         why = ("no commit recorded" if s["commit"] is None else "commit unknown to git" if s["newer_commits"] is None
