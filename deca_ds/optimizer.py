@@ -57,8 +57,8 @@ class DecaOptimizer(DecentralizedOptimizer):
     adam_half_step(), combine() is mixing then bma_correct().
     """
 
-    def __init__(self, model: nn.Module, config: DecaConfig, *,
-                 partition: Partition | None = None, mixer: Mixer | None = None) -> None:
+    def __init__(self, model: nn.Module, config: DecaConfig, *, partition: Partition | None = None,
+                 mixer: Mixer | None = None, before_activate: Callable[[int], None] | None = None) -> None:
         self.config = config
         self.partition = partition or model_partition(model, config)
         self.mixer = mixer or IdentityMixer()
@@ -72,9 +72,9 @@ class DecaOptimizer(DecentralizedOptimizer):
         self.step_in_block = 0  # r
         self.active: ActiveBlock | None = None
         self.update = update_path(config, self.mixer.alone)
-        # Called with a block's index before the block's parameters are read (offload makes
-        # them resident there).
-        self.before_activate: Callable[[int], None] | None = None
+        # Called with a block's index before the block's parameters are read, the first block's
+        # included (the frozen-layer offload makes them resident there).
+        self.before_activate = before_activate
         self._activate(self.block_schedule(0)[0])
 
     # ---- schedule -------------------------------------------------------------------------

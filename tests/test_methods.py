@@ -62,6 +62,8 @@ def test_registry_names_every_method():
 
 
 def test_the_interfaces_are_declared_and_combine_now_is_refused_where_the_consensus_is_the_mean():
+    """Also: the block-activation hook goes through the constructor and sees the first block too; a
+    method without blocks refuses it."""
     from deca_ds import DecentralizedOptimizer
     from deca_ds.methods import Method
 
@@ -71,6 +73,13 @@ def test_the_interfaces_are_declared_and_combine_now_is_refused_where_the_consen
     deca = Deca(DecaConfig(steps_per_block=1, rounds=1)).optimizer(model)
     with pytest.raises(NotImplementedError, match="DecaOptimizer combines linearly: its consensus is the clients'"):
         deca.combine_now(InProcessMixer(make_topology("ring", 2).W).client(0))
+    seen = []
+    Deca(DecaConfig(steps_per_block=1, rounds=1, layers_per_block=1, block_order="descending")).optimizer(
+        base_model(2), before_activate=seen.append)
+    assert seen == [1]  # the last of 2 blocks, descending: activated in the constructor, the hook called first
+    for name in sorted(set(METHODS) - {"deca"}):
+        with pytest.raises(ValueError, match=f"{name} trains all its parameters at every step: it activates no"):
+            make(name).optimizer(base_model(2), before_activate=seen.append)
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))

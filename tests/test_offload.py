@@ -11,16 +11,18 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from deca_ds import DecaConfig, DecaOptimizer
 from deca_ds.models import enable_activation_checkpointing
 from deca_ds.offload import FrozenLayerOffload
+from deca_ds.optimizer import model_partition
 from helpers import client_batches, tiny_llama
 
 LAYERS = 4
 
 
-def attach(opt: DecaOptimizer, offload: FrozenLayerOffload) -> FrozenLayerOffload:
-    """Wire the offload the way the runtime does: activated before the optimizer reads a block."""
-    opt.before_activate = offload.activate
-    offload.activate(opt.active.index)
-    return offload
+def offloaded(model, config: DecaConfig, **options) -> tuple[DecaOptimizer, FrozenLayerOffload]:
+    """The optimizer and the offload wired the way the runtime does: the offload first, then the
+    optimizer, whose hook makes each block resident before it reads it, the first block's included."""
+    partition = model_partition(model, config)
+    offload = FrozenLayerOffload(model, partition, "cpu", simulate_on_cpu=True, **options)
+    return DecaOptimizer(model, config, partition=partition, before_activate=offload.activate), offload
 
 
 def nbytes(params) -> int:
@@ -35,12 +37,10 @@ def train(model, offload: bool, checkpointing: bool, steps_per_block: int = 2, r
     model.train()
     if checkpointing:
         enable_activation_checkpointing(model)
-    opt = DecaOptimizer(model, config)
+    opt, streamer = offloaded(model, config, keep=keep) if offload else (DecaOptimizer(model, config), None)
     layers = model.model.layers
     layer_bytes = nbytes(layers[0].parameters())
     non_layer = [p for n, p in model.named_parameters() if not n.startswith("model.layers.")]
-    streamer = attach(opt, FrozenLayerOffload(model, opt.partition, "cpu", keep=keep, simulate_on_cpu=True)) \
-        if offload else None
     kept = set(range(LAYERS - keep, LAYERS))
     samples = []
 
@@ -131,8 +131,7 @@ def test_backward_does_not_keep_offloaded_weights_alive():
     (as weight.t() views) from forward to backward; the offload saves references instead."""
     layers = 6
     model = tiny_llama(layers=layers, dtype=torch.float32).train()
-    opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))
-    attach(opt, FrozenLayerOffload(model, opt.partition, "cpu", simulate_on_cpu=True))
+    opt, _ = offloaded(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))
     refs = {}
     for k, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(

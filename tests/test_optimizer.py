@@ -215,14 +215,13 @@ def test_finished_block_state_is_freed_before_the_next_is_allocated(variant):
     import weakref
 
     model = tiny_llama(layers=3)
-    opt = DecaOptimizer(model, config(variant=variant, rounds=1))
     held = []
 
     def check(index):
         alive = [name for name, ref in held if ref() is not None]
         assert not alive, f"activating block {index} while the previous block's {alive} are alive"
 
-    opt.before_activate = check
+    opt = DecaOptimizer(model, config(variant=variant, rounds=1), before_activate=check)
     for batch in client_batches(1, steps=opt.total_steps)[0]:
         blk = opt.active
         held[:] = [(name, weakref.ref(getattr(blk, name))) for name in ("master", "m", "v")]

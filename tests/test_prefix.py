@@ -12,6 +12,7 @@ from deca_ds import DecaConfig, DecaOptimizer
 from deca_ds.memory import ModelSpec, estimate_block, offload_block_stream
 from deca_ds.models import enable_activation_checkpointing
 from deca_ds.offload import FrozenLayerOffload
+from deca_ds.optimizer import model_partition
 from deca_ds.prefix import FrozenPrefix
 from helpers import client_batches, tiny_llama
 
@@ -26,11 +27,9 @@ def train(model, *, offload: bool = False, prefix: bool = False, checkpointing: 
     model.train()
     if checkpointing:
         enable_activation_checkpointing(model)
-    opt = DecaOptimizer(model, config)
-    streamer = FrozenLayerOffload(model, opt.partition, "cpu", keep=keep, simulate_on_cpu=True) if offload else None
-    if streamer:
-        opt.before_activate = streamer.activate
-        streamer.activate(opt.active.index)
+    partition = model_partition(model, config)
+    streamer = FrozenLayerOffload(model, partition, "cpu", keep=keep, simulate_on_cpu=True) if offload else None
+    opt = DecaOptimizer(model, config, partition=partition, before_activate=streamer.activate if streamer else None)
     cache = FrozenPrefix(model, opt.partition, streamer) if prefix else None
     batches = batches or client_batches(1, steps=opt.total_steps)[0]
     losses, streamed, block_start = [], [], 0

@@ -13,6 +13,7 @@ is what DECA's one-block-at-a-time state avoids.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -155,5 +156,7 @@ class DAdam(Method):
         partition = partition_model(model, 1, **self.extra)
         return [p for k in range(partition.num_blocks) for p in partition.params(model, k)]
 
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> MixedAdam:
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
+                  before_activate: Callable[[int], None] | None = None) -> MixedAdam:
+        self.no_blocks(before_activate)
         return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)

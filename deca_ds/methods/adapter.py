@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -121,7 +122,9 @@ class DecAdapter(Method):
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for n, p in model.named_parameters() if ".adapter." in n]
 
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> MixedAdam:
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
+                  before_activate: Callable[[int], None] | None = None) -> MixedAdam:
+        self.no_blocks(before_activate)
         return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)
 
     def plain_state(self, model: nn.Module) -> dict[str, torch.Tensor]:

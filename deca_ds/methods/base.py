@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -31,9 +32,17 @@ class Method(ABC):
         """The tensors the method trains and mixes, in mixing order."""
 
     @abstractmethod
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> DecentralizedOptimizer:
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
+                  before_activate: Callable[[int], None] | None = None) -> DecentralizedOptimizer:
         """The optimizer over `trainable(model)` whose combine() mixes through `mixer` (default: a
-        client alone)."""
+        client alone). `before_activate(block)` is called before a block-wise optimizer reads a
+        block's parameters (the frozen-layer offload's hook); a method without blocks refuses it."""
+
+    def no_blocks(self, before_activate: Callable[[int], None] | None) -> None:
+        """Refuse a block-activation hook: this method trains all its parameters at every step."""
+        if before_activate is not None:
+            raise ValueError(f"{self.name} trains all its parameters at every step: it activates no blocks, "
+                             "so before_activate (the frozen-layer offload's hook) is for DECA only")
 
     def num_trainable(self, model: nn.Module) -> int:
         return sum(p.numel() for p in self.trainable(model))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
 from ..blocks import Partition
@@ -21,5 +23,7 @@ class Deca(Method):
         partition = self.partition or model_partition(model, self.config)
         return [p for k in range(partition.num_blocks) for p in partition.params(model, k)]
 
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> DecaOptimizer:
-        return DecaOptimizer(model, self.config, partition=self.partition, mixer=mixer)
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
+                  before_activate: Callable[[int], None] | None = None) -> DecaOptimizer:
+        return DecaOptimizer(model, self.config, partition=self.partition, mixer=mixer,
+                             before_activate=before_activate)

@@ -17,6 +17,7 @@ M's exactly: U = Q_b U_c, V = Q_a V_c. Adam moments stay with the factors, as in
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -62,7 +63,9 @@ class DecLoRA(Method):
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for pair in self.lora_pairs(model) for p in pair]
 
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> MixedAdam:
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
+                  before_activate: Callable[[int], None] | None = None) -> MixedAdam:
+        self.no_blocks(before_activate)
         return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)
 
     def plain_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -132,5 +135,7 @@ class DeCAFAdam(MixedAdam):
 class DeCAF(DecLoRA):
     name = "decaf"
 
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None) -> DeCAFAdam:
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
+                  before_activate: Callable[[int], None] | None = None) -> DeCAFAdam:
+        self.no_blocks(before_activate)
         return DeCAFAdam(model, self.lora_pairs(model), self.config, mixer=mixer)

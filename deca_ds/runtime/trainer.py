@@ -339,17 +339,14 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
     if rank == 0 and not opts.resume:
         with frozen(model):
             before = task.evaluate(model, opts.eval_limit or None)
-        # the layers it streamed last go back, so every rank's module looks alike to DeepSpeed's broadcast
-        offload.activate(first_block)
         if before:
             print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
-    optimizer = plan.method.optimizer(model, mixer)
+    # Its first activation puts back the layers rank 0's evaluation streamed last, so every rank's
+    # module looks alike to DeepSpeed's broadcast.
+    optimizer = plan.method.optimizer(model, mixer, before_activate=offload.activate if offload.enabled else None)
     # stopped by the launcher (another rank failed): name who went silent before exiting
     cleanup.set_board(lambda: heartbeat.silent_ranks(optimizer.global_step, 1.0), heartbeat.wait_for_readers)
-    prefix = None
-    if offload.enabled:
-        optimizer.before_activate = offload.activate
-        prefix = FrozenPrefix(model, partition, offload)
+    prefix = FrozenPrefix(model, partition, offload) if offload.enabled else None
     if "activation_checkpointing" in ds_config:
         enable_activation_checkpointing(model)
     engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single),
