@@ -6,18 +6,21 @@
 # step (the tool brings back at most 8 files). Copy them to profiling/results/gpu_<device>/ with the
 # commit that ran them.
 #
+# Measured durations say so (2026-11-26: a machine started in 30-50 s, so a session's 15 minutes
+# held about 13 of runs); the others are estimates.
 # Issue 16, clients sharing the GPU through the host-staged gloo transport (about, on an H200):
-#   exact    distributed == simulator, 4 clients, fp32 (shared_device_exact.py)           1 min
-#   table9   Table 9, 4 clients, Qwen2-1.5B: one method per call, merged into one table   5 x 1-2 min
+#   exact    distributed == simulator, 4 clients, fp32 (shared_device_exact.py)    1 min measured
+#   table9   Table 9, 4 clients, Qwen2-1.5B: one method per call, merged into one table
+#            (H100: 75 s a method measured)                                        5 x 1-2 min
 #            (D-Adam's 4 clients need an H200's memory; on an H100 it stops at its first step)
 #   memory   Llama-3.1-8B, 2 clients, ring: peak per client against the estimator         2 min
 #   offload  Llama-3.1-8B, 4 clients with --offload frozen (an H200's memory)              4 min
 # Issue 17, one client (profiling/README.md, "GPU measurements that remain"):
 #   setup    setup + training peaks, resident and offloaded, Llama-3.1-8B (target 1)       6 min
-#   terms    the estimator's setup terms against torch.cuda, drawn and from a checkpoint   2 min
+#   terms    the estimator's setup terms against torch.cuda, drawn and from a checkpoint   20 s measured
 #   ckpt     as setup, the 8B model loaded from a bf16 safetensors checkpoint of it       7 min
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min
-#   update   the fused update on the device (target 3)                                     2 min
+#   update   the fused update on the device (target 3)                                     50 s measured
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
 #   fits     each preset trained under its card's memory (--card; target 4); an H100 refuses
 #            the RTX PRO 6000 ones at once (their cap is above its memory): an H200's     4 x 2 min
