@@ -22,6 +22,7 @@
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min
 #   update   the fused update on the device (target 3)                                     50 s measured
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
+#   fused4   the same with neighbours: DECA eager and fused, table9's 4 clients (target 3) 3-4 min
 #   fits     each preset trained under its card's memory (--card; target 4); an H100 refuses
 #            the RTX PRO 6000 ones at once (their cap is above its memory): an H200's     4 x 2 min
 # Issue 19, the scaled accuracy grid (reproduce/gpu_ag_news.yaml; data/ag_news carried):
@@ -70,7 +71,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare fits reproduce"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare fused4 fits reproduce"; exit 2; }
 for what in "$@"; do
   case $what in
     exact) step 120 exact python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
@@ -106,6 +107,9 @@ for what in "$@"; do
     aggshare) step 200 aggshare python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
                 --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b \
                 --train-args "${LLAMA[@]}" --layers-per-block 1 ;;
+    fused4) step 240 fused4 python3 profiling/profile_resources.py "${BF16[@]}" --ranks 4 --methods deca \
+              --updates eager fused --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b_fused \
+              --train-args "${QWEN[@]}" ;;
     fits) for preset in rtx5090_qwen2-1.5b:qwen2-1.5b rtx5090_qwen2.5-3b:qwen2.5-3b-instruct \
                         rtxpro6000_llama-2-7b:llama-2-7b-hf rtxpro6000_llama-3.1-8b:llama-3.1-8b-instruct; do
             name=${preset%%:*} card="RTX 5090"
