@@ -68,7 +68,19 @@ def measure(out: Path, warmup: int) -> dict:
         "update_ms": median_ms(rows, "t_local_update", "t_aggregate"),
         "step_ms": median_ms(rows, "t_forward", "t_backward", "t_mix_update"),
         "comm_mb": statistics.fmean(r["bytes_sent"] for r in rows) / 1e6,
+        # {gpu: clients} where they time-share it (launch/train.py records it), empty on CPU ranks
+        "clients_per_gpu": run_config.get("clients_per_gpu", {}),
     }
+
+
+def sharing(rows: list[dict]) -> str:
+    """What the times mean where clients share a GPU (several clients on one GPU take turns on it)."""
+    shared = sorted({(gpu, k) for r in rows for gpu, k in r.get("clients_per_gpu", {}).items() if k > 1})
+    if not shared:
+        return ""
+    where = ", ".join(f"{k} on GPU {gpu}" for gpu, k in shared)
+    return (f" The clients time-share their GPU ({where}) and exchange through host memory: the step "
+            "times are not one-GPU-per-client figures; compare the methods with each other.")
 
 
 # what a merged table's rows must share
@@ -160,7 +172,7 @@ def write(summary: dict, out: Path, name: str) -> None:
            "update and the combination, the arithmetic a client does (medians of each, so the parts need not "
            "add up exactly). Comm is the bytes a client sends per step "
            "(a baseline mixing every K-th step sends nothing in between). Times from CPU ranks share the "
-           "machine's cores and are comparable with each other, not with a GPU."]
+           "machine's cores and are comparable with each other, not with a GPU." + sharing(rows)]
     write_results(out, name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
 
     plt = pyplot()

@@ -160,3 +160,12 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
         if parsed.__dict__.get("train_args") and "--ds_config" not in parsed.train_args:
             parse_run_args([*ds_config, *parsed.train_args])
     assert len(commands) == 24 and len(tools) == 8, sorted(tools)
+
+
+def test_profile_resources_says_where_clients_time_share_a_gpu():
+    """Several clients on one GPU take turns on it: the table must say so (not on CPU ranks, nor one per GPU)."""
+    import profile_resources
+
+    assert profile_resources.sharing([{"clients_per_gpu": {}}, {"clients_per_gpu": {"0": 1, "1": 1}}]) == ""
+    text = profile_resources.sharing([{"clients_per_gpu": {"0": 4}}, {"clients_per_gpu": {"0": 4, "1": 1}}])
+    assert "time-share their GPU (4 on GPU 0)" in text and "not one-GPU-per-client figures" in text

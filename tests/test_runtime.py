@@ -665,6 +665,9 @@ def test_profile_resources_tool(tmp_path, profiling_runs):
     # each row names its own call
     assert [r["command"].split()[5] for r in summary["results"]] == ["deca", "dadam", "deca", "dadam"]
     assert (tmp_path / "out" / "profile_resources.png").stat().st_size > 1000
+    # CPU ranks share no GPU, so the table says nothing of time-sharing one
+    assert all(r["clients_per_gpu"] == {} for r in summary["results"])
+    assert "time-share" not in (tmp_path / "out" / "profile_resources.md").read_text()
 
 
 def test_step_sections_keep_their_own_allocation_peaks(monkeypatch):
