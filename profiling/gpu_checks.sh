@@ -22,7 +22,8 @@
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min
 #   update   the fused update on the device (target 3)                                     50 s measured
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
-#   fused4   the same with neighbours: DECA eager and fused, table9's 4 clients (target 3) 3-4 min
+#   fused4   the same with neighbours: DECA eager and fused, table9's 4 clients (target 3) 3-5 min
+#            (the fused run compiles its kernels in its warm-up steps, 4 ranks at once)
 #   fits     each preset trained under its card's memory (--card; target 4); an H100 refuses
 #            the RTX PRO 6000 ones at once (their cap is above its memory): an H200's     4 x 2 min
 # Issue 19, the scaled accuracy grid (reproduce/gpu_ag_news.yaml; data/ag_news carried):
@@ -107,7 +108,7 @@ for what in "$@"; do
     aggshare) step 200 aggshare python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
                 --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b \
                 --train-args "${LLAMA[@]}" --layers-per-block 1 ;;
-    fused4) step 240 fused4 python3 profiling/profile_resources.py "${BF16[@]}" --ranks 4 --methods deca \
+    fused4) step 300 fused4 python3 profiling/profile_resources.py "${BF16[@]}" --ranks 4 --methods deca \
               --updates eager fused --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b_fused \
               --train-args "${QWEN[@]}" ;;
     fits) for preset in rtx5090_qwen2-1.5b:qwen2-1.5b rtx5090_qwen2.5-3b:qwen2.5-3b-instruct \
