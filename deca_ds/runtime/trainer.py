@@ -259,6 +259,11 @@ class Plan:
     resume_changes: dict[str, list]
 
 
+def at_step(step: int, where: dict) -> str:
+    """Where a message happened: "step 7 (round 0, block 2, r 1)"."""
+    return f"step {step} (round {where['round']}, block {where['block']}, r {where['r']})"
+
+
 def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     n_clients = check_layout(int(os.environ.get("WORLD_SIZE", "1")), opts.ranks_per_client, opts.clients)
     transport = resolve_transport(opts.transport, torch.cuda.is_available())
@@ -429,9 +434,8 @@ class Job:
         except RuntimeError as err:  # PeerError from mixing, or a collective that lost a rank
             # Live ranks post a step (or their own failure) within a few step times.
             grace = min(self.opts.timeout, max(3.0, 3 * self.last_step_s))
-            raise PeerError(f"rank {self.layout.rank} (client {self.layout.client}) failed at step {step} (round "
-                            f"{where['round']}, block {where['block']}, r {where['r']}): {err}; "
-                            f"{self.heartbeat.silent_ranks(step, grace)}") from err
+            raise PeerError(f"rank {self.layout.rank} (client {self.layout.client}) failed at {at_step(step, where)}: "
+                            f"{err}; {self.heartbeat.silent_ranks(step, grace)}") from err
 
     def _step(self, step: int, where: dict) -> bool:
         """step()'s work; False when --skip-nonfinite skipped it."""
@@ -452,8 +456,7 @@ class Job:
             self.prefix.clear()  # the block is done: its layers compute again
         loss = self._client_loss(losses)
         problem = 1 if not math.isfinite(loss) else 0 if update_finite(optimizer) else 2
-        stop_if_nonfinite(problem, layout, self.device, f"at step {step} (round {where['round']}, block "
-                                                        f"{where['block']}, r {where['r']})")
+        stop_if_nonfinite(problem, layout, self.device, f"at {at_step(step, where)}")
         t_exchange = mixer.total_exchange_s - exchanged
         record.update(loss=loss, **times, t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
                       t_aggregate=optimizer.last_times["combine"] - t_exchange,
