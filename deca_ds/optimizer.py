@@ -168,7 +168,10 @@ class DecaOptimizer(DecentralizedOptimizer):
 
     @torch.no_grad()
     def bma_correct(self, x_plus: torch.Tensor) -> None:
-        """Steps 6–8: discrepancy h, carried moments by variant, x = x⁺; then the next step."""
+        """Steps 6–8: discrepancy h, carried moments by variant, x = x⁺; then the next step.
+
+        `x_plus` becomes the master itself, not a copy (Mixer.mix returns a buffer the caller may
+        keep): hand each optimizer a tensor of its own, and do not use it after this call."""
         self.update.correct(self.active, x_plus)
         # Drop this frame's reference to x⁺ (now the master) first: at the end of a block _advance
         # allocates the next block's master, m, v, and the finished block's must be free by then.

@@ -1,6 +1,6 @@
 """8-bit moments of the active block (DecaConfig(state_bits=8)) against fp32: memory and drift.
 
-On the tests' tiny Llama (tests/helpers.py), for each learning rate and variant:
+On a tiny Llama (hidden 32, 64 tokens, the tests' shape), for each learning rate and variant:
   memory        DecaOptimizer.state_bytes() of the largest active block (master + m + v), fp32 vs
                 8-bit moments, measured; and the same arithmetic for one Llama-3.1-8B decoder layer
                 from its config (computed)
@@ -19,21 +19,36 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
 from deca_ds.memory import ModelSpec
+from deca_ds.models import tiny_llama
 from deca_ds.quantized import num_absmax
 from report import provenance, write_results
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-from helpers import client_batches, tiny_llama  # noqa: E402  (the tests' model and data)
-
 VARIANTS = ("deca", "trivial_bma", "no_bma")
+VOCAB = 64
+
+
+def tiny(layers: int) -> torch.nn.Module:
+    """The tiny Llama of tests/helpers.py (Llama's own init range, not the demo's): the same weights."""
+    return tiny_llama(VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      max_position_embeddings=64, initializer_range=0.02)
+
+
+def client_batches(n_clients: int, steps: int, batch: int = 2, seq: int = 8, seed: int = 1) -> list[list[dict]]:
+    """Per client, `steps` language-modelling batches from a token range of its own (non-IID)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n_clients):
+        low = (i * VOCAB) // (2 * n_clients)
+        ids = torch.randint(low, low + VOCAB // 2, (steps, batch, seq), generator=g)
+        out.append([{"input_ids": x, "labels": x} for x in ids])
+    return out
 
 
 def parse_args(argv=None):
@@ -57,14 +72,14 @@ def flat(params: dict) -> torch.Tensor:
 
 
 def held_out_loss(args, params: dict, batches) -> float:
-    model = tiny_llama(layers=args.layers, dtype=torch.float32)
+    model = tiny(args.layers)
     model.load_state_dict(params)
     with torch.no_grad():
         return sum(model(**b).loss.item() for b in batches) / len(batches)
 
 
 def drift(args, cfg: dict) -> dict:
-    model = tiny_llama(layers=args.layers, dtype=torch.float32)
+    model = tiny(args.layers)
     steps = args.rounds * args.layers * args.steps_per_block
     batches = client_batches(args.clients, steps)
     held = [b for client in client_batches(args.clients, 4, batch=8, seed=99) for b in client]
@@ -89,7 +104,7 @@ def drift(args, cfg: dict) -> dict:
 def update_error(args, cfg: dict) -> dict:
     """Single client, the fp32 run leading; both optimizers take its x⁺, so the 8-bit one sees the
     same x and g every step and differs by its moments only."""
-    a = tiny_llama(layers=args.layers, dtype=torch.float32)
+    a = tiny(args.layers)
     b = copy.deepcopy(a)
     opt32, opt8 = DecaOptimizer(a, DecaConfig(**cfg)), DecaOptimizer(b, DecaConfig(**cfg, state_bits=8))
     errors, state = [], {32: 0, 8: 0}
@@ -103,8 +118,9 @@ def update_error(args, cfg: dict) -> dict:
         half32, half8 = opt32.adam_half_step(), opt8.adam_half_step()
         if r:
             errors.append(((half8 - half32).norm() / (half32 - x).norm()).item())
+        # bma_correct keeps x⁺ as its master (no copy): each optimizer gets a tensor of its own
+        opt8.bma_correct(half32.clone())
         opt32.bma_correct(half32)
-        opt8.bma_correct(half32)
     return {"state_bytes_fp32": state[32], "state_bytes_8bit": state[8],
             "update_err_mean": sum(errors) / len(errors), "update_err_max": max(errors)}
 
