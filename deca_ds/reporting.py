@@ -7,6 +7,7 @@ import csv
 import json
 import platform
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def commit(exclude: Path | None = None) -> str:
         return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", str(REPO), *skip) else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def invocation(command: str, argv: list[str] | None) -> list[str]:
+    """The command line a result records: `python launch/X.py …` as typed in a checkout, else the
+    console command (`argv` given: an in-process call, as the console command)."""
+    if argv is None and sys.argv[0].endswith(".py"):
+        return ["python", sys.argv[0], *sys.argv[1:]]
+    return [command, *(sys.argv[1:] if argv is None else argv)]
 
 
 def provenance(command: str, *, cuda: bool = False, cpu: str | None = None, exclude: Path | None = None) -> dict:

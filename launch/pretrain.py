@@ -1,5 +1,6 @@
 """Train the small Llama the scaled reproduction fine-tunes: `python launch/pretrain.py --output-dir
-runs/pretrained/synthetic [--dataset agnews --data-files train=… test=…]` (deca_ds.reproduce.pretrain)."""
+runs/pretrained/synthetic [--dataset agnews --data-files train=… test=…]`, the same as the
+deca-pretrain command (deca_ds.reproduce.pretrain)."""
 
 from deca_ds.reproduce.pretrain import main
 

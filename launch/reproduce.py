@@ -1,5 +1,6 @@
-"""Reproduce the paper's tables and loss figures: `python launch/reproduce.py reproduce/<grid>.yaml`
-(deca_ds.reproduce; --help lists the options). Resumable: finished cells are skipped."""
+"""Reproduce the paper's tables and loss figures: `python launch/reproduce.py reproduce/<grid>.yaml`, the
+same as the deca-reproduce command (deca_ds.reproduce; --help lists the options). Resumable: finished
+cells are skipped."""
 
 import sys
 

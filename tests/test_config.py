@@ -257,7 +257,7 @@ def test_documented_commands_parse(monkeypatch, tmp_path):
             pytest.fail(f"{where}: {shlex.join(args)}: {err!r}")
 
 
-def test_wheel_ships_the_presets_and_the_commands(tmp_path):
+def test_wheel_ships_the_presets_grids_and_commands(tmp_path):
     # build from a copy (the build writes build/ and *.egg-info next to pyproject.toml), no network
     src = tmp_path / "src"
     src.mkdir()
@@ -265,6 +265,9 @@ def test_wheel_ships_the_presets_and_the_commands(tmp_path):
         if (ROOT / name).exists():
             shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "ds_configs", src / "ds_configs")
+    (src / "reproduce").mkdir()
+    for grid in (ROOT / "reproduce").glob("*.yaml"):
+        shutil.copy(grid, src / "reproduce")
     shutil.copytree(ROOT / "deca_ds", src / "deca_ds", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                             "-w", str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=300)
@@ -275,18 +278,22 @@ def test_wheel_ships_the_presets_and_the_commands(tmp_path):
         entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
         z.extractall(tmp_path / "site")
     assert {f"deca_ds/presets/{p}.json" for p in preset_names()} <= set(names)
+    assert {f"deca_ds/grids/{p.name}" for p in (ROOT / "reproduce").glob("*.yaml")} <= set(names)
     for line in ("deca-train = deca_ds.train:main", "deca-eval = deca_ds.eval:main",
-                 "deca-estimate = deca_ds.estimate:main", "deca-split = deca_ds.split:main"):
+                 "deca-estimate = deca_ds.estimate:main", "deca-split = deca_ds.split:main",
+                 "deca-reproduce = deca_ds.reproduce.cli:main", "deca-pretrain = deca_ds.reproduce.pretrain:main"):
         assert line in entry_points
-    # the unpacked wheel, away from this checkout, finds its presets by name
+    # the unpacked wheel, away from this checkout, finds its presets and grids by name
     code = ("from deca_ds.runtime.options import parse_args\nimport deca_ds\n"
-            "print(deca_ds.__file__)\nprint(parse_args(['--preset', 'cpu_demo'])[0].max_seq_len)\n")
+            "print(deca_ds.__file__)\nprint(parse_args(['--preset', 'cpu_demo'])[0].max_seq_len)\n"
+            "from deca_ds.reproduce.cli import main\nmain(['paper_qwen2.5-3b', '--dry-run'])\n")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    where, seq_len = out.stdout.split()
+    where, seq_len, *dry_run = out.stdout.splitlines()
     assert Path(where).is_relative_to(tmp_path / "site")
     assert int(seq_len) == json.loads((ROOT / "ds_configs" / "cpu_demo.json").read_text())["deca"]["max_seq_len"]
+    assert dry_run[-1].startswith("72 cells, 72 to run (deepspeed")  # the paper's Qwen2.5-3B grid, its preset found
 
 
 @pytest.mark.parametrize("module, expected", [

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+from pathlib import Path
 
 import matplotlib.image as mpimg
 import numpy as np
@@ -22,6 +23,8 @@ from deca_ds.reproduce.figures import smooth, write_figures
 from deca_ds.reproduce.grid import Cell
 from deca_ds.reproduce.report import Table, build_table, marks, to_csv, to_markdown, write_report
 from deca_ds.runtime.checkpoint import sha256
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_grid(model: str, **overrides) -> dict:
@@ -331,6 +334,11 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     from deca_ds.reproduce.cells import _deepspeed_command
 
     grid = load_grid("reproduce/paper_qwen2.5-3b.yaml", runs_dir=tmp_path)
+    # the same file by its shipped name (deca-reproduce paper_qwen2.5-3b), from any directory
+    assert load_grid("paper_qwen2.5-3b", runs_dir=tmp_path).source == grid.source
+    unknown = r"grid file paper_qwen2\.5: no such file and no shipped grid .*did you mean 'paper_qwen2\.5-3b'"
+    with pytest.raises(GridError, match=unknown):
+        load_grid("paper_qwen2.5")
     # Table 1 + ablation: 4 tasks x 6 methods; topology: 3 tasks x 4 methods x 2 more graphs; clients: x 2 more N
     assert len(grid.cells) == 24 + 24 + 24
     # the hub model's depth is unknown offline: one symbolic budget, the preset's 2 x 2 examples per step
@@ -339,7 +347,9 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     d = tmp_path / "cell"
     d.mkdir()
     command = _deepspeed_command(grid, cell, d)
-    assert command[1:3] == ["--num_gpus", "12"] and command[3].endswith("launch/train.py")
+    # deca-train as a module: no checkout's launch/ needed; the preset by its path in the package or checkout
+    assert command[1:5] == ["--num_gpus", "12", "--module", "deca_ds.train"]
+    assert command[5:7] == ["--ds_config", str((ROOT / "ds_configs" / "rtx5090_qwen2.5-3b.json").resolve())]
     written = yaml.safe_load((d / "options.yaml").read_text())
     assert written["method"] == "dec_lora" and written["clients"] == 12 and written["dirichlet_alpha"] == 0.25
     assert written["model"] == "Qwen/Qwen2.5-3B-Instruct" and written["output_dir"].endswith("seed0/train")

@@ -11,8 +11,8 @@ one with other settings stops the grid before anything runs. Where the grid make
 file beside its directory, .<seed>.lock) before it runs it, so that several runs can share a grid.
 
 Backends: `simulate` runs the N clients of a cell in one process through deca_ds.simulate (small
-models, many clients on one device); `deepspeed` runs launch/train.py with one rank per client
-and converts its outputs to the same files.
+models, many clients on one device); `deepspeed` runs deca-train (`deepspeed --module
+deca_ds.train`) with one rank per client and converts its outputs to the same files.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 from ..reporting import REPO
 from ..runtime.checkpoint import atomic_write, sha256
 from ..runtime.metrics import loss_ends
+from ..runtime.presets import preset_path
 from .grid import Cell, Grid, GridError
 from .pretrain import WEIGHTS, pretrain, pretrained_state
 
@@ -349,6 +350,7 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running) -> str:
     else:
         command = _deepspeed_command(grid, cell, d)
     start = time.time()
+    # the children import the deca_ds this process runs (a checkout's too, where it is not installed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if grid.threads:
         env["OMP_NUM_THREADS"] = str(grid.threads)
@@ -375,12 +377,12 @@ def _deepspeed_command(grid: Grid, cell: Cell, d: Path) -> list[str]:
     ranks = cell.clients * cell.options["ranks_per_client"]
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     where = grid.deepspeed_args or ["--num_gpus", str(ranks)]  # e.g. --hostfile for cells beyond one node
-    return [launcher, *where, str(REPO / "launch" / "train.py"), "--ds_config",
-            str(Path(grid.ds_config).resolve()), "--config", str(d / "options.yaml"), "--no-export", "--overwrite"]
+    return [launcher, *where, "--module", "deca_ds.train", "--ds_config", str(preset_path(grid.ds_config).resolve()),
+            "--config", str(d / "options.yaml"), "--no-export", "--overwrite"]
 
 
 def collect_deepspeed(d: Path, *, wall_s: float) -> None:
-    """launch/train.py's outputs (train/) as the cell's files: mean loss over clients per step and the
+    """deca-train's outputs (train/) as the cell's files: mean loss over clients per step and the
     mean consensus distance, the run config and the consensus model's metrics."""
     from ..runtime.metrics import read_client_metrics
 

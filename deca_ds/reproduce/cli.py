@@ -1,4 +1,4 @@
-"""launch/reproduce.py: check a grid file, run its unfinished cells, write the tables and figures."""
+"""deca-reproduce (launch/reproduce.py): check a grid file, run its unfinished cells, write the tables and figures."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import signal
 import sys
 from functools import partial
 
+from ..reporting import invocation
 from .cells import base_state, check_finished, holder, pretrain_base, run_grid, steps_done
 from .figures import write_figures
-from .grid import GridError, load_grid
+from .grid import GridError, grid_names, load_grid
 from .report import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch/reproduce.py", description=__doc__)
-    p.add_argument("grid", help="grid file (YAML), e.g. reproduce/cpu_synthetic.yaml")
+    p = argparse.ArgumentParser(prog="deca-reproduce", description=__doc__)
+    p.add_argument("grid", help=f"grid file (YAML), or a shipped grid's name ({', '.join(grid_names())})")
     p.add_argument("--runs-dir", help="where the cells run (default: the grid's runs_dir)")
     p.add_argument("--results-dir", help="where tables and figures go (default: the grid's results_dir)")
     p.add_argument("--jobs", type=int, help="cells run at once (simulate backend; default: the grid's jobs, else 1)")
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    command = ["python", "launch/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
+    command = invocation("deca-reproduce", argv)
     if args.dry_run:
         if base:
             log(f"model {grid.pretrain.output_dir}: {base}" + (f" ({grid.pretrain.steps} steps, before the first "

@@ -30,6 +30,7 @@ import yaml
 from ..datasets import TASKS
 from ..models import TINY_LLAMA
 from ..runtime.options import RunOptions
+from ..runtime.presets import preset_path, shipped_file, shipped_names
 from ..runtime.task import DATASETS
 from .pretrain import PretrainOptions
 
@@ -44,6 +45,8 @@ CELL_KEYS = ("method", "variant", "seed", "output_dir", *AXES)
 
 
 SELECTABLE = ("task", "method", "topology", "clients", "layers_per_block", "seed")  # Cell fields --only takes
+# The checkout's reproduce/*.yaml, packaged as deca_ds/grids: an installed deca-reproduce runs them by name.
+GRID_DIR = Path(__file__).resolve().parent.parent / "grids"
 
 
 class GridError(ValueError):
@@ -181,7 +184,10 @@ def num_layers(model: str) -> int | None:
 def _ds_batch(ds_config: str | None) -> dict:
     if not ds_config:
         return {}
-    data = json.loads(Path(ds_config).read_text())
+    try:
+        data = json.loads(preset_path(ds_config).read_text())
+    except ValueError as err:
+        raise GridError(f"ds_config: {err}") from None
     return {"micro_batch": data.get("train_micro_batch_size_per_gpu"),
             "grad_accum": data.get("gradient_accumulation_steps"), **data.get("deca", {})}
 
@@ -204,14 +210,25 @@ def step_budget(options: dict, method: str, layers: int | None = None) -> tuple[
     return options["steps"], examples
 
 
+def grid_names() -> list[str]:
+    """Names of the shipped grids (`deca-reproduce NAME`)."""
+    return shipped_names(GRID_DIR, ".yaml")
+
+
+def grid_path(spec: str | Path) -> Path:
+    """A grid file, or a shipped grid's name (deca_ds.runtime.presets.shipped_file)."""
+    try:
+        return shipped_file(spec, GRID_DIR, "reproduce/NAME.yaml", what="grid file", noun="grid")
+    except ValueError as err:
+        raise GridError(str(err)) from None
+
+
 def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_dir: str | Path | None = None,
               jobs: int | None = None) -> Grid:
-    """Read and check a grid file; `runs_dir`, `results_dir` and `jobs` override the file's."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise GridError(f"grid file {path} does not exist") from None
+    """Read and check a grid file (a path, or a shipped grid's name); `runs_dir`, `results_dir` and
+    `jobs` override the file's."""
+    path = grid_path(path)
+    data = yaml.safe_load(path.read_text())
     return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, where=str(path))
 
 
@@ -225,7 +242,8 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
         raise GridError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
     ds_config = data.get("ds_config")
     if backend == "deepspeed" and not ds_config:
-        raise GridError(f"{where}: the deepspeed backend needs `ds_config` (a preset of ds_configs/)")
+        raise GridError(f"{where}: the deepspeed backend needs `ds_config` (a shipped preset's name, or a "
+                        "DeepSpeed JSON file)")
     base = dict(data.get("options") or {})
     _check_options(f"{where}: options", base)
     methods = _check_methods(f"{where}: methods", data["methods"])

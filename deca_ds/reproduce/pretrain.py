@@ -43,6 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
+from ..reporting import invocation
 from ..runtime.checkpoint import sha256, write_json
 from ..runtime.options import RunOptions, per_client
 from ..runtime.task import load_records
@@ -266,7 +267,7 @@ def _save(out: Path, model, tokenizer, report: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="launch/pretrain.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="deca-pretrain", description=__doc__.split("\n\n")[0])
     p.add_argument("--output-dir", required=True, help="where the checkpoint and tokenizer go")
     p.add_argument("--dataset", default="synthetic", help="as launch/train.py: synthetic, a task name, or files")
     p.add_argument("--data-files", nargs="+",
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", type=json.loads, default={}, help="JSON overrides of the Llama config, e.g. "
                    "'{\"hidden_size\": 256}'")
     args = vars(p.parse_args(argv))
-    command = ["python", "launch/pretrain.py", *(sys.argv[1:] if argv is None else argv)]
+    command = invocation("deca-pretrain", argv)
     try:
         pretrain(PretrainOptions(**args), command=command)
     except ValueError as err:

@@ -38,25 +38,37 @@ _REFUSED = {
 }
 
 
-def preset_names() -> list[str]:
-    """Names of the shipped presets (`--preset NAME`)."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
-
-
-def preset_path(spec: str | Path) -> Path:
-    """An existing JSON file, else the shipped preset of that name (with or without .json, or as
-    ds_configs/NAME.json, the checkout's path, so the documented commands run from any directory)."""
+def shipped_file(spec: str | Path, directory: Path, checkout: str, *, what: str, noun: str) -> Path:
+    """An existing file, else the one of that name shipped in `directory` (with or without its
+    suffix, or as `checkout`/NAME, its path in the checkout, so the documented commands run from any
+    directory). ValueError naming the closest shipped name where there is neither."""
     path = Path(spec)
     if path.is_file():
         return path
-    name = path.name.removesuffix(".json")
-    shipped = PRESET_DIR / f"{name}.json"
-    if path.parent in (Path("."), Path("ds_configs")) and shipped.is_file():
+    suffix = Path(checkout).suffix
+    name = path.name.removesuffix(suffix)
+    shipped = directory / f"{name}{suffix}"
+    if path.parent in (Path("."), Path(checkout).parent) and shipped.is_file():
         return shipped
-    close = difflib.get_close_matches(name, preset_names(), n=1)
+    names = shipped_names(directory, suffix)
+    close = difflib.get_close_matches(name, names, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"DeepSpeed config {spec}: no such file and no shipped preset of that name "
-                     f"({hint}presets: {', '.join(preset_names())})")
+    raise ValueError(f"{what} {spec}: no such file and no shipped {noun} of that name ({hint}{noun}s: "
+                     f"{', '.join(names)})")
+
+
+def shipped_names(directory: Path, suffix: str) -> list[str]:
+    return sorted(p.stem for p in directory.glob(f"*{suffix}"))
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets (`--preset NAME`)."""
+    return shipped_names(PRESET_DIR, ".json")
+
+
+def preset_path(spec: str | Path) -> Path:
+    """A DeepSpeed JSON file, or a shipped preset's name (shipped_file)."""
+    return shipped_file(spec, PRESET_DIR, "ds_configs/NAME.json", what="DeepSpeed config", noun="preset")
 
 
 def split_ds_config(config: dict, source: str) -> tuple[dict, dict]:
