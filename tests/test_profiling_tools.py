@@ -1,7 +1,8 @@
 """profiling/matmul_efficiency.py, profiling/offload_sweep.py and profiling/save_init.py (issue 17's
 GPU measurements): the analytic FLOP count against torch's FlopCounterMode, each tool's smoke run on
-CPU, and the saved initialisation against the run's own; every command of gpu_checks.sh; and
-profiling/state_8bit.py's measurement of the 8-bit moments."""
+CPU, and the saved initialisation against the run's own; every command of gpu_checks.sh;
+profiling/shared_device_exact.py on CPU ranks; and profiling/state_8bit.py's measurement of the
+8-bit moments."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import matmul_efficiency  # noqa: E402
 import offload_sweep  # noqa: E402
 import save_init  # noqa: E402
 import state_8bit  # noqa: E402
+from helpers import RANK_THREADS, torch_threads  # noqa: E402
 
 TINY = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=50, tie_word_embeddings=False)
@@ -128,6 +130,22 @@ def test_save_init_writes_the_model_and_tokenizer_the_run_draws(tmp_path):
         save_init.main(["--out", str(out), "--train-args", *drawn])
     with pytest.raises(SystemExit):  # only a drawn initialisation
         save_init.main(["--out", str(tmp_path / "other"), "--train-args", *run])
+
+
+def test_shared_device_exact_on_cpu_ranks(tmp_path, profiling_runs, monkeypatch):
+    """profiling/shared_device_exact.py (gpu_checks.sh's `exact`) on 2 CPU ranks: each client's
+    weights equal the simulator's within the tool's bound, after the run moved them."""
+    import shared_device_exact
+
+    monkeypatch.setenv("DECA_RANK_THREADS", str(RANK_THREADS))
+    out = tmp_path / "exact.json"
+    with torch_threads():  # the tool sets the simulator's threads to the ranks'
+        result = shared_device_exact.main(["--ranks", "2", "--out", str(out), "--work-dir", str(tmp_path / "run"),
+                                           "--timeout", "300"])
+    assert json.loads(out.read_text()) == result
+    assert result["device_type"] == "cpu" and [c["client"] for c in result["clients"]] == [0, 1]
+    assert result["within_bound"] and result["max_abs_diff"] <= result["bound"] == 1e-6
+    assert all(c["max_change_from_init"] > 1e-4 for c in result["clients"])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="the optional bnb extra is not installed")
