@@ -1,18 +1,24 @@
 """Checks the GPU numbers the docs quote (profiling/README.md, docs/memory.md, docs/transport.md)
-against the result files, and lists result files whose recorded commit is older than the code they
-describe (issue 17, target 5). A claim is found in its document with the line breaks and runs of
-spaces read as one space, so re-wrapping a paragraph does not break it.
+against the result files, and lists result files whose code has changed since they were made
+(issue 17, target 5). A claim is found in its document with the line breaks and runs of spaces read
+as one space, so re-wrapping a paragraph does not break it.
 
 A result's commit is its JSON's "commit" (report.provenance writes it) or, for files older than
-that key, the one its folder's README.md names ("Code: commit `…`"). The code it describes is
-deca_ds/ and the tool its command ran; it is stale when git has a commit after the recorded one
-that touches either. Stale files are listed, not deleted.
+that key, the one its folder's README.md names ("Code: commit `…`"). The code it ran is the tool
+its command names and every file of this repository that the tool can import, or start in another
+process (launch/train.py for the tools that train through profiling/runs.py), followed through
+deca_ds. It is stale when one of those files runs differently at HEAD: compared as Python syntax trees
+without docstrings, so a comment, a docstring or a re-wrapped line leaves it fresh, and a commit
+that touches only other files (tests, docs, the reproduction grid) does too. Stale files are
+listed, not deleted.
 
     python profiling/check_results.py        # exit 1 when a quoted number differs from its file
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import re
 import subprocess
@@ -143,26 +149,115 @@ def recorded_commit(path: Path) -> str | None:
 
 
 def described_code(path: Path) -> list[str]:
+    """The files a result's code is made of (code_closure of the tool its command ran)."""
     command = recorded(path).get("command", "")
     tool = re.search(r"profiling/(\w+\.py)", command)
-    return ["deca_ds", *(["profiling/" + tool.group(1)] if tool else [])]
+    return code_closure("profiling/" + tool.group(1)) if tool else sorted(_package_files())
 
 
-def newer_commits(commit: str, paths: list[str]) -> list[str] | None:
-    """Commits after `commit` touching `paths` (short hashes); None when git does not know it."""
-    done = subprocess.run(["git", "log", "--format=%h", f"{commit}..HEAD", "--", *paths], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=False)
-    return done.stdout.split() if done.returncode == 0 else None
+# Code a file starts in another process, which no import of it shows.
+STARTS = {"profiling/runs.py": ["launch/train.py"]}
+
+
+def _package_files() -> set[str]:
+    return {str(f.relative_to(ROOT)) for f in (ROOT / "deca_ds").rglob("*.py")}
+
+
+def _module_file(dotted: str, beside: str) -> list[str]:
+    """The repository files `import dotted` runs, from a file in folder `beside`: each package's
+    __init__.py on the way and the module itself; [] for anything outside the repository."""
+    parts = dotted.split(".")
+    if parts[0] != "deca_ds":  # a sibling of the importing file (profiling/ puts itself on sys.path)
+        sibling = f"{beside}/{parts[0]}.py"
+        return [sibling] if len(parts) == 1 and (ROOT / sibling).is_file() else []
+    found = []
+    for i in range(1, len(parts) + 1):
+        base = "/".join(parts[:i])
+        init, module = f"{base}/__init__.py", f"{base}.py"
+        found += [f for f in (init, module) if (ROOT / f).is_file()]
+    return found
+
+
+def _imports(file: str) -> set[str]:
+    """Repository files `file` imports anywhere in it (functions' deferred imports included), names
+    as a dotted string constant (import_module(".blocks"), `-m deca_ds.x`), or starts (STARTS)."""
+    tree = ast.parse((ROOT / file).read_text())
+    folder = str(Path(file).parent)
+    package = folder.replace("/", ".") if file.startswith("deca_ds") else ""
+    found = set(STARTS.get(file, []))
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([base] if base else [])])
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"\.\w+(\.\w+)*", node.value) and package:
+                names = [package + node.value]
+            elif re.fullmatch(r"deca_ds(\.\w+)+", node.value):
+                names = [node.value]
+        for name in names:
+            found.update(_module_file(name, folder))
+    return found
+
+
+@functools.cache
+def code_closure(tool: str) -> list[str]:
+    """`tool` and every repository file it can run (_imports, followed to the end)."""
+    seen, todo = set(), [tool]
+    while todo:
+        file = todo.pop()
+        if file not in seen and (ROOT / file).is_file():
+            seen.add(file)
+            todo += sorted(_imports(file))
+    return sorted(seen)
+
+
+def code_digest(source: str) -> str:
+    """What a Python file runs: its syntax tree without docstrings (comments are not in it)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False)
+
+
+@functools.cache
+def _digest_at(commit: str, file: str) -> str | None:
+    """code_digest of `file` at `commit`; None where it did not exist (or git does not know the commit)."""
+    done = subprocess.run(["git", "show", f"{commit}:{file}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, check=False)
+    return code_digest(done.stdout) if done.returncode == 0 else None
+
+
+def changed_code(commit: str, files: list[str]) -> list[str] | None:
+    """The files that run differently at HEAD than at `commit`; None when git does not know it."""
+    def known(rev: str) -> str | None:
+        done = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, check=False)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    then, head = known(commit), known("HEAD")
+    if then is None or head is None:
+        return None
+    return [f for f in files if _digest_at(then, f) != _digest_at(head, f)]
 
 
 def stale(gpu_only: bool = True) -> list[dict]:
-    """Every result JSON (GPU folders only by default) with its commit and what changed since."""
+    """Every result JSON (GPU folders only by default) with its commit and the code that changed since."""
     found = []
     for path in sorted(RESULTS.glob("gpu_*/*.json" if gpu_only else "**/*.json")):
-        commit = recorded_commit(path)
-        newer = newer_commits(commit, described_code(path)) if commit else None
-        found.append({"file": str(path.relative_to(RESULTS)), "commit": commit, "code": described_code(path),
-                      "newer_commits": newer, "stale": commit is None or newer is None or bool(newer)})
+        commit, code = recorded_commit(path), described_code(path)
+        changed = changed_code(commit, code) if commit else None
+        found.append({"file": str(path.relative_to(RESULTS)), "commit": commit, "code": code,
+                      "changed": changed, "stale": changed is None or bool(changed)})
     return found
 
 
@@ -173,9 +268,12 @@ def main() -> int:
         print(f"{'ok  ' if ok else 'MISS'} {doc}: {claim[0]} {claim[1]} {claim[2]}: {value}")
         wrong += [] if ok else [value]
     for s in stale():
-        why = ("no commit recorded" if s["commit"] is None else "commit unknown to git" if s["newer_commits"] is None
-               else f"{len(s['newer_commits'])} later commits touch {', '.join(s['code'])}")
-        print(f"{'STALE' if s['stale'] else 'fresh'} {s['file']} (commit {s['commit']}): {why if s['stale'] else ''}")
+        changed = s["changed"] or []
+        why = ("no commit recorded" if s["commit"] is None else "commit unknown to git" if s["changed"] is None
+               else f"{len(changed)} of the {len(s['code'])} files it ran changed since: {', '.join(changed[:4])}"
+               + (f" and {len(changed) - 4} more" if len(changed) > 4 else ""))
+        print(f"{'STALE' if s['stale'] else 'fresh'} {s['file']} (commit {s['commit']})" + (f": {why}" if s["stale"]
+                                                                                             else ""))
     return 1 if wrong else 0
 
 

@@ -36,12 +36,28 @@ def test_results_older_than_their_code_are_stale():
         pytest.skip("this checkout's history lacks commit 17f96e9 (shallow clone)")
     found = {s["file"]: s for s in check_results.stale()}
     s = found["gpu_h100/profile_memory.json"]
-    assert s["commit"] == "17f96e9" and s["stale"] and s["newer_commits"]
-    assert s["code"] == ["deca_ds", "profiling/profile_memory.py"]
+    assert s["commit"] == "17f96e9" and s["stale"] and "deca_ds/runtime/trainer.py" in s["changed"]
+    # the tool, what it imports, and the trainer its ranks run (launch/train.py, started by runs.py)
+    assert {"profiling/profile_memory.py", "profiling/runs.py", "launch/train.py", "deca_ds/train.py",
+            "deca_ds/runtime/trainer.py", "deca_ds/optimizer.py", "deca_ds/updates.py"} <= set(s["code"])
+    assert "deca_ds/reproduce/cli.py" not in s["code"]  # nothing a profiling run can reach
     # HEAD itself is fresh for any code
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
-    assert check_results.newer_commits(head, ["deca_ds"]) == []
+    assert check_results.changed_code(head, s["code"]) == []
+    assert check_results.changed_code("0" * 40, s["code"]) is None  # a commit git does not know
+
+
+def test_only_a_change_to_what_the_code_runs_makes_it_stale():
+    digest = check_results.code_digest
+    source = '''"""Module."""\n\n\ndef f(x):\n    """Twice x."""\n    return 2 * x  # double\n'''
+    reworded = '''"""Another module docstring."""\n\ndef f(x):\n    """Doubles x,\n    in other words."""\n''' \
+        '''    return 2 * x  # twice\n'''
+    assert digest(reworded) == digest(source)
+    assert digest(source.replace("2 * x", "3 * x")) != digest(source)
+    assert digest(source.replace('    """Twice x."""\n', "")) == digest(source)
+    # a function that is only a docstring still differs from one that does something
+    assert digest('def f():\n    """Nothing."""\n') == digest("def f():\n    pass\n") != digest(source)
 
 
 def test_a_result_s_own_commit_wins_over_its_folder_s_readme(tmp_path):
@@ -55,9 +71,9 @@ def test_a_result_s_own_commit_wins_over_its_folder_s_readme(tmp_path):
     bare = tmp_path / "bare.json"
     bare.write_text('{"results": []}')
     assert check_results.recorded_commit(nested) == "2222222"
-    assert check_results.described_code(nested) == ["deca_ds", "profiling/setup_peaks.py"]
+    assert "profiling/setup_peaks.py" in check_results.described_code(nested)
     assert check_results.recorded_commit(top) == "3333333"
-    assert check_results.described_code(top) == ["deca_ds", "profiling/update_cost.py"]
+    assert check_results.described_code(top) == check_results.code_closure("profiling/update_cost.py")
     assert check_results.recorded_commit(bare) == "1111111"
 
 
