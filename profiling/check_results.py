@@ -8,7 +8,8 @@ that key, the one its folder's README.md names ("Code: commit `…`"). The code 
 its command names and every file of this repository that the tool can import, or start in another
 process (launch/train.py for the tools that train through profiling/runs.py), followed through
 deca_ds. It is stale when one of those files runs differently at HEAD: compared as Python syntax trees
-without docstrings, so a comment, a docstring or a re-wrapped line leaves it fresh, and a commit
+without docstrings and without the top-level definitions that none of that code uses, so a comment,
+a docstring, a re-wrapped line or a helper added for another command leaves it fresh, and a commit
 that touches only other files (tests, docs, the reproduction grid) does too. Stale files are
 listed, not deleted.
 
@@ -217,9 +218,46 @@ def code_closure(tool: str) -> list[str]:
     return sorted(seen)
 
 
-def code_digest(source: str) -> str:
-    """What a Python file runs: its syntax tree without docstrings (comments are not in it)."""
+def _defines(node: ast.stmt) -> set[str]:
+    """The names a top-level statement defines (a function, a class, an assignment's targets, an
+    import's names)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", None) != "__future__":
+        return {a.asname or a.name.split(".")[0] for a in node.names}
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {t.id for t in targets if isinstance(t, ast.Name)}
+
+
+def used_names(sources: list[str]) -> frozenset[str]:
+    """Every name the sources use: variables, attributes, imported names, and identifiers written as
+    strings (getattr, a lazy import's table)."""
+    names = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, ast.alias):
+                names.add(node.asname or node.name.split(".")[-1])
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                names.add(node.value)
+    return frozenset(names)
+
+
+def code_digest(source: str, used: frozenset[str] | None = None, *, package: bool = False) -> str:
+    """What a Python file runs: its syntax tree without docstrings (comments are not in it) and,
+    given the names the code uses, without the top-level definitions none of it uses (a helper
+    added for another command changes nothing a result's code runs) and without the imports only
+    those needed. A package's __init__ (`package`) keeps its imports: it re-exports them."""
     tree = ast.parse(source)
+    if used is not None:
+        imports = (ast.Import, ast.ImportFrom)
+        kept = [n for n in tree.body if isinstance(n, imports) or not _defines(n) or _defines(n) & used]
+        here = used_names([ast.unparse(n) for n in kept if not isinstance(n, imports)])
+        tree.body = [n for n in kept if package or not isinstance(n, imports) or not _defines(n)
+                     or _defines(n) & here]
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
@@ -230,15 +268,16 @@ def code_digest(source: str) -> str:
 
 
 @functools.cache
-def _digest_at(commit: str, file: str) -> str | None:
-    """code_digest of `file` at `commit`; None where it did not exist (or git does not know the commit)."""
+def _source_at(commit: str, file: str) -> str | None:
+    """`file` at `commit`; None where it did not exist."""
     done = subprocess.run(["git", "show", f"{commit}:{file}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, check=False)
-    return code_digest(done.stdout) if done.returncode == 0 else None
+    return done.stdout if done.returncode == 0 else None
 
 
 def changed_code(commit: str, files: list[str]) -> list[str] | None:
-    """The files that run differently at HEAD than at `commit`; None when git does not know it."""
+    """The files that run differently at HEAD than at `commit` (code_digest, with the names HEAD's
+    `files` use); None when git does not know the commit."""
     def known(rev: str) -> str | None:
         done = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=ROOT,
                               capture_output=True, text=True, timeout=60, check=False)
@@ -247,7 +286,19 @@ def changed_code(commit: str, files: list[str]) -> list[str] | None:
     then, head = known(commit), known("HEAD")
     if then is None or head is None:
         return None
-    return [f for f in files if _digest_at(then, f) != _digest_at(head, f)]
+    used = _used_at(head, tuple(files))
+    return [f for f in files if _digest_at(then, f, used) != _digest_at(head, f, used)]
+
+
+@functools.cache
+def _used_at(commit: str, files: tuple[str, ...]) -> frozenset[str]:
+    return used_names([s for f in files if (s := _source_at(commit, f)) is not None])
+
+
+@functools.cache
+def _digest_at(commit: str, file: str, used: frozenset[str]) -> str | None:
+    source = _source_at(commit, file)
+    return None if source is None else code_digest(source, used, package=file.endswith("__init__.py"))
 
 
 def stale(gpu_only: bool = True) -> list[dict]:

@@ -58,6 +58,13 @@ def test_only_a_change_to_what_the_code_runs_makes_it_stale():
     assert digest(source.replace('    """Twice x."""\n', "")) == digest(source)
     # a function that is only a docstring still differs from one that does something
     assert digest('def f():\n    """Nothing."""\n') == digest("def f():\n    pass\n") != digest(source)
+    # given the names the result's code uses: a helper it never calls, and the import only that helper
+    # needs, change nothing; a change to what it calls does
+    used = check_results.used_names(["from m import f\nprint(f(2))\n"])
+    helper = "import sys\n" + source + "\n\ndef g():\n    return sys.argv\n"
+    assert digest(helper, used) == digest(source, used) != digest(helper)
+    assert digest(source.replace("2 * x", "3 * x"), used) != digest(source, used)
+    assert digest(helper, used, package=True) != digest(source, used, package=True)  # an __init__ re-exports
 
 
 def test_a_result_s_own_commit_wins_over_its_folder_s_readme(tmp_path):
