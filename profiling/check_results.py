@@ -301,10 +301,11 @@ def _digest_at(commit: str, file: str, used: frozenset[str]) -> str | None:
     return None if source is None else code_digest(source, used, package=file.endswith("__init__.py"))
 
 
-def stale(gpu_only: bool = True) -> list[dict]:
-    """Every result JSON (GPU folders only by default) with its commit and the code that changed since."""
+def stale(pattern: str = "gpu_*/*.json") -> list[dict]:
+    """Each result JSON matching `pattern` (every GPU result by default) with its commit and the
+    code that changed since."""
     found = []
-    for path in sorted(RESULTS.glob("gpu_*/*.json" if gpu_only else "**/*.json")):
+    for path in sorted(RESULTS.glob(pattern)):
         commit, code = recorded_commit(path), described_code(path)
         changed = changed_code(commit, code) if commit else None
         found.append({"file": str(path.relative_to(RESULTS)), "commit": commit, "code": code,

@@ -34,8 +34,7 @@ def test_a_changed_number_is_caught_and_a_rewrapped_one_is_not():
 def test_results_older_than_their_code_are_stale():
     if subprocess.run(["git", "cat-file", "-e", "17f96e9^{commit}"], cwd=ROOT, check=False).returncode:
         pytest.skip("this checkout's history lacks commit 17f96e9 (shallow clone)")
-    found = {s["file"]: s for s in check_results.stale()}
-    s = found["gpu_h100/profile_memory.json"]
+    s, = check_results.stale("gpu_h100/profile_memory.json")
     assert s["commit"] == "17f96e9" and s["stale"] and "deca_ds/runtime/trainer.py" in s["changed"]
     # the tool, what it imports, and the trainer its ranks run (launch/train.py, started by runs.py)
     assert {"profiling/profile_memory.py", "profiling/runs.py", "launch/train.py", "deca_ds/train.py",
