@@ -156,7 +156,7 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
 
     Several grid runs can work through one runs_dir (terminals, or jobs on nodes that share the file
     system): each cell is claimed before it runs, so each is run by one of them. Interrupted
-    (Ctrl-C, or launch/reproduce.py's SIGTERM), a run stops every cell it runs, with all the cell
+    (Ctrl-C, or deca-reproduce's SIGTERM), a run stops every cell it runs, with all the cell
     started, before re-raising: a cell left running would go on writing into a directory the next
     run starts afresh."""
     todo, done = check_finished(grid)
@@ -286,7 +286,7 @@ def holder(cell_dir: Path) -> str | None:
 
 
 def steps_done(cell_dir: Path) -> int:
-    """Model update steps a cell has logged: its metrics.jsonl (simulate), or launch/train.py's
+    """Model update steps a cell has logged: its metrics.jsonl (simulate), or deca-train's
     first client's metrics (deepspeed) while it runs."""
     from ..runtime.metrics import metrics_path
 

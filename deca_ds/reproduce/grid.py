@@ -1,13 +1,13 @@
 """The reproduction grid: a YAML file of tasks x methods x (topology, clients, layers per block) x
 seeds, expanded into cells and checked whole before any cell runs.
 
-A grid file holds `options` (launch/train.py's RunOptions shared by every cell), `tasks` (name ->
+A grid file holds `options` (deca-train's RunOptions shared by every cell), `tasks` (name ->
 options of that task), `methods`, `method_options` (method -> options of that method only), `seeds`
 and `sweeps`: each sweep names the table it feeds (main, topology, clients, granularity) and the
 values of its axes (and optionally its own subset of `tasks` and its own `seeds`); an axis it leaves
 out keeps the value of `options`. Cells that two sweeps share (the ER / 8-client cell of the main
 and topology tables) run once. Relative paths are read from the directory the grid runs in.
-An optional `pretrain` section (the scaled protocol) holds launch/pretrain.py's options for the
+An optional `pretrain` section (the scaled protocol) holds deca-pretrain's options for the
 model `options.model` names: the grid pretrains it before its first cell unless that directory
 already holds it, made with the same options.
 
@@ -340,7 +340,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
 
 
 def _pretrain(section, cells: list[Cell], where: str) -> PretrainOptions | None:
-    """The grid's `pretrain` section as launch/pretrain.py's options, writing the model every cell
+    """The grid's `pretrain` section as deca-pretrain's options, writing the model every cell
     fine-tunes."""
     if section is None:
         return None

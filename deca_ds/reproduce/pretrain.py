@@ -56,7 +56,7 @@ SMALL_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, 
 @dataclass
 class PretrainOptions:
     output_dir: str
-    dataset: str = "synthetic"  # as launch/train.py's --dataset
+    dataset: str = "synthetic"  # as deca-train's --dataset
     data_files: list[str] | None = None
     vocab_size: int = 8000  # most frequent training words kept (besides specials, labels and template)
     seq_len: int = 64
@@ -80,7 +80,7 @@ class PretrainOptions:
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if self.seq_len > self.model["max_position_embeddings"]:
             raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_position_embeddings")
-        # the task options are launch/train.py's: RunOptions checks them (dataset name, data_files form)
+        # the task options are deca-train's: RunOptions checks them (dataset name, data_files form)
         if any(per_client(item.split("=", 1)[-1]) for item in self.data_files or ()):
             raise ValueError("pretraining reads one training file: --data-files train=…{client}… names each "
                              "client's own")
@@ -131,7 +131,7 @@ def pretrained_state(opts: PretrainOptions) -> str:
         return "to pretrain"
     record = out / "pretrain.json"
     if not record.is_file():
-        raise ValueError(f"{out} holds files but no pretrain.json: not a checkpoint launch/pretrain.py made, so it "
+        raise ValueError(f"{out} holds files but no pretrain.json: not a checkpoint deca-pretrain made, so it "
                          "is neither used as this pretraining's output nor overwritten; give the model another "
                          "directory, or drop `pretrain` to fine-tune that one as it is")
     old, new = recipe(json.loads(record.read_text())["options"]), recipe(asdict(opts))
@@ -269,9 +269,9 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="deca-pretrain", description=__doc__.split("\n\n")[0])
     p.add_argument("--output-dir", required=True, help="where the checkpoint and tokenizer go")
-    p.add_argument("--dataset", default="synthetic", help="as launch/train.py: synthetic, a task name, or files")
+    p.add_argument("--dataset", default="synthetic", help="as deca-train: synthetic, a task name, or files")
     p.add_argument("--data-files", nargs="+",
-                   help="train=PATH test=PATH, as launch/train.py (only the training split's prompts are read)")
+                   help="train=PATH test=PATH, as deca-train (only the training split's prompts are read)")
     for name in ("vocab_size", "seq_len", "batch", "steps", "warmup", "seed"):
         default = PretrainOptions.__dataclass_fields__[name].default
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
