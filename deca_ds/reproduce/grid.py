@@ -30,7 +30,7 @@ import yaml
 from ..datasets import TASKS
 from ..models import TINY_LLAMA
 from ..runtime.options import RunOptions
-from ..runtime.presets import preset_path, shipped_file, shipped_names
+from ..runtime.presets import load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS
 from .pretrain import PretrainOptions
 
@@ -185,11 +185,11 @@ def _ds_batch(ds_config: str | None) -> dict:
     if not ds_config:
         return {}
     try:
-        data = json.loads(preset_path(ds_config).read_text())
+        data, deca = load_ds_config(ds_config)
     except ValueError as err:
         raise GridError(f"ds_config: {err}") from None
     return {"micro_batch": data.get("train_micro_batch_size_per_gpu"),
-            "grad_accum": data.get("gradient_accumulation_steps"), **data.get("deca", {})}
+            "grad_accum": data.get("gradient_accumulation_steps"), **deca}
 
 
 def step_budget(options: dict, method: str, layers: int | None = None) -> tuple[int | str, int]:
