@@ -229,12 +229,12 @@ def _defines(node: ast.stmt) -> set[str]:
     return {t.id for t in targets if isinstance(t, ast.Name)}
 
 
-def used_names(sources: list[str]) -> frozenset[str]:
-    """Every name the sources use: variables, attributes, imported names, and identifiers written as
-    strings (getattr, a lazy import's table)."""
+def used_names(trees: list[ast.AST]) -> frozenset[str]:
+    """Every name the syntax trees use: variables, attributes, imported names, and identifiers
+    written as strings (getattr, a lazy import's table)."""
     names = set()
-    for source in sources:
-        for node in ast.walk(ast.parse(source)):
+    for tree in trees:
+        for node in ast.walk(tree):
             if isinstance(node, ast.Name):
                 names.add(node.id)
             elif isinstance(node, ast.Attribute):
@@ -255,7 +255,7 @@ def code_digest(source: str, used: frozenset[str] | None = None, *, package: boo
     if used is not None:
         imports = (ast.Import, ast.ImportFrom)
         kept = [n for n in tree.body if isinstance(n, imports) or not _defines(n) or _defines(n) & used]
-        here = used_names([ast.unparse(n) for n in kept if not isinstance(n, imports)])
+        here = used_names([n for n in kept if not isinstance(n, imports)])
         tree.body = [n for n in kept if package or not isinstance(n, imports) or not _defines(n)
                      or _defines(n) & here]
     for node in ast.walk(tree):
@@ -292,7 +292,7 @@ def changed_code(commit: str, files: list[str]) -> list[str] | None:
 
 @functools.cache
 def _used_at(commit: str, files: tuple[str, ...]) -> frozenset[str]:
-    return used_names([s for f in files if (s := _source_at(commit, f)) is not None])
+    return used_names([ast.parse(s) for f in files if (s := _source_at(commit, f)) is not None])
 
 
 @functools.cache

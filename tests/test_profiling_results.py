@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ def test_only_a_change_to_what_the_code_runs_makes_it_stale():
     assert digest('def f():\n    """Nothing."""\n') == digest("def f():\n    pass\n") != digest(source)
     # given the names the result's code uses: a helper it never calls, and the import only that helper
     # needs, change nothing; a change to what it calls does
-    used = check_results.used_names(["from m import f\nprint(f(2))\n"])
+    used = check_results.used_names([ast.parse("from m import f\nprint(f(2))\n")])
     helper = "import sys\n" + source + "\n\ndef g():\n    return sys.argv\n"
     assert digest(helper, used) == digest(source, used) != digest(helper)
     assert digest(source.replace("2 * x", "3 * x"), used) != digest(source, used)
