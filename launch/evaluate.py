@@ -1,5 +1,6 @@
-"""Evaluate an exported model: `python launch/evaluate.py --model outputs/run/consensus --dataset agnews
---out eval.json` (classification) or `--questions mt_bench.jsonl` (generation). `--help` lists the options."""
+"""deca-eval from a checkout: evaluate an exported model, e.g. `python launch/evaluate.py --run outputs/run
+--out eval.json` (the run's consensus on its test set) or `--questions mt_bench.jsonl` (generation).
+`--help` lists the options."""
 
 from deca_ds.runtime.evaluate import main
 

@@ -394,3 +394,41 @@ def test_evaluate_checks_the_judge_before_loading_any_model(tmp_path, monkeypatc
             evaluate.main([*base, *extra])
         assert code.value.code == 1 and message in capsys.readouterr().err
     assert not (tmp_path / "e.json").exists()
+
+
+def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_path):
+    """--run: deca-train's data options from run_config.json, converted and checked as a run file's;
+    the command line over them; the whole test split unless told; never the run's trust_remote_code."""
+    from deca_ds.runtime import evaluate
+
+    run = tmp_path / "run"
+    (run / "consensus").mkdir(parents=True)
+    saved = {"dataset": "files", "data_files": ["train=a.jsonl", "test=b.jsonl"], "max_seq_len": 48,
+             "label_names": ["no", "yes"], "seed": 3, "eval_limit": 100, "trust_remote_code": True, "lr": 1e-3}
+    (run / "run_config.json").write_text(json.dumps({"options": saved}))
+
+    def resolve(*argv):
+        return evaluate.resolve(evaluate.build_parser().parse_args([*argv, "--out", "e.json"]))
+
+    model, opts = resolve("--run", str(run))
+    assert model == str(run / "consensus")
+    assert (opts.dataset, opts.data_files, opts.max_seq_len, opts.label_names, opts.seed) == (
+        "files", ["train=a.jsonl", "test=b.jsonl"], 48, ["no", "yes"], 3)
+    assert opts.eval_limit == 0 and opts.trust_remote_code is False
+    model, opts = resolve("--run", str(run), "--model", "other", "--max-seq-len", "16", "--eval-limit", "8")
+    assert (model, opts.model, opts.max_seq_len, opts.eval_limit, opts.seed) == ("other", "other", 16, 8, 3)
+    assert resolve("--model", "m", "--questions", "q.jsonl") == ("m", None)  # no task named: generation only
+    assert resolve("--model", "m", "--dataset", "synthetic")[1].max_seq_len == 64  # deca-train's default
+
+    for problem, message in (({"max_seq_len": "long"}, r"run_config.json: max_seq_len: expected an integer"),
+                             ({"dataset": "files", "data_files": None}, "--dataset files needs --data-files")):
+        (run / "run_config.json").write_text(json.dumps({"options": {**saved, **problem}}))
+        with pytest.raises(ValueError, match=message):
+            resolve("--run", str(run))
+    (run / "consensus").rmdir()
+    with pytest.raises(ValueError, match="exported no consensus/"):
+        resolve("--run", str(run))
+    with pytest.raises(ValueError, match="no run_config.json there"):
+        resolve("--run", str(tmp_path))
+    with pytest.raises(ValueError, match="give --model .* or --run"):
+        resolve("--dataset", "synthetic")

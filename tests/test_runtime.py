@@ -466,19 +466,20 @@ def test_local_files_train_and_evaluate_end_to_end(tmp_path):
 
 
 def test_standalone_evaluation_of_the_export(reference_run, tmp_path):
-    """launch/evaluate.py on the exported consensus scores what the run itself reported, and
-    answers a questions file with ROUGE-L against its references."""
+    """launch/evaluate.py --run scores the run's consensus as the run itself did (its data options,
+    --max-seq-len 32 here, read from run_config.json), and answers a questions file with ROUGE-L
+    against its references."""
     out, _ = reference_run
     questions = tmp_path / "questions.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "turns": ["w1 w2 =>", "w3 =>"],
                                      "reference": ["label0", "label1"]}) + "\n"
                          + json.dumps({"question_id": 2, "text": "k0.1 =>"}) + "\n")
     result_path = tmp_path / "eval.json"
-    assert run_script(ROOT / "launch" / "evaluate.py", "--model", str(out / "consensus"), "--dataset", "synthetic",
-                      "--max-seq-len", "32", "--eval-limit", "64", "--questions", str(questions),
-                      "--max-new-tokens", "3", "--out", str(result_path)) == 0
+    assert run_script(ROOT / "launch" / "evaluate.py", "--run", str(out), "--eval-limit", "64",
+                      "--questions", str(questions), "--max-new-tokens", "3", "--out", str(result_path)) == 0
     result = json.loads(result_path.read_text())
     summary = json.loads((out / "summary.json").read_text())
+    assert result["model"] == str(out / "consensus") and result["options"]["max_seq_len"] == 32
     assert result["classification"] == summary["consensus_eval"]
     rows = [json.loads(line) for line in Path(result["answers"]).read_text().splitlines()]
     assert [len(r["answers"]) for r in rows] == [2, 1]

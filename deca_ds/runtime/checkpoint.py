@@ -185,7 +185,7 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 def save_hf_model(model: torch.nn.Module, directory: Path, tokenizer=None,
                   state: dict[str, torch.Tensor] | None = None) -> None:
     """config.json + model.safetensors (+ the tokenizer's files), a model directory that
-    AutoModelForCausalLM / AutoTokenizer.from_pretrained and launch/evaluate.py load, from any rank.
+    AutoModelForCausalLM / AutoTokenizer.from_pretrained and deca-eval load, from any rank.
     `state`: the weights to write by name (default: the model's own).
 
     (transformers' save_pretrained writes only on global rank 0 once torch.distributed is up;

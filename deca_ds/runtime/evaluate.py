@@ -1,7 +1,9 @@
-"""launch/evaluate.py: evaluate an exported model (e.g. <output>/consensus) on one process.
+"""deca-eval (also launch/evaluate.py): evaluate an exported model (e.g. <output>/consensus) on one process.
 
-Classification: accuracy and macro-F1 by label likelihood on the task's test split, with the
-same data options as training. Generation: answers to a questions file (Vicuna-80 / MT-Bench
+Classification: accuracy and macro-F1 by label likelihood on the task's test split. The data
+options are deca-train's own (RunOptions: the same names, types, help and checks), and `--run`
+takes them from a training run's run_config.json, so an export is scored on the test set its run
+scored, encoded the same way. Generation: answers to a questions file (Vicuna-80 / MT-Bench
 JSONL), ROUGE-L where the questions carry reference answers, and optionally an LLM judge behind
 an OpenAI-compatible endpoint (off unless --judge-url is given; the key is read from the
 environment and never written).
@@ -10,12 +12,13 @@ environment and never written).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .options import TASK_NAMES, RunOptions
+from .options import RunOptions, add_option, convert_options
 
 if TYPE_CHECKING:
     import torch
@@ -23,33 +26,71 @@ if TYPE_CHECKING:
 # torch, transformers and the tasks load in the functions that use them: `--help` and a refused
 # argument answer at once.
 
+# What fixes the test set and how it is encoded: `--run` takes these from the run. Not
+# trust_remote_code: running a model repo's own code is asked for on each command.
+TEST_SET = ("dataset", "data_files", "text_column", "text_pair_column", "label_column", "label_names",
+            "response_column", "chat_template", "max_seq_len", "synthetic_words", "seed")
+# deca-eval's own defaults: no task unless one is named (a questions file alone is generation
+# only), and the whole test split (deca-train's evaluations during a run score the first 512)
+DEFAULTS = {"dataset": None, "eval_limit": 0}
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch/evaluate.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="exported model directory (or hub id)")
-    p.add_argument("--dataset", default=None, choices=("synthetic", *TASK_NAMES, "files"),
-                   help="classification task to score (as in launch/train.py)")
-    p.add_argument("--data-files", nargs="+", default=None, help="split=path, as in launch/train.py")
-    for col in ("text-column", "text-pair-column", "label-column", "response-column"):
-        p.add_argument(f"--{col}", default=None)
-    p.add_argument("--label-names", nargs="+", default=None)
-    p.add_argument("--chat-template", action="store_true")
-    p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--eval-limit", type=int, default=0, help="test examples scored (0 = all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--questions", help="questions JSONL (generation)")
-    p.add_argument("--answers", help="where the answers JSONL goes (default: beside --out)")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint of a judge (off by default)")
-    p.add_argument("--judge-model", default="gpt-4o")
-    p.add_argument("--judge-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
-    p.add_argument("--judge-references", default=None,
-                   help="reference answers (FastChat reference_answer JSONL) for math/reasoning/coding questions")
-    p.add_argument("--judge-allow-http", action="store_true",
-                   help="allow a plain http judge URL, only to localhost / 127.0.0.1 (https otherwise)")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p = argparse.ArgumentParser(prog="deca-eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="exported model directory (or hub id); default with --run: its consensus/")
+    p.add_argument("--run", metavar="OUTPUT_DIR",
+                   help="a deca-train output directory: its consensus/ (unless --model) scored on the run's test "
+                        "set, with the run's data options (run_config.json; the command line wins)")
     p.add_argument("--out", required=True, help="JSON file of the results")
+    fields = {f.name: f for f in dataclasses.fields(RunOptions)}
+    data = p.add_argument_group("classification (deca-train's data options; with --run, the run's)")
+    add_option(data, fields["dataset"], default=None, help="the task whose test split is scored, as deca-train "
+               "names it; none: no classification")
+    for name in (*TEST_SET[1:], "eval_limit", "trust_remote_code"):
+        add_option(data, fields[name], default=DEFAULTS.get(name, fields[name].default))
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--questions", help="questions JSONL (generation)")
+    gen.add_argument("--answers", help="where the answers JSONL goes (default: beside --out)")
+    gen.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer (default: %(default)s)")
+    gen.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint of a judge (off by default)")
+    gen.add_argument("--judge-model", default="gpt-4o", help="the judge's model (default: %(default)s)")
+    gen.add_argument("--judge-key-env", default="OPENAI_API_KEY",
+                     help="environment variable holding the key (default: %(default)s)")
+    gen.add_argument("--judge-references", default=None,
+                     help="reference answers (FastChat reference_answer JSONL) for math/reasoning/coding questions")
+    gen.add_argument("--judge-allow-http", action="store_true",
+                     help="allow a plain http judge URL, only to localhost / 127.0.0.1 (https otherwise)")
     return p
+
+
+def resolve(args: argparse.Namespace) -> tuple[str, RunOptions | None]:
+    """(the model to score, the options of its test set; None: no classification) of parsed
+    arguments: deca-eval's defaults < the run's data options (--run) < the command line."""
+    given = {name: value for name, value in vars(args).items() if name in (*TEST_SET, "eval_limit",
+                                                                              "trust_remote_code")}
+    values, model = dict(DEFAULTS), args.model
+    if args.run is not None:
+        run = Path(args.run)
+        config = run / "run_config.json"
+        if not config.is_file():
+            raise ValueError(f"--run {run}: no run_config.json there (not a deca-train output directory)")
+        try:
+            saved = json.loads(config.read_text())["options"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"--run {run}: {config} is not a deca-train run's record ({err!r})") from None
+        values.update(convert_options({k: saved[k] for k in TEST_SET if k in saved}, str(config)))
+        if model is None:
+            if not (run / "consensus").is_dir():
+                raise ValueError(f"--run {run}: the run exported no consensus/ (run with --no-export, or not "
+                                 "finished); give --model")
+            model = str(run / "consensus")
+    if model is None:
+        raise ValueError("give --model (an exported model directory or hub id) or --run (a deca-train output "
+                         "directory)")
+    values.update(given)
+    if values["dataset"] is None:
+        return model, None
+    return model, RunOptions(model=model, **values)
 
 
 def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False):
@@ -70,28 +111,26 @@ def evaluate(args: argparse.Namespace) -> dict:
     from ..models import load_tokenizer
     from .task import evaluator
 
-    if args.dataset is None and args.questions is None:
-        raise ValueError("nothing to evaluate: give --dataset (classification) and/or --questions (generation)")
+    path, opts = resolve(args)
+    if opts is None and args.questions is None:
+        raise ValueError("nothing to evaluate: give --dataset or --run (classification) and/or --questions "
+                         "(generation)")
     if args.judge_url:  # a bad judge URL or a missing key is reported before any model is loaded
         if args.questions is None:
             raise ValueError("--judge-url grades generated answers: give --questions too")
         judge_url(args.judge_url, allow_http=args.judge_allow_http)
         judge_api_key(args.judge_key_env)
+    trust = getattr(args, "trust_remote_code", False)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_export(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                        trust_remote_code=args.trust_remote_code).to(device)
-    results: dict = {"model": args.model}
-    if args.dataset is not None:
-        opts = RunOptions(model=args.model, dataset=args.dataset, data_files=args.data_files,
-                          text_column=args.text_column, text_pair_column=args.text_pair_column,
-                          label_column=args.label_column, label_names=args.label_names,
-                          response_column=args.response_column, chat_template=args.chat_template,
-                          max_seq_len=args.max_seq_len, eval_limit=args.eval_limit, seed=args.seed,
-                          trust_remote_code=args.trust_remote_code)
-        results["classification"] = evaluator(opts)(model, args.eval_limit or None)
+    model = load_export(path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                        trust_remote_code=trust).to(device)
+    results: dict = {"model": path}
+    if opts is not None:
+        results["options"] = {name: getattr(opts, name) for name in (*TEST_SET, "eval_limit")}
+        results["classification"] = evaluator(opts)(model, opts.eval_limit or None)
     if args.questions is not None:
         answers = Path(args.answers or Path(args.out).with_suffix(".answers.jsonl"))
-        tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+        tokenizer = load_tokenizer(path, trust_remote_code=trust)
         rows = generate_answers(model, tokenizer, args.questions, answers, max_new_tokens=args.max_new_tokens)
         results["answers"] = str(answers)
         results["rouge"] = rouge_l_of_answers(rows)

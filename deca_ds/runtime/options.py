@@ -389,7 +389,11 @@ def convert_options(values: dict, source: str) -> dict:
 
 def default_text(f: dataclasses.Field) -> str:
     """An option's default as the command line spells it."""
-    value = f.default
+    return value_text(f.default)
+
+
+def value_text(value) -> str:
+    """An option's value as the command line spells it."""
     return ("none" if value is None else " ".join(map(str, value)) if isinstance(value, (tuple, list))
             else str(value).lower() if isinstance(value, bool) else str(value))
 
@@ -399,9 +403,23 @@ def type_text(name: str) -> str:
     return _type_name(_hints()[name])
 
 
-def _cli_type(hint):
-    kind, _ = _optional(hint)
-    return kind
+def add_option(group, f: dataclasses.Field, *, default=dataclasses.MISSING, help: str | None = None) -> None:
+    """`f`'s flag on a parser (or group): `--name-with-dashes`, of its declared type and choices,
+    absent from the parsed namespace unless given. `default` and `help`: what another command
+    (deca-eval) shows in their place."""
+    kind, _ = _optional(_hints()[f.name])
+    shown = default_text(f) if default is dataclasses.MISSING else value_text(default)
+    kw = dict(default=argparse.SUPPRESS, dest=f.name,
+              help=f"{help or f.metadata['help']} (default: {shown})".replace("%", "%%"))
+    flag = "--" + f.name.replace("_", "-")
+    if kind is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+    elif typing.get_origin(kind) is list:
+        group.add_argument(flag, type=str, nargs="+", **kw)
+    elif typing.get_origin(kind) is tuple:
+        group.add_argument(flag, type=float, nargs=2, metavar=("B1", "B2"), **kw)
+    else:
+        group.add_argument(flag, type=kind, choices=f.metadata.get("choices"), **kw)
 
 
 def build_parser(prog: str = "deca-train",
@@ -425,22 +443,10 @@ def build_parser(prog: str = "deca-train",
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as a run file (YAML) and exit without training")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    hints = _hints()
     for title, fields in option_groups():
         group = p.add_argument_group(title)
         for f in fields:
-            flag = "--" + f.name.replace("_", "-")
-            kind = _cli_type(hints[f.name])
-            kw = dict(default=argparse.SUPPRESS, dest=f.name,
-                      help=f"{f.metadata['help']} (default: {default_text(f)})".replace("%", "%%"))
-            if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-            elif typing.get_origin(kind) is list:
-                group.add_argument(flag, type=str, nargs="+", **kw)
-            elif typing.get_origin(kind) is tuple:
-                group.add_argument(flag, type=float, nargs=2, metavar=("B1", "B2"), **kw)
-            else:
-                group.add_argument(flag, type=kind, choices=f.metadata.get("choices"), **kw)
+            add_option(group, f)
     return p
 
 
