@@ -4,6 +4,7 @@ round trips, and the commands the docs show still parse."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import pytest
 import yaml
 
 from deca_ds.runtime import options as options_module
-from deca_ds.runtime.options import RunOptions, dump_config, parse_args
+from deca_ds.runtime.options import RunOptions, default_text, dump_config, parse_args
 from deca_ds.runtime.presets import PRESET_DIR, preset_names
 from deca_ds.train import main as train_main
 
@@ -311,6 +312,31 @@ def test_commands_run_as_modules(module, expected):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert expected in out.stdout and out.stdout.rstrip().endswith("HEAVY []")
+
+
+def test_eval_and_pretrain_flags_are_their_options_own(capsys):
+    """deca-eval's data flags and deca-pretrain's flags are generated from the options they set
+    (RunOptions, PretrainOptions): each with its help and default; --model of deca-pretrain is a
+    JSON object, refused by argparse otherwise."""
+    from deca_ds.reproduce.pretrain import PretrainOptions
+    from deca_ds.reproduce.pretrain import main as pretrain_main
+    from deca_ds.runtime import evaluate
+
+    helps = {a.dest: a.help for a in evaluate.build_parser()._actions}
+    fields = {f.name: f for f in dataclasses.fields(RunOptions)}
+    for name in (*evaluate.TEST_SET[1:], "trust_remote_code"):
+        assert helps[name] == f"{fields[name].metadata['help']} (default: {default_text(fields[name])})"
+    assert helps["eval_limit"].endswith("(default: 0)")  # deca-eval scores the whole test split
+    with pytest.raises(SystemExit):
+        pretrain_main(["--help"])
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(PretrainOptions):
+        assert "--" + f.name.replace("_", "-") in text
+    assert "(default: 8000)" in text and "(default: {})" in text
+    for bad in ("[1]", "{hidden"):
+        with pytest.raises(SystemExit) as code:
+            pretrain_main(["--output-dir", "x", "--model", bad])
+        assert code.value.code == 2 and "argument --model: " in capsys.readouterr().err
 
 
 def test_estimate_command_requires_a_model_config(capsys):

@@ -195,6 +195,8 @@ def test_smooth_is_a_trailing_mean():
      r"unequal step budgets.*deca: 8 steps x 4 examples.*dadam: 5 steps"),
     ({"options": {"model": "tiny", "seed": 3}}, r"\['seed'\] are set per cell by the grid"),
     ({"speed": 3}, r"unknown key\(s\) \['speed'\]"),
+    ({"options": {"model": "tiny", "lrr": 1}}, r"options: unknown option 'lrr' \(did you mean 'lr'\?\)"),
+    ({"tasks": {"synthetic": {"max_seq_len": 1.5}}}, r"tasks.synthetic: max_seq_len: expected an integer, got 1.5"),
     ({"options": {"model": "tiny", "clients": 3, "dirichlet_alpha": 0}}, r"dirichlet_alpha must be > 0"),
     ({"options": {"model": "tiny"}}, r"clients must be integers >= 1, got \[None\]"),
     ({"seeds": []}, r"seeds is empty"),
@@ -208,6 +210,19 @@ def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     with pytest.raises(GridError, match=message):
         build_grid(tiny_grid("tiny", **change), runs_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_grid_values_are_typed_as_the_commands_type_them(tmp_path):
+    """A grid's options are converted as deca-train converts a run file's, its pretrain section as
+    deca-pretrain's: YAML 1.1 reads 3e-3 (no dot) as the string '3e-3'."""
+    text = yaml.safe_dump(tiny_grid(str(tmp_path / "base"), pretrain={"lr": "3e-3", "steps": "20"}))
+    data = yaml.safe_load(text.replace("lr: 0.001", "lr: 3e-4"))
+    assert data["options"]["lr"] == "3e-4"
+    grid = build_grid(data, runs_dir=tmp_path / "runs")
+    assert {c.options["lr"] for c in grid.cells} == {3e-4}
+    assert (grid.pretrain.lr, grid.pretrain.steps) == (3e-3, 20)
+    with pytest.raises(GridError, match=r"pretrain: steps: expected an integer, got 'many'"):
+        build_grid({**data, "pretrain": {"steps": "many"}}, runs_dir=tmp_path / "runs")
 
 
 TINY_PRETRAIN = {"steps": 2, "batch": 8, "seq_len": 32, "warmup": 1,

@@ -29,7 +29,7 @@ import yaml
 
 from ..datasets import TASKS
 from ..models import TINY_LLAMA
-from ..runtime.options import RunOptions
+from ..runtime.options import RunOptions, convert_options
 from ..runtime.presets import load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS
 from .pretrain import PretrainOptions
@@ -159,14 +159,17 @@ def _check_methods(where: str, methods) -> tuple[str, ...]:
     return methods
 
 
-_RUN_OPTIONS = {f.name for f in dataclasses.fields(RunOptions)}
-
-
-def _check_options(where: str, values: dict) -> None:
-    _check_keys(where, values, _RUN_OPTIONS)
+def _options(where: str, values) -> dict:
+    """A section of deca-train options, typed as a run file's are (YAML 1.1 reads 3e-3 as a string)."""
+    if not isinstance(values, dict):
+        raise GridError(f"{where} must be a mapping, got {type(values).__name__}")
     fixed = sorted(set(values) & set(CELL_KEYS) - set(AXES))
     if fixed:
         raise GridError(f"{where}: {fixed} are set per cell by the grid (methods, seeds, runs_dir), not as options")
+    try:
+        return convert_options(values, where, also=())
+    except ValueError as err:
+        raise GridError(str(err)) from None
 
 
 def num_layers(model: str) -> int | None:
@@ -244,19 +247,16 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
     if backend == "deepspeed" and not ds_config:
         raise GridError(f"{where}: the deepspeed backend needs `ds_config` (a shipped preset's name, or a "
                         "DeepSpeed JSON file)")
-    base = dict(data.get("options") or {})
-    _check_options(f"{where}: options", base)
+    base = _options(f"{where}: options", data.get("options") or {})
     methods = _check_methods(f"{where}: methods", data["methods"])
     method_options = data.get("method_options") or {}
     _check_keys(f"{where}: method_options", method_options, set(METHODS))
-    for m, opts in method_options.items():
-        _check_options(f"{where}: method_options.{m}", opts)
+    method_options = {m: _options(f"{where}: method_options.{m}", opts) for m, opts in method_options.items()}
     tasks = data["tasks"]
     if not isinstance(tasks, dict) or not tasks:
         raise GridError(f"{where}: tasks must be a non-empty mapping of task name -> options")
+    tasks = {name: _options(f"{where}: tasks.{name}", opts or {}) for name, opts in tasks.items()}
     for name, opts in tasks.items():
-        opts = opts or {}
-        _check_options(f"{where}: tasks.{name}", opts)
         dataset = opts.get("dataset", name)
         if dataset not in DATASETS:
             raise GridError(f"{where}: unknown task {name!r} (dataset {dataset!r}); a task is one of {list(DATASETS)} "
@@ -350,9 +350,14 @@ def _pretrain(section, cells: list[Cell], where: str) -> PretrainOptions | None:
     if len(models) > 1 or models[0] == "tiny":
         raise GridError(f"{where}: pretrain makes the one model every cell fine-tunes, a directory `options.model` "
                         f"names; the cells fine-tune {models}")
+    try:  # typed as deca-pretrain's options, as the cells' are deca-train's
+        values = convert_options(section, f"{where}: pretrain", cls=PretrainOptions, command="deca-pretrain",
+                                 also=())
+    except ValueError as err:
+        raise GridError(str(err)) from None
     try:
-        return PretrainOptions(output_dir=models[0], **section)
-    except (ValueError, TypeError) as err:
+        return PretrainOptions(output_dir=models[0], **values)
+    except ValueError as err:
         raise GridError(f"{where}: pretrain: {err}") from None
 
 

@@ -45,29 +45,41 @@ from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
 from ..reporting import invocation
 from ..runtime.checkpoint import sha256, write_json
-from ..runtime.options import RunOptions, per_client
+from ..runtime.options import TASK_NAMES, RunOptions, add_option, per_client
 from ..runtime.task import load_records
 
+DATASETS = ("synthetic", *TASK_NAMES, "files")  # deca-train's --dataset choices
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
                    initializer_range=0.1)
 
 
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
 @dataclass
 class PretrainOptions:
-    output_dir: str
-    dataset: str = "synthetic"  # as deca-train's --dataset
-    data_files: list[str] | None = None
-    vocab_size: int = 8000  # most frequent training words kept (besides specials, labels and template)
-    seq_len: int = 64
-    batch: int = 32
-    steps: int = 300
-    lr: float = 3e-3
-    warmup: int = 20
-    seed: int = 0
-    device: str = "auto"  # auto: the first GPU if one is visible, else the CPU
-    dtype: str = "fp32"  # bf16: forward and loss under bf16 autocast (the weights and AdamW stay fp32)
-    model: dict = field(default_factory=dict)  # overrides of SMALL_LLAMA (merged in when checked)
+    """deca-pretrain's options: its command line, and a grid file's `pretrain` section."""
+
+    output_dir: str = field(metadata={"help": "where the checkpoint and its tokenizer go (a new directory)"})
+    dataset: str = _opt("synthetic", "the task whose training prompts are read, as deca-train's --dataset",
+                        choices=DATASETS)
+    data_files: list[str] | None = _opt(None, "local data as train=PATH [test=PATH], as deca-train's (only the "
+                                        "training split's prompts are read)")
+    vocab_size: int = _opt(8000, "most frequent training words kept, besides the specials, the label words and the "
+                           "prompt template's")
+    seq_len: int = _opt(64, "tokens per row (the prompts are joined with eos and cut into rows)")
+    batch: int = _opt(32, "rows per step")
+    steps: int = _opt(300, "AdamW steps")
+    lr: float = _opt(3e-3, "peak learning rate: linear warmup, then cosine to zero")
+    warmup: int = _opt(20, "warmup steps")
+    seed: int = _opt(0, "seed of the model's init and of the rows drawn")
+    device: str = _opt("auto", "auto (the first GPU if one is visible, else the CPU), cpu, cuda or cuda:N")
+    dtype: str = _opt("fp32", "bf16: forward and loss under bf16 autocast (the weights and AdamW stay fp32)",
+                      choices=("fp32", "bf16"))
+    model: dict = field(default_factory=dict, metadata={  # merged into SMALL_LLAMA when checked
+        "help": f"overrides of the Llama config {json.dumps(SMALL_LLAMA)}, e.g. '{{\"hidden_size\": 256}}'"})
 
     def __post_init__(self) -> None:
         self.model = {**SMALL_LLAMA, **self.model}
@@ -268,20 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(prog="deca-pretrain", description=__doc__.split("\n\n")[0])
-    p.add_argument("--output-dir", required=True, help="where the checkpoint and tokenizer go")
-    p.add_argument("--dataset", default="synthetic", help="as deca-train: synthetic, a task name, or files")
-    p.add_argument("--data-files", nargs="+",
-                   help="train=PATH test=PATH, as deca-train (only the training split's prompts are read)")
-    for name in ("vocab_size", "seq_len", "batch", "steps", "warmup", "seed"):
-        default = PretrainOptions.__dataclass_fields__[name].default
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
-    p.add_argument("--lr", type=float, default=PretrainOptions.lr)
-    p.add_argument("--dtype", default=PretrainOptions.dtype, choices=("fp32", "bf16"),
-                   help="bf16: forward and loss under bf16 autocast, weights and AdamW in fp32 (default fp32)")
-    p.add_argument("--device", default=PretrainOptions.device, help="auto (default: the first GPU if one is "
-                   "visible, else the CPU), cpu, cuda or cuda:N")
-    p.add_argument("--model", type=json.loads, default={}, help="JSON overrides of the Llama config, e.g. "
-                   "'{\"hidden_size\": 256}'")
+    for f in fields(PretrainOptions):
+        add_option(p, f, cls=PretrainOptions)
     args = vars(p.parse_args(argv))
     command = invocation("deca-pretrain", argv)
     try:

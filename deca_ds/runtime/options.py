@@ -304,8 +304,8 @@ NO_PRESET = "none"  # --preset none: no DeepSpeed preset, DeepSpeed's keys at th
 _RUN_FILE_KEYS = ("deepspeed",)  # run-file keys besides the options
 
 
-def _hints() -> dict:
-    return typing.get_type_hints(RunOptions)
+def _hints(cls: type = RunOptions) -> dict:
+    return typing.get_type_hints(cls)
 
 
 def _optional(hint) -> tuple[object, bool]:
@@ -320,7 +320,8 @@ def _type_name(hint) -> str:
     kind, none = _optional(hint)
     origin = typing.get_origin(kind)
     name = ("a list of strings" if origin is list else f"a list of {len(typing.get_args(kind))} numbers"
-            if origin is tuple else {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}[kind])
+            if origin is tuple else {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+                                     dict: "a mapping"}[kind])
     return name + (" or null" if none else "")
 
 
@@ -342,7 +343,10 @@ def _convert(key: str, value, hint):
         if not isinstance(value, (list, tuple)) or len(value) != len(inner):
             raise ValueError(f"expected {_type_name(hint)}, got {value!r}")
         return tuple(_convert(key, v, t) for v, t in zip(value, inner))
-    if kind is bool:
+    if kind is dict:
+        if isinstance(value, dict):
+            return value
+    elif kind is bool:
         if isinstance(value, bool):
             return value
         words = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
@@ -366,16 +370,19 @@ def _convert(key: str, value, hint):
     raise ValueError(f"expected {_type_name(hint)}, got {value!r}")
 
 
-def convert_options(values: dict, source: str) -> dict:
-    """Run-option values from `source` (a file, a preset), each converted to its declared type and
-    checked against its choices; unknown keys refused with the closest name."""
-    fields = {f.name: f for f in dataclasses.fields(RunOptions)}
-    hints = _hints()
+def convert_options(values: dict, source: str, *, cls: type = RunOptions, command: str = "deca-train",
+                    also: tuple[str, ...] = _RUN_FILE_KEYS) -> dict:
+    """Option values from `source` (a file, a preset, a grid's section), each converted to its type
+    declared in `cls` (deca-train's RunOptions, or another command's options) and checked against
+    its choices; unknown keys refused with the closest name (of the options, or the keys `also`
+    allowed beside them)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = _hints(cls)
     out = {}
     for key, value in values.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key).replace("-", "_"), [*fields, *_RUN_FILE_KEYS], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else " (deca-train --help lists the options)"
+            close = difflib.get_close_matches(str(key).replace("-", "_"), [*fields, *also], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" ({command} --help lists the options)"
             raise ValueError(f"{source}: unknown option {key!r}{hint}")
         try:
             out[key] = _convert(key, value, hints[key])
@@ -395,6 +402,7 @@ def default_text(f: dataclasses.Field) -> str:
 def value_text(value) -> str:
     """An option's value as the command line spells it."""
     return ("none" if value is None else " ".join(map(str, value)) if isinstance(value, (tuple, list))
+            else json.dumps(value) if isinstance(value, dict)
             else str(value).lower() if isinstance(value, bool) else str(value))
 
 
@@ -403,16 +411,32 @@ def type_text(name: str) -> str:
     return _type_name(_hints()[name])
 
 
-def add_option(group, f: dataclasses.Field, *, default=dataclasses.MISSING, help: str | None = None) -> None:
-    """`f`'s flag on a parser (or group): `--name-with-dashes`, of its declared type and choices,
-    absent from the parsed namespace unless given. `default` and `help`: what another command
-    (deca-eval) shows in their place."""
-    kind, _ = _optional(_hints()[f.name])
-    shown = default_text(f) if default is dataclasses.MISSING else value_text(default)
-    kw = dict(default=argparse.SUPPRESS, dest=f.name,
-              help=f"{help or f.metadata['help']} (default: {shown})".replace("%", "%%"))
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def add_option(group, f: dataclasses.Field, *, cls: type = RunOptions, default=dataclasses.MISSING,
+               help: str | None = None) -> None:
+    """`f`'s flag on a parser (or group): `--name-with-dashes`, of its type declared in `cls` and its
+    choices, absent from the parsed namespace unless given (required if `f` has no default).
+    `default` and `help`: what another command (deca-eval) shows in their place."""
+    kind, _ = _optional(_hints(cls)[f.name])
+    if default is dataclasses.MISSING:
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    text = help or f.metadata["help"]
+    kw = dict(dest=f.name, required=True, help=text) if default is dataclasses.MISSING else dict(
+        dest=f.name, default=argparse.SUPPRESS, help=f"{text} (default: {value_text(default)})")
+    kw["help"] = kw["help"].replace("%", "%%")
     flag = "--" + f.name.replace("_", "-")
-    if kind is bool:
+    if kind is dict:
+        group.add_argument(flag, type=_json_object, metavar="JSON", **kw)
+    elif kind is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
     elif typing.get_origin(kind) is list:
         group.add_argument(flag, type=str, nargs="+", **kw)
