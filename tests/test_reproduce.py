@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 from deca_ds.models import load_model, load_tokenizer
 from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_finished, pretrain, run_grid
 from deca_ds.reproduce.figures import smooth, write_figures
-from deca_ds.reproduce.grid import Cell
+from deca_ds.reproduce.grid import Cell, load_grid
 from deca_ds.reproduce.report import Table, build_table, marks, to_csv, to_markdown, write_report
 from deca_ds.runtime.checkpoint import sha256
 
@@ -200,6 +200,8 @@ def test_smooth_is_a_trailing_mean():
     ({"options": {"model": "tiny", "clients": 3, "dirichlet_alpha": 0}}, r"dirichlet_alpha must be > 0"),
     ({"options": {"model": "tiny"}}, r"clients must be integers >= 1, got \[None\]"),
     ({"seeds": []}, r"seeds is empty"),
+    ({"seeds": [0, "a"]}, r"seeds must be integers, got \['a'\]"),
+    ({"results_dir": 5}, r"results_dir must be text, got \[5\]"),
     ({"jobs": 0}, r"jobs must be an integer >= 1, got 0"),
     ({"backend": "deepspeed", "ds_config": "ds_configs/cpu_demo.json", "jobs": 2},
      r"jobs 2: a cell of the deepspeed backend takes every GPU"),
@@ -210,6 +212,12 @@ def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     with pytest.raises(GridError, match=message):
         build_grid(tiny_grid("tiny", **change), runs_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_a_grid_file_that_is_not_yaml_is_named(tmp_path):
+    (tmp_path / "grid.yaml").write_text("name: [x\n")
+    with pytest.raises(GridError, match=r"grid.yaml is not valid YAML: while parsing a flow sequence"):
+        load_grid(tmp_path / "grid.yaml")
 
 
 def test_grid_values_are_typed_as_the_commands_type_them(tmp_path):

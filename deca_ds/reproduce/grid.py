@@ -231,12 +231,27 @@ def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_d
     """Read and check a grid file (a path, or a shipped grid's name); `runs_dir`, `results_dir` and
     `jobs` override the file's."""
     path = grid_path(path)
-    data = yaml.safe_load(path.read_text())
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise GridError(f"{path} is not valid YAML: {err}") from None
     return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, where=str(path))
+
+
+def _seeds(values, where: str) -> list[int]:
+    seeds = _as_list(values, where)
+    bad = [s for s in seeds if not isinstance(s, int) or isinstance(s, bool)]
+    if bad:
+        raise GridError(f"{where} must be integers, got {bad}")
+    return seeds
 
 
 def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where: str = "grid") -> Grid:
     _check_keys(where, data, _TOP)
+    text = [k for k in ("name", "backend", "runs_dir", "results_dir", "ds_config")
+            if k in data and not isinstance(data[k], str)]
+    if text:
+        raise GridError(f"{where}: {', '.join(text)} must be text, got {[data[k] for k in text]}")
     for key in ("tasks", "methods", "seeds"):
         if key not in data:
             raise GridError(f"{where}: `{key}` is missing")
@@ -266,7 +281,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
                             "consensus model (deca_ds.evaluation.judge_answers); the grid reproduces the "
                             "classification "
                             "tables (accuracy, macro-F1)")
-    seeds = [int(s) for s in _as_list(data["seeds"], f"{where}: seeds")]
+    seeds = _seeds(data["seeds"], f"{where}: seeds")
     preset = _ds_batch(ds_config) if backend == "deepspeed" else {}
     defaults = {f.name: f.default for f in dataclasses.fields(RunOptions)}
     sweeps = []
@@ -280,7 +295,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
         stray = sorted(set(sweep_tasks) - set(tasks))
         if stray:
             raise GridError(f"{at}: tasks {stray} are not in the grid's `tasks`")
-        sweep_seeds = tuple(int(s) for s in _as_list(raw.get("seeds", seeds), f"{at}.seeds"))
+        sweep_seeds = tuple(_seeds(raw.get("seeds", seeds), f"{at}.seeds"))
         sweep_methods = _check_methods(f"{at}.methods", raw.get("methods", methods))
         outside = sorted(set(sweep_methods) - set(methods))
         if outside:
