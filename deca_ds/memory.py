@@ -474,7 +474,8 @@ class MemoryEstimate:
 
 
 _COUNTS = {"total_params", "decoder_params", "non_layer_params", "num_layers", "layers_per_block", "num_blocks",
-           "block", "block_params", "n_neighbors", "micro_batch", "seq_len", "steps_per_block", "eval_batch"}
+           "block", "block_params", "n_neighbors", "micro_batch", "seq_len", "steps_per_block", "eval_batch",
+           "state_bits", "offload_keep"}
 
 
 def _largest_bucket(numels: list[int], limit: int = DEEPSPEED_ALLREDUCE_BUCKET) -> int:

@@ -3,6 +3,7 @@
     deepspeed --num_gpus 8 --module deca_ds.train --config run.yaml
     torchrun --nproc-per-node 4 -m deca_ds.train --preset cpu_demo      # or: torchrun --no-python deca-train
     deca-train --config run.yaml --print-config                         # the resolved config, as a run file
+    deca-train --config run.yaml --clients 8 --estimate                 # one client's estimated GPU memory
 
 The command line is parsed (and `--help` / `--print-config` answered) before torch, transformers
 or deepspeed are imported; the trainer loads only when there is something to train.
@@ -47,6 +48,14 @@ def main(argv: list[str] | None = None) -> None:
         _fail(err)
     if args.print_config:
         print(dump_config(opts, ds_config), end="")
+        return
+    if args.estimate:
+        from .runtime import footprint
+
+        try:
+            footprint.main(opts, ds_config)
+        except ValueError as err:
+            _fail(err)
         return
     import torch
 

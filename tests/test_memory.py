@@ -380,6 +380,34 @@ def test_offload_budget_keeps_the_most_layers_that_fit():
         offload_keep_for_budget(options, config, ds, n_neighbors=2, loss_positions=2)
 
 
+def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path, capsys):
+    """deca-train --estimate: the estimator for what the run would train, each input derived here by
+    hand: the preset's model config, bf16, 2 layers per block, grad_accum 2; a ring of 4 clients,
+    2 neighbours each; the synthetic task's answer (label word, eos) at micro-batch 4, so the LM
+    head runs at 8 positions, not 512. Nothing is trained or written, and a method the estimator
+    does not model is refused."""
+    import re
+
+    from deca_ds.memory import GiB
+    from deca_ds.train import main as train_main
+
+    qwen = CONFIGS / "qwen2.5-3b-instruct.json"
+    args = ["--preset", "rtx5090_qwen2.5-3b", "--model", str(qwen), "--from-config", "--clients", "4",
+            "--topology", "ring", "--micro-batch", "4", "--output-dir", str(tmp_path / "out")]
+    train_main([*args, "--estimate"])
+    text = capsys.readouterr().out
+    expected = estimate_memory(qwen, 2, working_dtype="bf16", master_dtype="fp32", n_neighbors=2, micro_batch=4,
+                               seq_len=512, loss_positions=8, grad_accum=2, steps_per_block=48)
+    assert "4 client(s), at most 2 neighbour(s) each; micro-batch 4 × 512 tokens, the LM head at 8 position(s)" in text
+    peak = float(re.search(r"peak of the process\s+([\d.]+) GiB", text).group(1))
+    assert peak == round(expected.process_peak / GiB, 3) and f"the peak block: {expected.block}" in text
+    assert "RTX 5090 (31.8 GiB): yes" in text
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        train_main([*args, "--method", "dadam", "--estimate"])
+    assert "models DECA's memory, not method dadam's" in capsys.readouterr().err
+
+
 def test_update_cost_tool(tmp_path):
     """profiling/update_cost.py times the update of one block, eager and fused, against a copy pass
     and writes its tables."""

@@ -451,7 +451,8 @@ def build_parser(prog: str = "deca-train",
                  ) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        usage="%(prog)s [--config RUN_FILE] [--preset NAME_OR_JSON] [--print-config] [--OPTION VALUE ...]",
+        usage="%(prog)s [--config RUN_FILE] [--preset NAME_OR_JSON] [--print-config | --estimate] "
+              "[--OPTION VALUE ...]",
         description=f"{description} Options come from, lowest first: the defaults shown, the preset's \"deca\" "
                     "section, the run file (--config), the command line.",
         epilog="DeepSpeed keys honored in a preset or a run file's `deepspeed:`: "
@@ -466,6 +467,9 @@ def build_parser(prog: str = "deca-train",
                         "defaults, micro-batch 1, no clipping)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as a run file (YAML) and exit without training")
+    p.add_argument("--estimate", action="store_true",
+                   help="print one client's estimated GPU memory for this run (deca_ds.memory, from the model's "
+                        "config, the task and the graph; no weights loaded) and exit without training")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     for title, fields in option_groups():
         group = p.add_argument_group(title)
@@ -503,7 +507,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, dict]:
     """(options, DeepSpeed config) of parsed command-line arguments, every source merged and validated."""
     args = dict(vars(args))
     cli_preset, run_file = args.pop("ds_config"), args.pop("config")
-    for key in ("local_rank", "print_config"):
+    for key in ("local_rank", "print_config", "estimate"):
         args.pop(key, None)
     file_values = read_run_file(run_file) if run_file else {}
     file_preset = file_values.pop("deepspeed", NO_PRESET)

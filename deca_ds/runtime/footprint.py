@@ -1,0 +1,91 @@
+"""deca-train --estimate: one client's GPU memory for the run the options describe, estimated
+(deca_ds.memory) before anything is loaded onto a device.
+
+It reads what the run's memory depends on as the run reads it: the model's config (no weights),
+the task (its tokenizer and data, so the LM head's positions are the answer's tokens, as in
+training; the tokenized set is cached for the run), the graph (its largest neighbourhood), and
+--offload-budget's choice of --offload-keep. Nothing is trained and nothing is written but the
+token cache.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate
+from ..topology import make_topology
+from .options import RunOptions, estimate_run, offload_keep_for_budget
+
+
+def model_config(opts: RunOptions, vocab_size: int):
+    """The config of the model the run trains: the built-in tiny Llama's for this vocabulary, else
+    the checkpoint's or config file's own (a local path), or a hub id's (from the cache or the hub)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from ..memory import load_config
+    from ..models import TINY_LLAMA
+
+    if opts.model == "tiny":
+        return LlamaConfig(**{**TINY_LLAMA, "vocab_size": vocab_size})
+    if Path(opts.model).expanduser().exists():
+        return load_config(opts.model)
+    return AutoConfig.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
+
+
+def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
+    """(the estimate of a round's peak block, what it was computed for)."""
+    from .task import build_task
+    from .trainer import loss_positions_max
+
+    if opts.method != "deca":
+        raise ValueError(f"--estimate: deca_ds.memory models DECA's memory, not method {opts.method}'s")
+    n_clients = opts.clients or int(os.environ.get("WORLD_SIZE", "1")) // opts.ranks_per_client
+    topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed,
+                             matrix_file=opts.matrix_file)
+    neighbors = max(len(topology.neighbors(i)) for i in range(n_clients))
+    task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
+                      if opts.client_data else None)
+    config = model_config(opts, len(task.tokenizer))
+    options, positions = asdict(opts), loss_positions_max(opts, task)
+    if opts.offload_budget:
+        options["offload_keep"] = offload_keep_for_budget(options, config, ds_config, n_neighbors=neighbors,
+                                                          loss_positions=positions)
+    setting = {"clients": n_clients, "neighbors": neighbors, "loss_positions": positions,
+               "offload_keep": options["offload_keep"]}
+    return estimate_run(options, config, ds_config, n_neighbors=neighbors, loss_positions=positions), setting
+
+
+def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
+    """The estimate as deca-train --estimate prints it: the setting, the terms, the phases (the
+    largest is the peak), and the cards the process fits."""
+    terms = [("weights", est.weights), ("offload buffers", est.offload_buffers),
+             ("master, m, v", est.optimizer_state), ("gradient", est.grad), ("x½", est.x_half),
+             ("exchange buffers", est.send_copy + est.recv + est.x_plus + est.grad_kept),
+             ("activations (approx.)", est.activations), ("prefix cache", est.prefix_cache)]
+    phases = [*(("setup: " + k, v) for k, v in est.setup_phases.items()), *est.phases.items()]
+    cards = dict(GPUS)
+    if opts.gpu_memory_gb:
+        cards[f"--gpu-memory-gb {opts.gpu_memory_gb:g}"] = int(opts.gpu_memory_gb * 1e9)
+    fits = "; ".join(f"{name} ({capacity / GiB:.1f} GiB): "
+                     f"{'yes' if est.process_peak + DEFAULT_RESERVE <= capacity else 'no'}"
+                     for name, capacity in cards.items())
+    offload = f"offload {opts.offload}" + (f", top {setting['offload_keep']} layer(s) kept" if opts.offload == "frozen"
+                                           else "")
+    return "\n".join([
+        f"one client's GPU memory, estimated (deca_ds.memory): {est.model}, {est.num_layers} decoder layers in "
+        f"{est.num_blocks} blocks, {est.working_dtype} weights, {est.master_dtype} master, {offload}",
+        f"{setting['clients']} client(s), at most {setting['neighbors']} neighbour(s) each; micro-batch "
+        f"{opts.micro_batch} × {opts.max_seq_len} tokens, the LM head at {setting['loss_positions']} position(s); "
+        f"the peak block: {est.block}",
+        *(f"  {name:<24} {value / GiB:9.3f} GiB" for name, value in terms if value),
+        *(f"  phase {name:<18} {value / GiB:9.3f} GiB" for name, value in phases),
+        f"  {'peak of the process':<24} {est.process_peak / GiB:9.3f} GiB",
+        f"fits with {DEFAULT_RESERVE / GiB:g} GiB more for the CUDA context and NCCL: {fits}",
+    ])
+
+
+def main(opts: RunOptions, ds_config: dict) -> None:
+    est, setting = estimate(opts, ds_config)
+    print(report(opts, est, setting))
