@@ -403,6 +403,10 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     assert peak == round(expected.process_peak / GiB, 3) and f"the peak block: {expected.block}" in text
     assert "RTX 5090 (31.8 GiB): yes" in text
     assert not (tmp_path / "out").exists()
+    # four clients on one GPU each hold their own peak and CUDA context
+    train_main([*args, "--device-map", "0,0,0,0", "--transport", "gloo", "--estimate"])
+    shared = 4 * (expected.process_peak + GiB) <= GPUS["RTX 5090"]
+    assert f"RTX 5090 (31.8 GiB): {'yes' if shared else 'no'}" in capsys.readouterr().out and not shared
     with pytest.raises(SystemExit):
         train_main([*args, "--method", "dadam", "--estimate"])
     assert "models DECA's memory, not method dadam's" in capsys.readouterr().err

@@ -11,12 +11,14 @@ token cache.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate
 from ..topology import make_topology
 from .options import RunOptions, estimate_run, offload_keep_for_budget
+from .transport import parse_device_map
 
 
 def model_config(opts: RunOptions, vocab_size: int):
@@ -52,8 +54,9 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     if opts.offload_budget:
         options["offload_keep"] = offload_keep_for_budget(options, config, ds_config, n_neighbors=neighbors,
                                                           loss_positions=positions)
+    gpus = parse_device_map(opts.device_map)  # explicit: each rank on a shared GPU is another client's
     setting = {"clients": n_clients, "neighbors": neighbors, "loss_positions": positions,
-               "offload_keep": options["offload_keep"]}
+               "offload_keep": options["offload_keep"], "clients_per_gpu": max(Counter(gpus).values()) if gpus else 1}
     return estimate_run(options, config, ds_config, n_neighbors=neighbors, loss_positions=positions), setting
 
 
@@ -68,8 +71,9 @@ def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
     cards = dict(GPUS)
     if opts.gpu_memory_gb:
         cards[f"--gpu-memory-gb {opts.gpu_memory_gb:g}"] = int(opts.gpu_memory_gb * 1e9)
+    k = setting["clients_per_gpu"]
     fits = "; ".join(f"{name} ({capacity / GiB:.1f} GiB): "
-                     f"{'yes' if est.process_peak + DEFAULT_RESERVE <= capacity else 'no'}"
+                     f"{'yes' if k * (est.process_peak + DEFAULT_RESERVE) <= capacity else 'no'}"
                      for name, capacity in cards.items())
     offload = f"offload {opts.offload}" + (f", top {setting['offload_keep']} layer(s) kept" if opts.offload == "frozen"
                                            else "")
@@ -82,10 +86,12 @@ def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
         *(f"  {name:<24} {value / GiB:9.3f} GiB" for name, value in terms if value),
         *(f"  phase {name:<18} {value / GiB:9.3f} GiB" for name, value in phases),
         f"  {'peak of the process':<24} {est.process_peak / GiB:9.3f} GiB",
-        f"fits with {DEFAULT_RESERVE / GiB:g} GiB more for the CUDA context and NCCL: {fits}",
+        (f"{k} clients on one GPU (--device-map), each with its own peak and " if k > 1 else "fits with ")
+        + f"{DEFAULT_RESERVE / GiB:g} GiB more for the CUDA context and NCCL: {fits}",
     ])
 
 
 def main(opts: RunOptions, ds_config: dict) -> None:
     est, setting = estimate(opts, ds_config)
-    print(report(opts, est, setting))
+    if int(os.environ.get("RANK", "0")) == 0:  # under a launcher: one report, not one per rank
+        print(report(opts, est, setting))
