@@ -79,7 +79,8 @@ class PretrainOptions:
     dtype: str = _opt("fp32", "bf16: forward and loss under bf16 autocast (the weights and AdamW stay fp32)",
                       choices=("fp32", "bf16"))
     model: dict = field(default_factory=dict, metadata={  # merged into SMALL_LLAMA when checked
-        "help": f"overrides of the Llama config {json.dumps(SMALL_LLAMA)}, e.g. '{{\"hidden_size\": 256}}'"})
+        "help": f"overrides of the Llama config {json.dumps(SMALL_LLAMA, allow_nan=False)}, "
+                "e.g. '{\"hidden_size\": 256}'"})
 
     def __post_init__(self) -> None:
         self.model = {**SMALL_LLAMA, **self.model}

@@ -402,7 +402,7 @@ def default_text(f: dataclasses.Field) -> str:
 def value_text(value) -> str:
     """An option's value as the command line spells it."""
     return ("none" if value is None else " ".join(map(str, value)) if isinstance(value, (tuple, list))
-            else json.dumps(value) if isinstance(value, dict)
+            else json.dumps(value, allow_nan=False) if isinstance(value, dict)
             else str(value).lower() if isinstance(value, bool) else str(value))
 
 
