@@ -384,8 +384,8 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     """deca-train --estimate: the estimator for what the run would train, each input derived here by
     hand: the preset's model config, bf16, 2 layers per block, grad_accum 2; a ring of 4 clients,
     2 neighbours each; the synthetic task's answer (label word, eos) at micro-batch 4, so the LM
-    head runs at 8 positions, not 512. Nothing is trained or written, and a method the estimator
-    does not model is refused."""
+    head runs at 8 positions, not 512; rank 0's scoring before training. Nothing is trained or
+    written, and a method the estimator does not model is refused."""
     import re
 
     from deca_ds.memory import GiB
@@ -396,11 +396,16 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
             "--topology", "ring", "--micro-batch", "4", "--output-dir", str(tmp_path / "out")]
     train_main([*args, "--estimate"])
     text = capsys.readouterr().out
+    # rank 0 scores x̄ before training: 32 (prompt, label) sequences per forward, the head at the answer's 2
     expected = estimate_memory(qwen, 2, working_dtype="bf16", master_dtype="fp32", n_neighbors=2, micro_batch=4,
-                               seq_len=512, loss_positions=8, grad_accum=2, steps_per_block=48)
+                               seq_len=512, loss_positions=8, grad_accum=2, steps_per_block=48, eval_batch=32,
+                               eval_positions=2)
+    assert expected.setup_phases["evaluate"] > expected.setup_phases["init"]
     assert "4 client(s), at most 2 neighbour(s) each; micro-batch 4 × 512 tokens, the LM head at 8 position(s)" in text
-    peak = float(re.search(r"peak of the process\s+([\d.]+) GiB", text).group(1))
-    assert peak == round(expected.process_peak / GiB, 3) and f"the peak block: {expected.block}" in text
+    for line, value in (("peak of the process", expected.process_peak),
+                        ("phase setup: evaluate", expected.setup_phases["evaluate"])):
+        assert float(re.search(line + r"\s+([\d.]+) GiB", text).group(1)) == round(value / GiB, 3), line
+    assert f"the peak block: {expected.block}" in text
     assert "RTX 5090 (31.8 GiB): yes" in text
     assert not (tmp_path / "out").exists()
     # four clients on one GPU each hold their own peak and CUDA context
@@ -410,6 +415,11 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     with pytest.raises(SystemExit):
         train_main([*args, "--method", "dadam", "--estimate"])
     assert "models DECA's memory, not method dadam's" in capsys.readouterr().err
+    from deca_ds.runtime.split import main as split_main
+
+    with pytest.raises(SystemExit) as code:  # deca-split writes a split; it has no --estimate to ignore
+        split_main(["--out", str(tmp_path / "split"), "--clients", "2", "--estimate"])
+    assert code.value.code == 2 and not (tmp_path / "split").exists()
 
 
 def test_update_cost_tool(tmp_path):

@@ -13,6 +13,8 @@ from ..data import ANSWER, PROMPT, Example, collate, encode
 from ..datasets import Record, to_features, verbalize
 from ..models import labelled_logits
 
+SCORE_BATCH = 32  # (prompt, label) sequences per scoring forward (deca_ds.memory's eval_batch)
+
 
 @torch.no_grad()
 def score_labels(
@@ -22,7 +24,7 @@ def score_labels(
     label_words: Sequence[str],
     *,
     max_length: int,
-    batch_size: int = 32,
+    batch_size: int = SCORE_BATCH,
 ) -> torch.Tensor:
     """(len(prompts), len(label_words)) log-likelihoods log p(answer | prompt), in float32.
 
@@ -38,7 +40,7 @@ def score_labels(
 
 @torch.no_grad()
 def score_answers(model: nn.Module, pairs: Sequence[dict[str, list[int]]], pad_id: int, *,
-                  batch_size: int = 32) -> torch.Tensor:
+                  batch_size: int = SCORE_BATCH) -> torch.Tensor:
     """log p(answer | prompt) of encoded sequences (labels -100 outside the answer), in float32."""
     device = next(model.parameters()).device
     was_training = model.training
@@ -80,7 +82,7 @@ def evaluate_classification(
     label_words: Sequence[str],
     *,
     max_length: int,
-    batch_size: int = 32,
+    batch_size: int = SCORE_BATCH,
     limit: int | None = None,
 ) -> dict:
     """Predict each example's label as the argmax of `score_labels`: accuracy, macro-F1, n, chance."""
@@ -94,7 +96,7 @@ def evaluate_classification(
 
 @torch.no_grad()
 def evaluate_records(model, tokenizer, records: Sequence[Record], label_names: Sequence[str], *, max_length: int,
-                     use_chat_template: bool = False, batch_size: int = 32, limit: int | None = None) -> dict:
+                     use_chat_template: bool = False, batch_size: int = SCORE_BATCH, limit: int | None = None) -> dict:
     """Classification by answer likelihood, with prompts and answers laid out exactly as
     `to_features` trains them: each label's answer is scored by log p(answer + eos | prompt),
     the argmax is the prediction. Returns accuracy, macro-F1, n, chance."""

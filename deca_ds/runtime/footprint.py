@@ -3,9 +3,9 @@
 
 It reads what the run's memory depends on as the run reads it: the model's config (no weights),
 the task (its tokenizer and data, so the LM head's positions are the answer's tokens, as in
-training; the tokenized set is cached for the run), the graph (its largest neighbourhood), and
---offload-budget's choice of --offload-keep. Nothing is trained and nothing is written but the
-token cache.
+training, and whether rank 0 scores x̄ before training; the tokenized set is cached for the run),
+the graph (its largest neighbourhood), and --offload-budget's choice of --offload-keep. Nothing is
+trained and nothing is written but the token cache.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from ..evaluation.classification import SCORE_BATCH
 from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate
 from ..topology import make_topology
 from .options import RunOptions, estimate_run, offload_keep_for_budget
@@ -55,9 +56,13 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
         options["offload_keep"] = offload_keep_for_budget(options, config, ds_config, n_neighbors=neighbors,
                                                           loss_positions=positions)
     gpus = parse_device_map(opts.device_map)  # explicit: each rank on a shared GPU is another client's
-    setting = {"clients": n_clients, "neighbors": neighbors, "loss_positions": positions,
+    # rank 0 scores x̄ before a new run trains: SCORE_BATCH (prompt, label) sequences per forward
+    scored = task.kind == "classification" and not opts.resume
+    evaluation = {"eval_batch": SCORE_BATCH if scored else 0, "eval_positions": task.answer_tokens}
+    setting = {"clients": n_clients, "neighbors": neighbors, "loss_positions": positions, **evaluation,
                "offload_keep": options["offload_keep"], "clients_per_gpu": max(Counter(gpus).values()) if gpus else 1}
-    return estimate_run(options, config, ds_config, n_neighbors=neighbors, loss_positions=positions), setting
+    return estimate_run(options, config, ds_config, n_neighbors=neighbors, loss_positions=positions,
+                        **evaluation), setting
 
 
 def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:

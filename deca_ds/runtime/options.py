@@ -447,11 +447,12 @@ def add_option(group, f: dataclasses.Field, *, cls: type = RunOptions, default=d
 
 
 def build_parser(prog: str = "deca-train",
-                 description: str = "Decentralized full-parameter fine-tuning with DECA, one client per rank group."
-                 ) -> argparse.ArgumentParser:
+                 description: str = "Decentralized full-parameter fine-tuning with DECA, one client per rank group.",
+                 *, estimate: bool = True) -> argparse.ArgumentParser:
+    """The command line of deca-train (and of deca-split, whose run is not trained: estimate=False)."""
     p = argparse.ArgumentParser(
         prog=prog,
-        usage="%(prog)s [--config RUN_FILE] [--preset NAME_OR_JSON] [--print-config | --estimate] "
+        usage=f"%(prog)s [--config RUN_FILE] [--preset NAME_OR_JSON] [--print-config{' | --estimate' * estimate}] "
               "[--OPTION VALUE ...]",
         description=f"{description} Options come from, lowest first: the defaults shown, the preset's \"deca\" "
                     "section, the run file (--config), the command line.",
@@ -467,9 +468,10 @@ def build_parser(prog: str = "deca-train",
                         "defaults, micro-batch 1, no clipping)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as a run file (YAML) and exit without training")
-    p.add_argument("--estimate", action="store_true",
-                   help="print one client's estimated GPU memory for this run (deca_ds.memory, from the model's "
-                        "config, the task and the graph; no weights loaded) and exit without training")
+    if estimate:
+        p.add_argument("--estimate", action="store_true",
+                       help="print one client's estimated GPU memory for this run (deca_ds.memory, from the "
+                            "model's config, the task and the graph; no weights loaded) and exit without training")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     for title, fields in option_groups():
         group = p.add_argument_group(title)
@@ -545,9 +547,11 @@ def dump_config(opts: RunOptions, ds_config: dict) -> str:
 
 
 def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: int, loss_positions: int,
-                 offload_keep: int | None = None) -> MemoryEstimate:
+                 offload_keep: int | None = None, eval_batch: int = 0, eval_positions: int = 2) -> MemoryEstimate:
     """deca_ds.memory's estimate of a round's peak for a DECA run with `options` (RunOptions as a dict,
-    micro-batch resolved) on the model of `model_config` (a config, its path, or a ModelSpec)."""
+    micro-batch resolved) on the model of `model_config` (a config, its path, or a ModelSpec);
+    `eval_batch` > 0: rank 0's evaluation before training, that many sequences per forward with
+    the LM head at `eval_positions` of each."""
     from ..memory import estimate_memory
 
     return estimate_memory(
@@ -560,7 +564,7 @@ def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: i
         variant=options["variant"], state_bits=options["state_bits"], fused_update=options["fused_update"],
         steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"],
         deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions,
-        loss_chunk=options["loss_chunk"])
+        loss_chunk=options["loss_chunk"], eval_batch=eval_batch, eval_positions=eval_positions)
 
 
 def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_neighbors: int,

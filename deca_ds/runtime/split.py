@@ -68,7 +68,7 @@ def write_split(opts: RunOptions, out: Path, command: str = "") -> dict[str, Pat
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser("deca-split", description=__doc__.split("\n\n")[0])
+    parser = build_parser("deca-split", description=__doc__.split("\n\n")[0], estimate=False)
     parser.add_argument("--out", required=True, metavar="DIR", help="folder of the client files (new files only)")
     parser.usage = "%(prog)s --out DIR --clients N [--config RUN_FILE] [--preset NAME_OR_JSON] [--OPTION VALUE ...]"
     args = parser.parse_args(argv)

@@ -49,6 +49,8 @@ class Task:
     answer_tokens: int | None = None  # the most labelled positions of one example (of every client's)
     # per client, SHA-256 of its encoded examples in order (None: held elsewhere); --resume compares them
     data_fingerprints: list[str | None] | None = None
+    # "generation": `evaluate` scores nothing (the exported model's answers are judged instead)
+    kind: str = "classification"
 
     def __post_init__(self) -> None:
         if self.answer_tokens is None:
@@ -167,7 +169,7 @@ def _loaded(opts: RunOptions, n_clients: int) -> Task:
     features = _features(opts, tokenizer, loaded.train)
     parts, keys, key_names = split_records(opts, loaded, n_clients)
     return Task(tokenizer, features, parts, key_names, label_histogram(keys, parts, len(key_names)).tolist(),
-                _evaluator(opts, loaded, tokenizer))
+                _evaluator(opts, loaded, tokenizer), kind=loaded.spec.kind)
 
 
 def _own_files(opts: RunOptions, n_clients: int, held: tuple[int, ...]) -> Task:
@@ -188,7 +190,7 @@ def _own_files(opts: RunOptions, n_clients: int, held: tuple[int, ...]) -> Task:
         keys += [0 if r.label is None else r.label for r in loaded.train]  # generation: a single key
     key_names = loaded.spec.label_names if loaded.spec.kind == "classification" else ("all",)
     return Task(tokenizer, features, parts, tuple(key_names), label_histogram(keys, parts, len(key_names)).tolist(),
-                _evaluator(opts, loaded, tokenizer), held if len(held) < n_clients else None)
+                _evaluator(opts, loaded, tokenizer), held if len(held) < n_clients else None, kind=loaded.spec.kind)
 
 
 def share_counts(task: Task, layout: ClientLayout) -> Task:
