@@ -396,6 +396,22 @@ def test_evaluate_checks_the_judge_before_loading_any_model(tmp_path, monkeypatc
     assert not (tmp_path / "e.json").exists()
 
 
+def test_deca_eval_of_a_generation_task_asks_for_questions_before_loading(tmp_path, monkeypatch, capsys):
+    from deca_ds import models
+    from deca_ds.runtime import evaluate
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    for data in (["--dataset", "alpaca"], ["--dataset", "files", "--data-files", "train=a.jsonl",
+                                          "--response-column", "output"]):
+        with pytest.raises(SystemExit) as code:
+            evaluate.main(["--model", str(tmp_path / "m"), *data, "--out", str(tmp_path / "e.json")])
+        assert code.value.code == 1 and "a generation task; deca-eval scores its model's answers to --questions" \
+            in capsys.readouterr().err
+
+
 def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_path):
     """--run: deca-train's data options from run_config.json, converted and checked as a run file's;
     the command line over them; the whole test split unless told; never the run's trust_remote_code."""

@@ -104,6 +104,16 @@ def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = Fals
     return model if adapters is None else load_adapters(model, adapters)
 
 
+def _generation(opts: RunOptions) -> bool:
+    from ..datasets import resolve_spec
+
+    if opts.dataset == "synthetic":
+        return False
+    return resolve_spec(None if opts.dataset == "files" else opts.dataset, text_column=opts.text_column,
+                        text_pair_column=opts.text_pair_column, label_column=opts.label_column,
+                        label_names=opts.label_names, response_column=opts.response_column).kind == "generation"
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     import torch
 
@@ -112,6 +122,11 @@ def evaluate(args: argparse.Namespace) -> dict:
     from .task import evaluator
 
     path, opts = resolve(args)
+    if opts is not None and _generation(opts):  # its quality is judged on answers, not scored by label
+        if args.questions is None:
+            raise ValueError(f"--dataset {opts.dataset}: a generation task; deca-eval scores its model's answers "
+                             "to --questions (ROUGE-L, and the judge with --judge-url)")
+        opts = None
     if opts is None and args.questions is None:
         raise ValueError("nothing to evaluate: give --dataset or --run (classification) and/or --questions "
                          "(generation)")
