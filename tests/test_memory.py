@@ -392,8 +392,9 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     from deca_ds.train import main as train_main
 
     qwen = CONFIGS / "qwen2.5-3b-instruct.json"
-    args = ["--preset", "rtx5090_qwen2.5-3b", "--model", str(qwen), "--from-config", "--clients", "4",
-            "--topology", "ring", "--micro-batch", "4", "--output-dir", str(tmp_path / "out")]
+    run = ["--preset", "rtx5090_qwen2.5-3b", "--model", str(qwen), "--from-config", "--topology", "ring",
+           "--micro-batch", "4", "--output-dir", str(tmp_path / "out")]
+    args = [*run, "--clients", "4"]
     train_main([*args, "--estimate"])
     text = capsys.readouterr().out
     # rank 0 scores x̄ before training: 32 (prompt, label) sequences per forward, the head at the answer's 2
@@ -415,6 +416,9 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     with pytest.raises(SystemExit):
         train_main([*args, "--method", "dadam", "--estimate"])
     assert "models DECA's memory, not method dadam's" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no launcher, no --clients: the graph is unknown
+        train_main([*run, "--estimate"])
+    assert "--estimate: give --clients N" in capsys.readouterr().err
     from deca_ds.runtime.split import main as split_main
 
     with pytest.raises(SystemExit) as code:  # deca-split writes a split; it has no --estimate to ignore

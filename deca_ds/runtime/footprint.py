@@ -18,6 +18,7 @@ from pathlib import Path
 from ..evaluation.classification import SCORE_BATCH
 from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate
 from ..topology import make_topology
+from .dist import check_layout
 from .options import RunOptions, estimate_run, offload_keep_for_budget
 from .transport import parse_device_map
 
@@ -44,7 +45,10 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
 
     if opts.method != "deca":
         raise ValueError(f"--estimate: deca_ds.memory models DECA's memory, not method {opts.method}'s")
-    n_clients = opts.clients or int(os.environ.get("WORLD_SIZE", "1")) // opts.ranks_per_client
+    if opts.clients is None and "WORLD_SIZE" not in os.environ:  # a launcher's ranks make the clients, as in the run
+        raise ValueError("--estimate: give --clients N, the run's number of clients (its neighbourhoods and so its "
+                         "exchange buffers depend on it)")
+    n_clients = opts.clients or check_layout(int(os.environ["WORLD_SIZE"]), opts.ranks_per_client, None)
     topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed,
                              matrix_file=opts.matrix_file)
     neighbors = max(len(topology.neighbors(i)) for i in range(n_clients))
