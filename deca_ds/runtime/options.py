@@ -6,6 +6,9 @@ so every option has one name everywhere (`--steps-per-block` on the command line
 `steps_per_block` in files). Every value from a file is converted to the field's declared type
 here, at the edge, with errors that name the file and the key.
 
+The same conversion and flags serve the commands that take some of these options or options of
+their own (deca-eval, deca-split, deca-pretrain, grid files): `convert_options`, `add_option`.
+
 This module imports no torch (nor the modules that do) at import time: `--help` and
 `--print-config` stay fast. The choice lists below are the names the algorithm modules define;
 tests/test_config.py checks they agree.
@@ -430,9 +433,11 @@ def add_option(group, f: dataclasses.Field, *, cls: type = RunOptions, default=d
     if default is dataclasses.MISSING:
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
     text = help or f.metadata["help"]
-    kw = dict(dest=f.name, required=True, help=text) if default is dataclasses.MISSING else dict(
-        dest=f.name, default=argparse.SUPPRESS, help=f"{text} (default: {value_text(default)})")
-    kw["help"] = kw["help"].replace("%", "%%")
+    if default is dataclasses.MISSING:
+        kw = dict(required=True)
+    else:
+        kw, text = dict(default=argparse.SUPPRESS), f"{text} (default: {value_text(default)})"
+    kw.update(dest=f.name, help=text.replace("%", "%%"))
     flag = "--" + f.name.replace("_", "-")
     if kind is dict:
         group.add_argument(flag, type=_json_object, metavar="JSON", **kw)
