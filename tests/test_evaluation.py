@@ -413,28 +413,33 @@ def test_deca_eval_of_a_generation_task_asks_for_questions_before_loading(tmp_pa
 
 
 def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_path):
-    """--run: deca-train's data options from run_config.json, converted and checked as a run file's;
-    the command line over them; the whole test split unless told; never the run's trust_remote_code."""
+    """--run: deca-train's data options and working dtype from run_config.json, converted and checked
+    as a run file's; the command line over them; the whole test split unless told; never the run's
+    trust_remote_code."""
     from deca_ds.runtime import evaluate
 
     run = tmp_path / "run"
     (run / "consensus").mkdir(parents=True)
     saved = {"dataset": "files", "data_files": ["train=a.jsonl", "test=b.jsonl"], "max_seq_len": 48,
-             "label_names": ["no", "yes"], "seed": 3, "eval_limit": 100, "trust_remote_code": True, "lr": 1e-3}
+             "label_names": ["no", "yes"], "seed": 3, "eval_limit": 100, "trust_remote_code": True, "lr": 1e-3,
+             "working_dtype": "bf16"}
     (run / "run_config.json").write_text(json.dumps({"options": saved}))
 
     def resolve(*argv):
         return evaluate.resolve(evaluate.build_parser().parse_args([*argv, "--out", "e.json"]))
 
-    model, opts = resolve("--run", str(run))
-    assert model == str(run / "consensus")
+    model, dtype, opts = resolve("--run", str(run))
+    assert (model, dtype) == (str(run / "consensus"), "bf16")
     assert (opts.dataset, opts.data_files, opts.max_seq_len, opts.label_names, opts.seed) == (
         "files", ["train=a.jsonl", "test=b.jsonl"], 48, ["no", "yes"], 3)
     assert opts.eval_limit == 0 and opts.trust_remote_code is False
-    model, opts = resolve("--run", str(run), "--model", "other", "--max-seq-len", "16", "--eval-limit", "8")
-    assert (model, opts.model, opts.max_seq_len, opts.eval_limit, opts.seed) == ("other", "other", 16, 8, 3)
-    assert resolve("--model", "m", "--questions", "q.jsonl") == ("m", None)  # no task named: generation only
-    assert resolve("--model", "m", "--dataset", "synthetic")[1].max_seq_len == 64  # deca-train's default
+    model, dtype, opts = resolve("--run", str(run), "--model", "other", "--max-seq-len", "16", "--eval-limit", "8",
+                                 "--working-dtype", "fp32")
+    assert (model, dtype, opts.model, opts.max_seq_len, opts.eval_limit, opts.seed) == (
+        "other", "fp32", "other", 16, 8, 3)
+    # no task named: generation only, in the device's dtype
+    assert resolve("--model", "m", "--questions", "q.jsonl") == ("m", None, None)
+    assert resolve("--model", "m", "--dataset", "synthetic")[2].max_seq_len == 64  # deca-train's default
 
     for problem, message in (({"max_seq_len": "long"}, r"run_config.json: max_seq_len: expected an integer"),
                              ({"dataset": "files", "data_files": None}, "--dataset files needs --data-files")):

@@ -437,6 +437,12 @@ def test_bf16_working_weights_with_working_dtype_mixing(tmp_path):
     assert all(c["loss_end"] < c["loss_start"] - 0.5 for c in summary["clients"]), summary["clients"]
     for c in range(2):
         assert list((out / "tensorboard" / f"client_{c:03d}").glob("events.out.tfevents.*"))
+    # deca-eval --run scores the bf16 export in the run's dtype (on a CPU it would default to fp32)
+    from deca_ds.runtime import evaluate
+
+    result = evaluate.evaluate(evaluate.build_parser().parse_args(
+        ["--run", str(out), "--eval-limit", "64", "--out", str(tmp_path / "eval.json")]))
+    assert result["working_dtype"] == "bf16" and result["classification"] == summary["consensus_eval"]
 
 
 def test_local_files_train_and_evaluate_end_to_end(tmp_path):

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "set, with the run's data options (run_config.json; the command line wins)")
     p.add_argument("--out", required=True, help="JSON file of the results")
     fields = {f.name: f for f in dataclasses.fields(RunOptions)}
+    p.add_argument("--working-dtype", choices=fields["working_dtype"].metadata["choices"],
+                   help="dtype the model computes in (default: the run's with --run, else bf16 on a GPU and fp32 "
+                        "on a CPU)")
     data = p.add_argument_group("classification (deca-train's data options; with --run, the run's)")
     add_option(data, fields["dataset"], default=None, help="the task whose test split is scored, as deca-train "
                "names it; none: no classification")
@@ -63,12 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(args: argparse.Namespace) -> tuple[str, RunOptions | None]:
-    """(the model to score, the options of its test set; None: no classification) of parsed
-    arguments: deca-eval's defaults < the run's data options (--run) < the command line."""
+def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | None]:
+    """(the model to score, the dtype it computes in (None: the device's), the options of its test
+    set (None: no classification)) of parsed arguments: deca-eval's defaults < the run's (--run) <
+    the command line."""
     given = {name: value for name, value in vars(args).items() if name in (*TEST_SET, "eval_limit",
                                                                               "trust_remote_code")}
-    values, model = dict(DEFAULTS), args.model
+    values, model, dtype = dict(DEFAULTS), args.model, args.working_dtype
     if args.run is not None:
         run = Path(args.run)
         config = run / "run_config.json"
@@ -78,7 +82,10 @@ def resolve(args: argparse.Namespace) -> tuple[str, RunOptions | None]:
             saved = json.loads(config.read_text())["options"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"--run {run}: {config} is not a deca-train run's record ({err!r})") from None
-        values.update(convert_options({k: saved[k] for k in TEST_SET if k in saved}, str(config)))
+        ran = convert_options({k: saved[k] for k in (*TEST_SET, "working_dtype") if k in saved}, str(config))
+        # the run scored x̄ in its working dtype: the same number needs the same dtype
+        dtype = dtype or ran.pop("working_dtype", "fp32")
+        values.update(ran)
         if model is None:
             if not (run / "consensus").is_dir():
                 raise ValueError(f"--run {run}: the run exported no consensus/ (run with --no-export, or not "
@@ -88,9 +95,7 @@ def resolve(args: argparse.Namespace) -> tuple[str, RunOptions | None]:
         raise ValueError("give --model (an exported model directory or hub id) or --run (a deca-train output "
                          "directory)")
     values.update(given)
-    if values["dataset"] is None:
-        return model, None
-    return model, RunOptions(model=model, **values)
+    return model, dtype, None if values["dataset"] is None else RunOptions(model=model, **values)
 
 
 def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False):
@@ -117,11 +122,12 @@ def _generation(opts: RunOptions) -> bool:
 def evaluate(args: argparse.Namespace) -> dict:
     import torch
 
+    from ..config import parse_dtype
     from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
     from ..models import load_tokenizer
     from .task import evaluator
 
-    path, opts = resolve(args)
+    path, dtype, opts = resolve(args)
     if opts is not None and _generation(opts):  # its quality is judged on answers, not scored by label
         if args.questions is None:
             raise ValueError(f"--dataset {opts.dataset}: a generation task; deca-eval scores its model's answers "
@@ -137,9 +143,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         judge_api_key(args.judge_key_env)
     trust = getattr(args, "trust_remote_code", False)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_export(path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                        trust_remote_code=trust).to(device)
-    results: dict = {"model": path}
+    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
+    model = load_export(path, dtype=parse_dtype(dtype), trust_remote_code=trust).to(device)
+    results: dict = {"model": path, "working_dtype": dtype}
     if opts is not None:
         results["options"] = {name: getattr(opts, name) for name in (*TEST_SET, "eval_limit")}
         results["classification"] = evaluator(opts)(model, opts.eval_limit or None)
