@@ -45,10 +45,9 @@ from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
 from ..reporting import invocation
 from ..runtime.checkpoint import sha256, write_json
-from ..runtime.options import TASK_NAMES, RunOptions, add_option, per_client
-from ..runtime.task import load_records
+from ..runtime.options import RunOptions, add_option, per_client
+from ..runtime.task import DATASETS, load_records
 
-DATASETS = ("synthetic", *TASK_NAMES, "files")  # deca-train's --dataset choices
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
                    initializer_range=0.1)
