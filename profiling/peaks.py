@@ -32,6 +32,13 @@ def rss() -> int:
     return _status_bytes("VmRSS")
 
 
+def rss_anon() -> int:
+    """The process's anonymous resident memory now (bytes): the resident set without the
+    file-backed pages (shared libraries, mapped files), which the kernel pages in and drops on its
+    own, by hundreds of KB within a phase, whatever the phase allocates."""
+    return _status_bytes("RssAnon")
+
+
 def rss_peak() -> int:
     """The resident set's high-water mark since the process started or the last reset_rss_peak."""
     return _status_bytes("VmHWM")
@@ -79,7 +86,7 @@ class PhasePeaks:
 
     def mark(self, next_phase: str) -> dict:
         """End the current phase (its row: peak and memory now), reset the peaks, start `next_phase`."""
-        row = {"phase": self.phase, "rss_peak": rss_peak(), "rss_end": rss()}
+        row = {"phase": self.phase, "rss_peak": rss_peak(), "rss_end": rss(), "rss_anon_end": rss_anon()}
         if self._cuda():
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)

@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "profiling"))
 
-from peaks import PhasePeaks, map_each_allocation, rss  # noqa: E402
+from peaks import PhasePeaks, map_each_allocation, rss, rss_anon  # noqa: E402
 from report import emit, provenance  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -88,6 +88,10 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
     def now() -> int:
         return torch.cuda.memory_allocated(dev) if cuda else rss()
 
+    def mark(phase: str) -> None:
+        before[phase], anon[phase] = now(), rss_anon()
+        peaks.mark(phase)
+
     # one-time costs (transformers' lazy imports and loading code, kernels' first-call buffers) are
     # not setup's: pay them on a one-layer copy first. A loaded model's files may go once it is
     # loaded (on CPU its tensors map them, and a mapping outlives the file's name).
@@ -104,34 +108,36 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
         del small
         peaks = PhasePeaks(dev)
         gc.collect()
-        before = {"init": now()}
-        peaks.mark("init")
+        before, anon = {}, {}
+        mark("init")
         model = start_model(config, dtype=dtype, load=load, device=dev, checkpoint=Path(tmp, "model"))
     ids = torch.randint(0, config.vocab_size, (eval_batch, seq_len), device=dev)
     labels = torch.full_like(ids, -100)
     labels[:, -1] = ids[:, -1]
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     gc.collect()
-    before["evaluate"] = now()
-    peaks.mark("evaluate")
+    mark("evaluate")
     with torch.no_grad():
         labelled_logits(model, batch)
     del batch, ids, labels
     gc.collect()
-    before["optimizer"] = now()
-    peaks.mark("optimizer")
+    mark("optimizer")
     optimizer = DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))  # held, as in a run
     peaks.mark("end")
     del optimizer
     key = "cuda_allocated_peak" if cuda else "rss_peak"
     measured = {r["phase"]: r[key] - before[r["phase"]] for r in peaks.rows if r["phase"] in before}
+    # what each phase still holds at its end in anonymous memory: the resident set's file-backed
+    # pages (the libraries') come and go on their own, by hundreds of KB, whatever the phase does
+    held = {r["phase"]: r["rss_anon_end"] - anon[r["phase"]] for r in peaks.rows if r["phase"] in before}
 
     est = estimate_block(config, 1, 0, working_dtype=dtype, master_dtype="fp32", micro_batch=1, seq_len=seq_len,
                          eval_batch=eval_batch, eval_positions=1, n_neighbors=0)
     terms = {"init": est.weights + est.init_transient, "evaluate": est.eval_forward,
              "optimizer": est.optimizer_state}
     rows = [{"phase": p, "measured_bytes": measured[p], "estimated_bytes": terms[p],
-             "measured_over_estimated": measured[p] / terms[p]} for p in terms]
+             "measured_over_estimated": measured[p] / terms[p], **({} if cuda else {"anon_held_bytes": held[p]})}
+            for p in terms]
     # the setup peak above the process's memory before init, phase by phase cumulative
     above = {p: before[p] - before["init"] + measured[p] for p in terms}
     return {"rows": rows, "setup_peak_measured": max(above.values()), "setup_peak_estimated": est.setup_peak,

@@ -289,7 +289,10 @@ def test_setup_peaks_against_the_estimator():
     result = run_on_ranks(_setup_peaks, 1, timeout=900)[0]
     drawn, loaded = result["loads"]["config"], result["loads"]["checkpoint"]
     rows = {r["phase"]: r for r in drawn["rows"]}
-    assert 2 * drawn["params"] <= rows["init"]["measured_bytes"] <= rows["init"]["estimated_bytes"], rows
+    # at least the weights in what init still holds in anonymous memory (the resident set also has
+    # file-backed pages, which the kernel pages in and out by hundreds of KB on its own); at most its term
+    assert 2 * drawn["params"] <= rows["init"]["anon_held_bytes"], rows
+    assert rows["init"]["measured_bytes"] <= rows["init"]["estimated_bytes"], rows
     for phase in ("optimizer", "evaluate"):
         assert abs(rows[phase]["measured_over_estimated"] - 1) < 0.05, rows
     assert abs(drawn["setup_peak_measured"] / drawn["setup_peak_estimated"] - 1) < 0.05, drawn
