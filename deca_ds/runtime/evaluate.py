@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 # trust_remote_code: running a model repo's own code is asked for on each command.
 TEST_SET = ("dataset", "data_files", "text_column", "text_pair_column", "label_column", "label_names",
             "response_column", "chat_template", "max_seq_len", "synthetic_words", "seed")
+# deca-train's options deca-eval takes as flags: the test set's, how much of it to score, and whether
+# the model repo's own code may run
+FLAGS = (*TEST_SET, "eval_limit", "trust_remote_code")
 # deca-eval's own defaults: no task unless one is named (a questions file alone is generation
 # only), and the whole test split (deca-train's evaluations during a run score the first 512)
 DEFAULTS = {"dataset": None, "eval_limit": 0}
@@ -49,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("classification (deca-train's data options; with --run, the run's)")
     add_option(data, fields["dataset"], default=None, help="the task whose test split is scored, as deca-train "
                "names it; none: no classification")
-    for name in (*TEST_SET[1:], "eval_limit", "trust_remote_code"):
+    for name in FLAGS[1:]:
         add_option(data, fields[name], default=DEFAULTS.get(name, fields[name].default))
     gen = p.add_argument_group("generation")
     gen.add_argument("--questions", help="questions JSONL (generation)")
@@ -70,8 +73,7 @@ def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | Non
     """(the model to score, the dtype it computes in (None: the device's), the options of its test
     set (None: no classification)) of parsed arguments: deca-eval's defaults < the run's (--run) <
     the command line."""
-    given = {name: value for name, value in vars(args).items() if name in (*TEST_SET, "eval_limit",
-                                                                              "trust_remote_code")}
+    given = {name: value for name, value in vars(args).items() if name in FLAGS}
     values, model, dtype = dict(DEFAULTS), args.model, args.working_dtype
     if args.run is not None:
         run = Path(args.run)
@@ -109,26 +111,16 @@ def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = Fals
     return model if adapters is None else load_adapters(model, adapters)
 
 
-def _generation(opts: RunOptions) -> bool:
-    from ..datasets import resolve_spec
-
-    if opts.dataset == "synthetic":
-        return False
-    return resolve_spec(None if opts.dataset == "files" else opts.dataset, text_column=opts.text_column,
-                        text_pair_column=opts.text_pair_column, label_column=opts.label_column,
-                        label_names=opts.label_names, response_column=opts.response_column).kind == "generation"
-
-
 def evaluate(args: argparse.Namespace) -> dict:
     import torch
 
     from ..config import parse_dtype
     from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
     from ..models import load_tokenizer
-    from .task import evaluator
+    from .task import evaluator, task_kind
 
     path, dtype, opts = resolve(args)
-    if opts is not None and _generation(opts):  # its quality is judged on answers, not scored by label
+    if opts is not None and task_kind(opts) == "generation":  # its quality is judged on answers, not scored by label
         if args.questions is None:
             raise ValueError(f"--dataset {opts.dataset}: a generation task; deca-eval scores its model's answers "
                              "to --questions (ROUGE-L, and the judge with --judge-url)")

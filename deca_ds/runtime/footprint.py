@@ -40,7 +40,7 @@ def model_config(opts: RunOptions, vocab_size: int):
 
 def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     """(the estimate of a round's peak block, what it was computed for)."""
-    from .task import build_task
+    from .task import build_task, task_kind
     from .trainer import loss_positions_max
 
     if opts.method != "deca":
@@ -61,7 +61,7 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
                                                           loss_positions=positions)
     gpus = parse_device_map(opts.device_map)  # explicit: each rank on a shared GPU is another client's
     # rank 0 scores x̄ before a new run trains: SCORE_BATCH (prompt, label) sequences per forward
-    scored = task.kind == "classification" and not opts.resume
+    scored = task_kind(opts) == "classification" and not opts.resume
     evaluation = {"eval_batch": SCORE_BATCH if scored else 0, "eval_positions": task.answer_tokens}
     setting = {"clients": n_clients, "neighbors": neighbors, "loss_positions": positions, **evaluation,
                "offload_keep": options["offload_keep"], "clients_per_gpu": max(Counter(gpus).values()) if gpus else 1}

@@ -29,7 +29,16 @@ from ..data import (
     iid_partition,
     label_histogram,
 )
-from ..datasets import TASKS, LoadedTask, load_task, partition_keys, partition_records, to_features, vocabulary
+from ..datasets import (
+    TASKS,
+    LoadedTask,
+    load_task,
+    partition_keys,
+    partition_records,
+    resolve_spec,
+    to_features,
+    vocabulary,
+)
 from ..evaluation import evaluate_classification, evaluate_records
 from ..models import load_tokenizer
 from . import token_cache
@@ -49,8 +58,6 @@ class Task:
     answer_tokens: int | None = None  # the most labelled positions of one example (of every client's)
     # per client, SHA-256 of its encoded examples in order (None: held elsewhere); --resume compares them
     data_fingerprints: list[str | None] | None = None
-    # "generation": `evaluate` scores nothing (the exported model's answers are judged instead)
-    kind: str = "classification"
 
     def __post_init__(self) -> None:
         if self.answer_tokens is None:
@@ -169,7 +176,7 @@ def _loaded(opts: RunOptions, n_clients: int) -> Task:
     features = _features(opts, tokenizer, loaded.train)
     parts, keys, key_names = split_records(opts, loaded, n_clients)
     return Task(tokenizer, features, parts, key_names, label_histogram(keys, parts, len(key_names)).tolist(),
-                _evaluator(opts, loaded, tokenizer), kind=loaded.spec.kind)
+                _evaluator(opts, loaded, tokenizer))
 
 
 def _own_files(opts: RunOptions, n_clients: int, held: tuple[int, ...]) -> Task:
@@ -190,7 +197,7 @@ def _own_files(opts: RunOptions, n_clients: int, held: tuple[int, ...]) -> Task:
         keys += [0 if r.label is None else r.label for r in loaded.train]  # generation: a single key
     key_names = loaded.spec.label_names if loaded.spec.kind == "classification" else ("all",)
     return Task(tokenizer, features, parts, tuple(key_names), label_histogram(keys, parts, len(key_names)).tolist(),
-                _evaluator(opts, loaded, tokenizer), held if len(held) < n_clients else None, kind=loaded.spec.kind)
+                _evaluator(opts, loaded, tokenizer), held if len(held) < n_clients else None)
 
 
 def share_counts(task: Task, layout: ClientLayout) -> Task:
@@ -227,6 +234,16 @@ def merge_counts(task: Task, everyone: list[dict]) -> Task:
         histogram[e["client"]], data[e["client"]] = e["histogram"], e["data"]
     return replace(task, key_histogram=histogram, answer_tokens=max(e["answer_tokens"] for e in everyone),
                    data_fingerprints=data)
+
+
+def task_kind(opts: RunOptions) -> str:
+    """"classification" or "generation" (whose evaluate scores nothing: the exported model's answers
+    are judged instead), from the options alone, before any data is read."""
+    if opts.dataset == "synthetic":
+        return "classification"
+    return resolve_spec(None if opts.dataset == "files" else opts.dataset, text_column=opts.text_column,
+                        text_pair_column=opts.text_pair_column, label_column=opts.label_column,
+                        label_names=opts.label_names, response_column=opts.response_column).kind
 
 
 def evaluator(opts: RunOptions) -> Callable[..., dict]:
