@@ -34,13 +34,17 @@ TINY_LLAMA = dict(
 RESCALED_LOGITS = ("final_logit_softcapping", "logit_scale")
 
 
+def tiny_config(vocab_size: int, **overrides) -> LlamaConfig:
+    """The config of TINY_LLAMA's shape (updated by `overrides`) for a tokenizer of `vocab_size`."""
+    return LlamaConfig(**{**TINY_LLAMA, **overrides, "vocab_size": vocab_size})
+
+
 def tiny_llama(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:
     """A randomly initialised Llama of TINY_LLAMA's shape (updated by `overrides`), the same for the same seed.
 
     The global RNG is left as it was, so building a model does not shift anyone else's random stream.
     """
-    config = LlamaConfig(**{**TINY_LLAMA, **overrides, "vocab_size": vocab_size})
-    return _from_config(config, dtype=dtype, seed=seed, attn_implementation="eager")
+    return _from_config(tiny_config(vocab_size, **overrides), dtype=dtype, seed=seed, attn_implementation="eager")
 
 
 def load_model(

@@ -26,13 +26,13 @@ from .transport import parse_device_map
 def model_config(opts: RunOptions, vocab_size: int):
     """The config of the model the run trains: the built-in tiny Llama's for this vocabulary, else
     the checkpoint's or config file's own (a local path), or a hub id's (from the cache or the hub)."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
     from ..memory import load_config
-    from ..models import TINY_LLAMA
+    from ..models import tiny_config
 
     if opts.model == "tiny":
-        return LlamaConfig(**{**TINY_LLAMA, "vocab_size": vocab_size})
+        return tiny_config(vocab_size)
     if Path(opts.model).expanduser().exists():
         return load_config(opts.model)
     return AutoConfig.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
