@@ -84,7 +84,7 @@ def estimate(run_config: dict):
                         loss_positions=run_config["loss_positions_max"])
 
 
-SECTIONS = ("prefix", "forward", "backward", "step")  # the trainer's mem_peak_<section>
+SECTIONS = ("prefix", "forward", "backward", "step", "other")  # the trainer's mem_peak_<section>
 PHASES = ("prefix", "backward", "update", "mixing")  # the estimator's, beside them
 
 
@@ -183,9 +183,11 @@ def write(summary: dict, out: Path, name: str) -> None:
            "--offload frozen is a no-op there."]
     if any(r["peak_forward_gib"] for r in rows):
         md += ["", "Where the peak is set: each section's allocation peak on the GPU (the largest over the steps; "
-               "the step is the update and the mixing), beside the estimator's phases (GiB).", "",
-               "| layers per block | offload | prefix | forward | backward | step | estimated: prefix | backward "
-               "| update | mixing |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+               "the step is the update and the mixing; other, the work between them, such as the checks after the "
+               "update), beside the estimator's phases (GiB).", "",
+               "| layers per block | offload | prefix | forward | backward | step | other | estimated: prefix "
+               "| backward | update | mixing |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+               "| ---: |"]
         md += [f"| {r['layers_per_block']} | {setting(r)} | "
                + " | ".join(_f(r[f"peak_{k}_gib"], ".2f") for k in SECTIONS) + " | "
                + " | ".join(_f(r[f"estimate_{k}_gib"], ".2f") for k in PHASES) + " |" for r in rows]

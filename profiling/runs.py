@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -37,32 +39,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_rank(argv: list[str], env: dict[str, str], stderr: Path) -> subprocess.Popen:
-    """One rank: `launch/train.py argv` with exactly `env`, its stderr in a file."""
-    with open(stderr, "w") as err:
+def start_rank(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """One rank: `launch/train.py argv` with exactly `env`, its output (stdout and stderr) in a file."""
+    with open(log, "w") as out:
         return subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), *argv], env=env, cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def tail(log: Path, lines: int = 25) -> str:
+    """The last lines a rank wrote, a progress bar's redraws (carriage returns) as lines of their own."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join([line for line in re.split(r"[\r\n]+", text) if line.strip()][-lines:])
+
+
+class Stopped(Exception):
+    """The tool was sent SIGTERM (a time limit such as gpu_checks.sh's), while its ranks ran."""
+
+
+def _stopped(signum, frame):
+    raise Stopped
 
 
 def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> Path:
-    """Run launch/train.py with `args` on `ranks` ranks into `out`; exit naming `what` if a rank fails
-    or the ranks are still running after `timeout` seconds."""
+    """Run launch/train.py with `args` on `ranks` ranks into `out`; exit naming `what` if a rank fails,
+    the ranks are still running after `timeout` seconds, or the tool is stopped (SIGTERM), with each
+    rank's last output. The ranks never outlive the call: left running, they would hold the GPU
+    through whatever the machine runs next."""
     argv = [*args, "--output-dir", str(out), "--overwrite"]
     port = str(free_port())
-    # stderr to files: a pipe would fill with a long run's progress bar and block the rank
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    # output to files: a pipe would fill with a long run's progress bar and block the rank
     with tempfile.TemporaryDirectory() as logs:
-        procs = [start_rank(argv, {**os.environ, **torchrun_env(rank, ranks, port)}, Path(logs) / f"{rank}.err")
-                 for rank in range(ranks)]
-        deadline = time.monotonic() + timeout
+        log = [Path(logs) / f"{rank}.log" for rank in range(ranks)]
+        procs = []
         try:
+            for rank in range(ranks):
+                procs.append(start_rank(argv, {**os.environ, **torchrun_env(rank, ranks, port)}, log[rank]))
+            deadline = time.monotonic() + timeout
             codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, Stopped) as e:
+            why = f"still running after {timeout:g} s" if isinstance(e, subprocess.TimeoutExpired) else "stopped"
+            raise SystemExit(f"{what}: the ranks were {why}; their last output:\n"
+                             + "\n".join(f"rank {rank}:\n{tail(log[rank])}" for rank in range(len(procs)))) from None
+        finally:
             for p in procs:
-                p.kill()
-                p.wait()
-            raise SystemExit(f"{what}: the ranks were still running after {timeout:g} s") from None
-        failed = [f"rank {rank} exited {code}:\n{(Path(logs) / f'{rank}.err').read_text()[-2000:]}"
-                  for rank, code in enumerate(codes) if code]
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            signal.signal(signal.SIGTERM, previous)
+        failed = [f"rank {rank} exited {code}:\n{tail(log[rank])}" for rank, code in enumerate(codes) if code]
         if failed:  # every failed rank's own error: the first to fail is often not rank 0
             raise SystemExit(f"{what}: " + "\n".join(failed))
     return out

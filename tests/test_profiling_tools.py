@@ -6,10 +6,16 @@ profiling/shared_device_exact.py on CPU ranks; and profiling/state_8bit.py's mea
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +110,40 @@ def test_a_failing_run_is_named_with_its_error(tmp_path):
     with pytest.raises(SystemExit, match=failed):
         runs.train(["--steps-per-block", "ten"], 2, tmp_path / "run", 60, "the bad run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_stopped_tool_stops_its_ranks_and_shows_their_last_output(tmp_path, monkeypatch):
+    """gpu_checks.sh stops a step past its time limit with SIGTERM: the ranks must not live on (they
+    would hold the GPU through the next step) and the tool says where they were."""
+    import runs
+
+    started = []
+
+    def start_rank(argv, env, log):  # a rank that reports its phase, then hangs
+        with open(log, "w") as out:
+            started.append(subprocess.Popen([sys.executable, "-c", "print('offloading layers\\rlayer 7 of 32', "
+                                             "flush=True); import time; time.sleep(600)"], stdout=out))
+        return started[-1]
+
+    def stop_when_running():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            logs = list(tmp_path.glob("logs/*"))  # made once train() handles SIGTERM
+            if len(logs) == 2 and all("layer 7" in log.read_text() for log in logs):
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(runs, "start_rank", start_rank)
+    monkeypatch.setattr(runs.tempfile, "TemporaryDirectory", lambda: contextlib.nullcontext(tmp_path / "logs"))
+    (tmp_path / "logs").mkdir()
+    handler = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_when_running, daemon=True).start()
+    with pytest.raises(SystemExit, match=r"(?s)the hung run: the ranks were stopped.*rank 1:\noffloading layers\n"
+                                         r"layer 7 of 32"):
+        runs.train([], 2, tmp_path / "run", 300, "the hung run")
+    assert [p.poll() for p in started] == [-signal.SIGKILL] * 2
+    assert signal.getsignal(signal.SIGTERM) is handler
 
 
 def test_save_init_writes_the_model_and_tokenizer_the_run_draws(tmp_path):

@@ -540,11 +540,11 @@ def test_profile_memory_tool(tmp_path, profiling_runs):
     # section peaks come from GPU ranks only; given them, the table says where each run peaks
     assert all(r[f"peak_{k}_gib"] is None for r in rows for k in profile_memory.SECTIONS)
     gpu = [{**rows[0], "peak_prefix_gib": None, "peak_forward_gib": 1.5, "peak_backward_gib": 2.25,
-            "peak_step_gib": 2.5, **{f"estimate_{k}_gib": 2.0 for k in profile_memory.PHASES}}]
+            "peak_step_gib": 2.5, "peak_other_gib": 1.25, **{f"estimate_{k}_gib": 2.0 for k in profile_memory.PHASES}}]
     profile_memory.write({**summary, "results": gpu, "card": "RTX 5090",
                           "gpu_memory_gb": profile_memory.card_cap_gb("RTX 5090")}, tmp_path / "gpu", "pm")
     table = (tmp_path / "gpu" / "pm.md").read_text()
-    assert "| 2 | none | — | 1.50 | 2.25 | 2.50 | 2.00 | 2.00 | 2.00 | 2.00 |" in table
+    assert "| 2 | none | — | 1.50 | 2.25 | 2.50 | 1.25 | 2.00 | 2.00 | 2.00 | 2.00 |" in table
     # --card: the runs capped at the card's 32607 MiB less 1 GiB; without a GPU, refused before any run
     assert "Run as on an RTX 5090: every rank's allocator capped at 33.12 GB" in table
     assert summary["card"] is None
@@ -688,12 +688,13 @@ def test_step_sections_keep_their_own_allocation_peaks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1)
     timer = Timer(torch.device("cuda", 0))
-    for section in (None, "forward", "backward", "step", "forward"):  # two micro-batches' forwards
+    for section in ("other", "forward", "backward", "step", "forward"):  # two micro-batches' forwards
         timer.mark(section)
-    assert timer.memory() == {"mem_allocated": 1, "mem_peak": 9, "mem_peak_forward": 9, "mem_peak_backward": 7,
-                              "mem_peak_step": 6}  # the last read (4): after the step, in mem_peak only
+    # the last read (4): the work after the step, "other" with the work before the first forward (5)
+    assert timer.memory() == {"mem_allocated": 1, "mem_peak": 9, "mem_peak_other": 5, "mem_peak_forward": 9,
+                              "mem_peak_backward": 7, "mem_peak_step": 6}
     timer.mark("step")
-    assert timer.memory() == {"mem_allocated": 1, "mem_peak": 9, "mem_peak_step": 3}  # a new step's sections
+    assert timer.memory() == {"mem_allocated": 1, "mem_peak": 9, "mem_peak_step": 3, "mem_peak_other": 2}
     assert Timer(torch.device("cpu")).memory().keys() == {"mem_rss"}
 
 

@@ -14,13 +14,20 @@ from ..decentralized import DecentralizedOptimizer
 from .dist import ClientLayout
 
 
+def finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite, through one reduction: the largest magnitude (NaN if
+    any value is NaN). `isfinite(t).all()` makes tensor-sized temporaries (on a GPU, the |t| and
+    the masks of one Llama-3.1-8B layer's fp32 master were 1.3 GB above the step's peak)."""
+    return t.numel() == 0 or math.isfinite(torch.linalg.vector_norm(t, float("inf")).item())
+
+
 def update_finite(optimizer: DecentralizedOptimizer) -> bool:
     """Whether the active block's (or the trainable vector's) new values are finite. Right after a
     block's last step no block is active: its weights are checked by the next step's loss and
     before export."""
     if getattr(optimizer, "active", True) is None:
         return True
-    return bool(torch.isfinite(optimizer.consensus_vector()).all())
+    return finite(optimizer.consensus_vector())
 
 
 class NonFiniteError(ValueError):
@@ -57,7 +64,7 @@ def nonfinite_problem(losses: list[float], model: torch.nn.Module) -> int:
     if not all(math.isfinite(x) for x in losses):
         return 1
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return 2 if grads and not all(torch.isfinite(g).all() for g in grads) else 0
+    return 2 if not all(finite(g) for g in grads) else 0
 
 
 @contextmanager

@@ -55,6 +55,7 @@ from .nonfinite import (
     MAX_CONSECUTIVE_SKIPS,
     NonFiniteError,
     describe_nonfinite,
+    finite,
     nonfinite_problem,
     nonfinite_ranks,
     skipped_update,
@@ -121,6 +122,25 @@ def memory_now(device: torch.device) -> dict:
     return {"mem_rss": psutil.Process().memory_info().rss}
 
 
+class Laps:
+    """Seconds of each phase of the set-up, for the line rank 0 prints: where a slow start goes (an
+    8B model drawn on the CPU, layers pinned in host memory)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        """`phase` ended now; it began where the previous one ended."""
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def __str__(self) -> str:
+        return (f"set up in {sum(self.seconds.values()):.1f} s: "
+                + ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items()))
+
+
 class Timer:
     """Wall-clock sections of a step; on a GPU the device is synchronized so kernels are counted,
     and each section's allocation peak is kept, so a run says which phase sets its peak."""
@@ -135,21 +155,22 @@ class Timer:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def mark(self, section: str | None = None) -> float:
-        """now(), ending `section` (None: work outside the named sections) and keeping its
-        allocation peak for this step's record; the device's peak counter restarts here."""
+    def mark(self, section: str = "other") -> float:
+        """now(), ending `section` ("other": the work between the named sections, such as the
+        checks after the update) and keeping its allocation peak for this step's record; the
+        device's peak counter restarts here."""
         t = self.now()
         if self.cuda:
             value = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.peak = max(self.peak, value)
-            if section:
-                self._sections[section] = max(self._sections.get(section, 0), value)
+            self._sections[section] = max(self._sections.get(section, 0), value)
         return t
 
     def memory(self) -> dict:
         """The step's memory record: on a GPU the allocation now, the peak since setup and each
-        section's peak in this step (mem_peak_forward, …); on CPU the resident set."""
+        section's peak in this step (mem_peak_forward, …, mem_peak_other), so the step's peak is
+        always one section's; on CPU the resident set."""
         if not self.cuda:
             return memory_now(self.device)
         self.mark()
@@ -257,6 +278,7 @@ class Plan:
     trainable: int
     out: Path
     resume_changes: dict[str, list]
+    laps: Laps  # the set-up's phases so far
 
 
 def at_step(step: int, where: dict) -> str:
@@ -265,6 +287,7 @@ def at_step(step: int, where: dict) -> str:
 
 
 def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
+    laps = Laps()
     n_clients = check_layout(int(os.environ.get("WORLD_SIZE", "1")), opts.ranks_per_client, opts.clients)
     transport = resolve_transport(opts.transport, torch.cuda.is_available())
     places = env_placement(opts.device_map)
@@ -277,7 +300,9 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     # per-client files: a process reads its own client's only
     task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
                       if opts.client_data else None)
+    laps("data")
     model = build_model(opts, len(task.tokenizer))
+    laps("model")
     # compared across sites once connected; the weights only where nodes load them from their own disks
     fingerprint = start_fingerprint(model, task.tokenizer, opts, ds_config, weights=spans_nodes())
     partition = model_partition(model, opts.deca_config())
@@ -294,7 +319,7 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     trainable = method.num_trainable(model)
     out, resume_changes = check_output_dir(opts, ds_config, task)
     return Plan(n_clients, placement, topology, task, model, fingerprint, partition, method, trainable, out,
-                resume_changes)
+                resume_changes, laps)
 
 
 def train(opts: RunOptions, ds_config: dict) -> dict | None:
@@ -310,7 +335,8 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
     """This rank's part of the run set up: process group, mixer, the resumed state, the model on
     its device (offloaded layers in host memory), the optimizer and DeepSpeed's engine, the run's
     files claimed and written."""
-    model, partition, out = plan.model, plan.partition, plan.out
+    model, partition, out, laps = plan.model, plan.partition, plan.out, plan.laps
+    laps("checks")
     rank, world_size, device, store = init_process_group(opts.timeout, plan.placement["transport"], opts.device_map)
     layout = ClientLayout(rank, world_size, opts.ranks_per_client)
     check_same_start(plan.fingerprint, layout)
@@ -323,10 +349,12 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
                              transfer_dtype=parse_dtype(opts.working_dtype) if opts.mix_dtype == "working" else None,
                              staging=host_staging(device))
     placement = {**plan.placement, "host_staging": mixer.staging is not None}
+    laps("process group")
     start, state = 0, None
     if opts.resume:  # the weights go into the model where it is now (host memory unless drawn on the device)
         start = _resume_step(out, layout)
         state = ckpt.load_client(out, start, layout.client, layout.local_rank, model, device)
+        laps("checkpoint")
     # Offloaded layers go to pinned host memory before the model moves, so the device never holds
     # them all; the first block the optimizer activates is made resident first.
     offload = FrozenLayerOffload(model, partition, device, mode=opts.offload, keep=opts.offload_keep,
@@ -334,9 +362,11 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
     first_block = block_schedule(opts.deca_config(), partition.num_blocks, 0)[0]
     if offload.enabled:
         offload.activate(first_block)
+        laps("offload to host memory")
     # On the device before the optimizer exists: the active block's master and moments are
     # created beside its parameters (DeepSpeed would move the module only afterwards).
     model.to(device)
+    laps("to the device")
     # x̄ before training, scored before the first block's master, m and v exist, so the evaluation's
     # forward and that state are never on the device together (the setup peak stays below training's).
     # Client 0's first record keeps it, so a resumed run's summary has it too.
@@ -346,6 +376,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
             before = task.evaluate(model, opts.eval_limit or None)
         if before:
             print(f"accuracy before training: {before['accuracy']:.3f} (chance {before['chance']:.3f})")
+        laps("evaluation")
     # Its first activation puts back the layers rank 0's evaluation streamed last, so every rank's
     # module looks alike to DeepSpeed's broadcast.
     optimizer = plan.method.optimizer(model, mixer, before_activate=offload.activate if offload.enabled else None)
@@ -356,6 +387,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
         enable_activation_checkpointing(model)
     engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single),
                         device)
+    laps("optimizer and DeepSpeed")
     stream = task.stream(opts, layout.client)
 
     if opts.resume:
@@ -383,6 +415,9 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
     setup = memory_now(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    laps("outputs")
+    if rank == 0:
+        print(laps, flush=True)
     timer = Timer(device)
     optimizer.clock = mixer.clock = timer.now
     bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
@@ -546,8 +581,8 @@ class Job:
         if self.metrics:
             self.metrics.close()
         with offload.host_weights():
-            finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
-        stop_if_nonfinite(0 if finite else 3, layout, self.device, "after the last step")
+            weights_finite = all(finite(p) for p in engine.module.parameters())
+        stop_if_nonfinite(0 if weights_finite else 3, layout, self.device, "after the last step")
         with offload.host_weights():  # offloaded layers are averaged and exported from host memory
             distance, final_model = export_consensus(engine.module, self.optimizer, self.method, self.out,
                                                      self.task.tokenizer, layout, self.opts, self.device)
