@@ -10,7 +10,8 @@ given by its config - deca_ds.memory's estimate of the peak for exactly that run
 graph degree, micro-batch, sequence length, checkpointing, offload). With --card
 the runs are capped at that card's memory less deca_ds.memory's reserve for the CUDA context
 (launch/train.py --gpu-memory-gb): a preset that runs to the end fits its card. Writes
-<out>/profile_memory.{md,csv,json,png}.
+<out>/profile_memory.{md,csv,json,png} after every run, so a run that fails or is stopped keeps
+those before it.
 
     python profiling/profile_memory.py --ranks 4
     python profiling/profile_memory.py --ds-config ds_configs/rtx5090_qwen2-1.5b.json --card "RTX 5090" \\
@@ -127,19 +128,25 @@ def measure(out: Path, warmup: int) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    results = []
+    results, summary = [], None
     for lpb in args.layers_per_block:
         for offload in args.offload:
             for keep in args.offload_keep if offload == "frozen" else [0]:
                 results.append({"layers_per_block": lpb, "offload": offload, "offload_keep": keep,
                                 **measure(run(args, lpb, offload, keep), args.warmup)})
+                # written after every run: a later run that fails or is stopped keeps the ones before it
+                summary = report(args, argv, results)
+    return summary
+
+
+def report(args, argv, results: list[dict]) -> dict:
+    """The summary of the runs so far, written to <out>/<name>.*."""
     by = {(r["layers_per_block"], r["offload"]): r for r in results}
     for r in results:
         resident = by.get((r["layers_per_block"], "none"))
         r["step_over_resident"] = resident and r["step_ms"] / resident["step_ms"]
-    cuda = torch.cuda.is_available()
     summary = {
-        **provenance("profile_memory.py", argv, cuda=cuda),
+        **provenance("profile_memory.py", argv, cuda=torch.cuda.is_available()),
         "ranks": args.ranks, "ds_config": args.ds_config, "train_args": args.train_args, "results": results,
         "card": args.card, "gpu_memory_gb": card_cap_gb(args.card),
     }

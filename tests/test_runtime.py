@@ -521,7 +521,7 @@ def test_client_exports_are_complete_model_directories(reference_run, tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text())["classification"]["n"] == 64
 
 
-def test_profile_memory_tool(tmp_path, profiling_runs):
+def test_profile_memory_tool(tmp_path, profiling_runs, monkeypatch):
     """profiling/profile_memory.py runs training per granularity and reports memory per client."""
     import profile_memory
 
@@ -550,6 +550,19 @@ def test_profile_memory_tool(tmp_path, profiling_runs):
     assert summary["card"] is None
     with pytest.raises(SystemExit):
         profile_memory.parse_args(["--card", "RTX 5090"])
+
+    # the results are written after every run: a run that fails or is stopped keeps those before it
+    def rerun(args, lpb, offload, keep):  # the finished runs again, until the first offloaded one
+        if offload == "frozen":
+            raise SystemExit(f"layers_per_block={lpb}, offload={offload}: stopped")
+        return tmp_path / "runs" / f"lpb{lpb}_{offload}"
+
+    monkeypatch.setattr(profile_memory, "run", rerun)
+    with pytest.raises(SystemExit, match="offload=frozen: stopped"):
+        profile_memory.main(["--layers-per-block", "2", "--offload", "none", "frozen", "--warmup", "1",
+                             "--out", str(tmp_path / "cut")])
+    kept = json.loads((tmp_path / "cut" / "profile_memory.json").read_text())["results"]
+    assert kept == [{**rows[0], "step_over_resident": 1.0}]
 
 
 def test_offloaded_run_equals_resident_run_bit_for_bit(tmp_path, monkeypatch):
