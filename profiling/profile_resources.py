@@ -5,7 +5,8 @@ graph, drops each client's first --warmup steps, and reports medians over the re
 (client, step) samples: Fwd, Bkwd, Agg & Up (local update + exchange + combination; the
 optimizer step DeepSpeed calls), the combination alone (Agg: DeCAF's SVD shows here), Comm (MB
 sent per step per client), and the ratios the issue's targets are stated in. Writes
-<out>/profile_resources.{md,csv,json,png}. With --merge, methods measured by earlier calls with the
+<out>/profile_resources.{md,csv,json,png} after every run (a run that fails or is stopped keeps
+those before it). With --merge, methods measured by earlier calls with the
 same ranks, preset, warm-up and train args stay in the table (one method per call fits a time
 limit), and the ratios are taken over all of them.
 
@@ -135,14 +136,20 @@ def main(argv=None) -> dict:
             out = runs.train(train_args, args.ranks, Path(args.work_dir) / (method + tag), args.timeout, method + tag)
             results.append({"method": LABELS[method] + label, "update": update, **measure(out, args.warmup),
                             "command": made["command"]})
+            # written after every run: a later run that fails or is stopped keeps the ones before it
+            summary = report(args, made, kept, results)
+    return summary
+
+
+def report(args, made: dict, kept: list[dict], results: list[dict]) -> dict:
+    """The summary of the rows kept (--merge) and the runs so far, written to <out>/<name>.*."""
     done = {r["method"] for r in results}
     order = [LABELS[m] + label for _, label in UPDATES.values() for m in METHODS]
-    results = sorted([r for r in kept if r["method"] not in done] + results, key=lambda r: order.index(r["method"]))
-    ratios = ratios_of(results)
+    rows = sorted([r for r in kept if r["method"] not in done] + results, key=lambda r: order.index(r["method"]))
     summary = {
         **made,
         "ranks": args.ranks, "ds_config": args.ds_config, "train_args": args.train_args,
-        "warmup": args.warmup, "results": results, "ratios": ratios,
+        "warmup": args.warmup, "results": rows, "ratios": ratios_of(rows),
     }
     write(summary, Path(args.out), args.name)
     return summary

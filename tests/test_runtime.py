@@ -644,7 +644,7 @@ def test_offload_with_ranks_per_client_and_accumulation_equals_resident(tmp_path
         assert [json.loads(r)["loss"] for r in metrics[0]] == [json.loads(r)["loss"] for r in metrics[1]]
 
 
-def test_profile_resources_tool(tmp_path, profiling_runs):
+def test_profile_resources_tool(tmp_path, profiling_runs, monkeypatch):
     """profiling/profile_resources.py trains each method on the same ranks, with the eager and the
     fused update, and reports Table 9's columns; a second call with --merge adds its method to the
     first call's table (the ratios over both), and one with other settings is refused before it runs."""
@@ -688,6 +688,20 @@ def test_profile_resources_tool(tmp_path, profiling_runs):
     # CPU ranks share no GPU, so the table says nothing of time-sharing one
     assert all(r["clients_per_gpu"] == {} for r in summary["results"])
     assert "time-share" not in (tmp_path / "out" / "profile_resources.md").read_text()
+
+    # the results are written after every run: a run that fails or is stopped keeps those before it
+    def rerun(train_args, ranks, out, timeout, what):  # DECA's finished run again; the fused one stopped
+        if "--fused-update" in train_args:
+            raise SystemExit(f"{what}: the ranks were stopped")
+        return out
+
+    monkeypatch.setattr(profile_resources.runs, "train", rerun)
+    with pytest.raises(SystemExit, match="deca_fused: the ranks were stopped"):
+        profile_resources.main(["--methods", "deca", "--updates", "eager", "fused", "--warmup", "1",
+                                "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "cut")])
+    kept = json.loads((tmp_path / "cut" / "profile_resources.json").read_text())["results"]
+    assert [{k: v for k, v in r.items() if k != "command"} for r in kept] == [
+        {k: v for k, v in deca.items() if k != "command"}]
 
 
 def test_step_sections_keep_their_own_allocation_peaks(monkeypatch):
