@@ -60,11 +60,29 @@ def _stopped(signum, frame):
     raise Stopped
 
 
+STOP_GRACE_S = 10.0  # how long a stopped rank has to say where it was (deca_ds.runtime.cleanup) before SIGKILL
+
+
+def stop(procs: list) -> None:
+    """SIGTERM to the ranks still running, which print where they were and exit; SIGKILL to those
+    still there STOP_GRACE_S later."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> Path:
     """Run launch/train.py with `args` on `ranks` ranks into `out`; exit naming `what` if a rank fails,
     the ranks are still running after `timeout` seconds, or the tool is stopped (SIGTERM), with each
-    rank's last output. The ranks never outlive the call: left running, they would hold the GPU
-    through whatever the machine runs next."""
+    rank's last output (a stopped rank's says where it was). The ranks never outlive the call: left
+    running, they would hold the GPU through whatever the machine runs next."""
     argv = [*args, "--output-dir", str(out), "--overwrite"]
     port = str(free_port())
     previous = signal.signal(signal.SIGTERM, _stopped)
@@ -82,10 +100,7 @@ def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> 
             raise SystemExit(f"{what}: the ranks were {why}; their last output:\n"
                              + "\n".join(f"rank {rank}:\n{tail(log[rank])}" for rank in range(len(procs)))) from None
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            stop(procs)
             signal.signal(signal.SIGTERM, previous)
         failed = [f"rank {rank} exited {code}:\n{tail(log[rank])}" for rank, code in enumerate(codes) if code]
         if failed:  # every failed rank's own error: the first to fail is often not rank 0

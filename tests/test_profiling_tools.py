@@ -114,15 +114,17 @@ def test_a_failing_run_is_named_with_its_error(tmp_path):
 
 def test_a_stopped_tool_stops_its_ranks_and_shows_their_last_output(tmp_path, monkeypatch):
     """gpu_checks.sh stops a step past its time limit with SIGTERM: the ranks must not live on (they
-    would hold the GPU through the next step) and the tool says where they were."""
+    would hold the GPU through the next step) and the tool says where they were. Each is sent
+    SIGTERM (a rank then prints where it was: test_safety) and SIGKILL if it does not exit."""
     import runs
 
     started = []
 
-    def start_rank(argv, env, log):  # a rank that reports its phase, then hangs
+    def start_rank(argv, env, log):  # a rank that reports its phase, then hangs; rank 1 ignores SIGTERM
+        ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " if started else ""
         with open(log, "w") as out:
-            started.append(subprocess.Popen([sys.executable, "-c", "print('offloading layers\\rlayer 7 of 32', "
-                                             "flush=True); import time; time.sleep(600)"], stdout=out))
+            started.append(subprocess.Popen([sys.executable, "-c", ignore + "print('offloading layers\\r"
+                                             "layer 7 of 32', flush=True); import time; time.sleep(600)"], stdout=out))
         return started[-1]
 
     def stop_when_running():
@@ -135,6 +137,7 @@ def test_a_stopped_tool_stops_its_ranks_and_shows_their_last_output(tmp_path, mo
         os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(runs, "start_rank", start_rank)
+    monkeypatch.setattr(runs, "STOP_GRACE_S", 1.0)
     monkeypatch.setattr(runs.tempfile, "TemporaryDirectory", lambda: contextlib.nullcontext(tmp_path / "logs"))
     (tmp_path / "logs").mkdir()
     handler = signal.getsignal(signal.SIGTERM)
@@ -142,7 +145,7 @@ def test_a_stopped_tool_stops_its_ranks_and_shows_their_last_output(tmp_path, mo
     with pytest.raises(SystemExit, match=r"(?s)the hung run: the ranks were stopped.*rank 1:\noffloading layers\n"
                                          r"layer 7 of 32"):
         runs.train([], 2, tmp_path / "run", 300, "the hung run")
-    assert [p.poll() for p in started] == [-signal.SIGKILL] * 2
+    assert [p.poll() for p in started] == [-signal.SIGTERM, -signal.SIGKILL]  # told first, killed if it stays
     assert signal.getsignal(signal.SIGTERM) is handler
 
 

@@ -315,6 +315,26 @@ def test_not_result_names_real_options():
 
 # ---- 7 and 8: a dead rank under the deepspeed launcher is named; nothing is left in /dev/shm -----
 
+def test_a_rank_stopped_by_sigterm_says_where_it_was():
+    """A rank stopped by the launcher or by a measuring tool's time limit names the call its main
+    thread was in (a hang, or a set-up phase that takes too long) before it exits."""
+    import signal
+    import subprocess
+    import sys
+
+    rank = ("import time\nfrom deca_ds.runtime import cleanup\ncleanup.install()\n"
+            "def drawing_the_model():\n    print('ready', flush=True)\n    time.sleep(600)\ndrawing_the_model()\n")
+    proc = subprocess.Popen([sys.executable, "-c", rank], cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err and re.search(r"it was at:\n(.|\n)*, in drawing_the_model\n", err), err
+
 @pytest.mark.parametrize("how, timeout", [("SIGKILL", 120), ("SIGSTOP", 8)])
 def test_a_dead_or_stopped_rank_under_the_launcher_is_named_and_shm_is_freed(tmp_path, how, timeout):
     """SIGKILL: the launcher SIGTERMs the survivor long before its --timeout, which names the dead

@@ -7,8 +7,9 @@ collectives are over, and a rank that still has a file mapped keeps its memory u
 
 When one rank fails, the deepspeed launcher SIGTERMs the others. A Python handler would run only
 when the main thread returns from the collective it is blocked in, so SIGTERM is blocked in every
-thread and taken by a thread of ours, which prints who went silent (the heartbeat board) before
-the process exits: the dead client is named even when the launcher stops the survivors first.
+thread and taken by a thread of ours, which prints who went silent (the heartbeat board) and where
+the main thread was before the process exits: the dead client is named even when the launcher
+stops the survivors first, and a rank stopped for taking too long says what it was doing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -69,12 +71,19 @@ def install(describe: Callable[[], str] | None = None) -> None:
             said = _SIGTERM["describe"]() if _SIGTERM["describe"] else ""
         except Exception as e:  # the store may be gone with rank 0
             said = f"(the heartbeat board could not be read: {type(e).__name__})"
-        print(f"\n[rank {rank}] stopped by SIGTERM (the launcher stops every rank once one fails){': ' if said else ''}"
-              f"{said}", file=sys.stderr, flush=True)
+        print(f"\n[rank {rank}] stopped by SIGTERM (the launcher stops every rank once one fails; so does a "
+              f"time limit){': ' if said else ''}{said}\n[rank {rank}] it was at:\n{main_thread_at()}",
+              file=sys.stderr, flush=True)
         remove_shm_buffers()
         os._exit(143)
 
     threading.Thread(target=on_sigterm, name="deca-sigterm", daemon=True).start()
+
+
+def main_thread_at(calls: int = 8) -> str:
+    """The main thread's innermost calls: where a stopped rank was (a hang's place, a slow set-up's phase)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return "".join(traceback.format_stack(frame)[-calls:]) if frame is not None else "(no main thread)\n"
 
 
 def installed() -> bool:
