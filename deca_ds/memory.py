@@ -54,9 +54,10 @@ Setup, before the first step (`setup_phases`; the process's peak is `process_pea
 `setup_peak` and the training `peak`), in the runtime's order (deca_ds.runtime.trainer.start_job):
 
     init           weights + offload_buffers + init_transient
-                   (the model drawn in the working dtype on the device - on the host with offload
-                   "frozen", whose frozen layers the device never holds - or a checkpoint copied in
-                   one tensor at a time: one extra tensor the size of the largest, the embedding)
+                   (the model drawn in the working dtype on the device - kept in host memory with
+                   offload "frozen", whose frozen layers the device never holds all of, each module
+                   visiting the device for its draw - or a checkpoint copied in one tensor at a
+                   time: one extra tensor the size of the largest, the embedding)
     evaluate       weights + offload_buffers + eval_forward
                    (the evaluation before training, eval_batch sequences per no-grad forward,
                    before the optimizer exists; eval_batch 0: none)

@@ -19,6 +19,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers import initialization as init
 
 # Small enough for CPU demos and tests. initializer_range is raised from Llama's 0.02 because the
 # demo keeps the random embeddings and LM head frozen: with rows of std 0.02 the head caps every
@@ -56,15 +57,17 @@ def load_model(
     vocab_size: int | None = None,
     seed: int = 0,
     init_device: torch.device | str = "cpu",
+    host_memory: bool = False,
 ) -> PreTrainedModel:
     """The causal LM named by `name_or_path`.
 
     "tiny": `tiny_llama(vocab_size, seed)`. A local directory or hub id: its pretrained weights,
     or with `from_config=True` a random initialisation (from `seed`) of its architecture, which
     needs only a config.json (a directory holding one, or the file itself) - enough for
-    measuring memory and speed without downloading weights, drawn on `init_device` (the same
-    seed gives different weights on different devices). `vocab_size` is used by "tiny" only; a
-    checkpoint or config fixes its own vocabulary.
+    measuring memory and speed without downloading weights: `draw_from_config` on `init_device`
+    (the same seed gives different weights on different devices), the model left there or, with
+    `host_memory=True`, in host memory (each module drawn on the device in turn). `vocab_size`
+    is used by "tiny" only; a checkpoint or config fixes its own vocabulary.
     """
     if name_or_path == "tiny":
         if vocab_size is None:
@@ -74,8 +77,9 @@ def load_model(
     try:
         if from_config:
             config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-            with torch.device(init_device):
-                return _from_config(config, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code)
+            with torch.device("cpu" if host_memory else init_device):
+                return draw_from_config(config, dtype=dtype, seed=seed, device=init_device,
+                                        trust_remote_code=trust_remote_code)
         return AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
             use_safetensors=_has_safetensors(name_or_path),
@@ -106,6 +110,41 @@ def _from_config(config, *, dtype: torch.dtype, seed: int, **kwargs) -> PreTrain
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+
+
+def draw_from_config(config, *, dtype: torch.dtype, seed: int, device: torch.device | str,
+                     **kwargs) -> PreTrainedModel:
+    """`config`'s model with transformers' own random initialisation (from `seed`), drawn on
+    `device` one module at a time. The model is built where the default device puts it, with no
+    initialisation; each module's parameters and buffers then visit `device` for their draw and go
+    back. Built in host memory, the device never holds the whole model (--offload frozen; drawn
+    on the CPU, an 8B model took minutes); built on `device`, nothing moves. Either way the same
+    seed gives the same weights on the same device, in a single pass (transformers' own start
+    draws every weight twice: the layers' defaults, then its initialisation over them)."""
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with init.no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        torch.manual_seed(seed)
+        with torch.no_grad(), init.guard_torch_init_functions():
+            _draw(model, model._initialize_weights, device, model.is_custom_code())
+        model.tie_weights()
+    return model
+
+
+def _draw(module: nn.Module, initialize, device: torch.device, custom_code: bool) -> None:
+    """PreTrainedModel.initialize_weights's traversal (children first, a sub-model with its own
+    initialisation), each module's own tensors on `device` while it is initialised."""
+    for child in module.children():
+        _draw(child, child._initialize_weights if isinstance(child, PreTrainedModel) else initialize, device,
+              custom_code)
+    own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+    homes = [t.device for t in own]
+    for t in own:
+        t.data = t.data.to(device)
+    initialize(module, custom_code)
+    for t, home in zip(own, homes):
+        t.data = t.data.to(home)
 
 
 def _check_local(name_or_path: str, what: str) -> None:

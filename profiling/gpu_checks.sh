@@ -17,6 +17,8 @@
 #   offload  Llama-3.1-8B, 4 clients with --offload frozen (an H200's memory)              4 min
 # Issue 17, one client (profiling/README.md, "GPU measurements that remain"):
 #   setup    setup + training peaks, resident and offloaded, Llama-3.1-8B (target 1)       6 min
+#            (2026-11-27, H200: the resident run took about 1 min; the offloaded one had not ended
+#            after 6; a step stopped by its limit now shows where each rank was)
 #   terms    the estimator's setup terms against torch.cuda, drawn and from a checkpoint   20 s measured
 #   ckpt     as setup, the 8B model loaded from a bf16 safetensors checkpoint of it       7 min
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min

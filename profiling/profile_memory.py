@@ -119,6 +119,8 @@ def measure(out: Path, warmup: int) -> dict:
                           + statistics.fmean(r.get("t_prefix", 0.0) for r in steps)),
         "streamed_gb": statistics.fmean(r.get("bytes_streamed", 0) for r in steps) / 1e9,
         "update_ms": 1e3 * statistics.median(r["t_mix_update"] for r in steps),
+        # client 0's first loss: an offloaded run's equals the resident one's (the same draw, bit for bit)
+        "first_loss": clients[0][0]["loss"],
         "estimate_gib": est,
         "measured_over_estimate": None if est is None else peak / est,
         **{f"peak_{name}_gib": value or None for name, value in sections.items()},
@@ -170,14 +172,15 @@ def write(summary: dict, out: Path, name: str) -> None:
           "| layers per block | offload | micro-batch × max tokens | blocks | steps | peak (GiB) | peak (GB) "
           "| estimate (GiB) | measured / estimate | mean over steps (GiB) | setup peak (GiB) | step (ms) "
           "| of which layers below, once per block (ms) | mixing + update (ms) | streamed (GB per step) "
-          "| step / resident |",
+          "| step / resident | first loss |",
           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: "
-          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     md += [f"| {r['layers_per_block']} | {setting(r)} | {r['micro_batch']} × {r['seq_len']} | {r['blocks']} | "
            f"{r['steps']} | {r['peak_gib']:.2f} | "
            f"{r['peak_gb']:.2f} | {_f(r['estimate_gib'], '.2f')} | {_f(r['measured_over_estimate'], '.3f')} | "
            f"{r['mean_gib']:.2f} | {r['setup_peak_gib']:.2f} | {r['step_ms']:.1f} | {r['prefix_ms']:.1f} | "
-           f"{r['update_ms']:.1f} | {r['streamed_gb']:.3f} | {_f(r['step_over_resident'], '.2f')} |" for r in rows]
+           f"{r['update_ms']:.1f} | {r['streamed_gb']:.3f} | {_f(r['step_over_resident'], '.2f')} | "
+           f"{r['first_loss']:.6f} |" for r in rows]
     md += ["", "On a GPU the peak is torch.cuda.max_memory_allocated over the training steps (every allocation "
            "counted; reset after setup), the mean is memory_allocated at the end of each step, and the setup "
            "peak is the maximum before the first step (loading, the first evaluation). The step is the median of "

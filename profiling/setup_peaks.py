@@ -2,7 +2,7 @@
 setup_phases): one process runs the runtime's setup steps in its order, each a phase of
 peaks.PhasePeaks, and the increment each one adds is compared with the term that models it.
 
-    init       the model drawn in the working dtype (models._from_config)   weights + init_transient
+    init       the model drawn in the working dtype (models.draw_from_config) weights + init_transient
                or loaded from a bf16 safetensors checkpoint and moved to the
                device, as the trainer does (models.load_model, then .to)
     evaluate   one no-grad scoring forward (models.labelled_logits)          eval_forward
@@ -51,11 +51,12 @@ def tiny_config(hidden: int, layers: int, vocab: int):
 
 
 def draw(config, *, dtype: str, device: torch.device):
-    """The random initialisation of `config` (seed 0) in `dtype`, drawn on `device`."""
-    from deca_ds.models import _from_config
+    """The random initialisation of `config` (seed 0) in `dtype`, drawn on `device` as the trainer
+    draws a --from-config model."""
+    from deca_ds.models import draw_from_config
 
     with device:
-        return _from_config(config, dtype=DTYPES[dtype], seed=0)
+        return draw_from_config(config, dtype=DTYPES[dtype], seed=0, device=device)
 
 
 def start_model(config, *, dtype: str, load: str, device: torch.device, checkpoint: Path):

@@ -72,6 +72,40 @@ def test_from_config_builds_the_architecture(tmp_path):
     assert _same_weights(model, load_model(str(tmp_path), dtype=torch.bfloat16, from_config=True, seed=2))
 
 
+def test_a_drawn_model_is_transformers_initialisation_in_one_pass(tmp_path):
+    """draw_from_config (every --from-config run): transformers' own initialisation, each module
+    drawn in turn, in one pass: the norms and rotary frequencies equal to transformers' own start,
+    every weight of its shape, dtype and spread, the LM head tied where the config ties it. Built
+    in host memory (--offload frozen) it draws the weights a model built on the device draws, and
+    the caller's random numbers are left alone."""
+    from deca_ds.models import _from_config, draw_from_config
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+    state = torch.get_rng_state()
+    drawn = draw_from_config(config, dtype=torch.bfloat16, seed=5, device="cpu")
+    assert torch.equal(torch.get_rng_state(), state)
+    theirs = _from_config(config, dtype=torch.bfloat16, seed=5).state_dict()
+    ours, other = drawn.state_dict(), draw_from_config(config, dtype=torch.bfloat16, seed=6, device="cpu").state_dict()
+    assert ours.keys() == theirs.keys() and drawn.lm_head.weight is drawn.model.embed_tokens.weight
+    for name, t in ours.items():
+        assert t.shape == theirs[name].shape and t.dtype == theirs[name].dtype, name
+        if name.endswith("norm.weight"):
+            assert torch.equal(t, torch.ones_like(t)), name
+        else:
+            assert t.float().std().item() == pytest.approx(config.initializer_range, rel=0.1), name
+            assert not torch.equal(t, other[name]), name
+    theirs_buffers = dict(_from_config(config, dtype=torch.bfloat16, seed=5).named_buffers())
+    assert all(torch.equal(b, theirs_buffers[name]) for name, b in drawn.named_buffers())  # the rotary frequencies
+
+    config.tie_word_embeddings = False
+    config.to_json_file(tmp_path / "config.json")
+    resident = load_model(str(tmp_path), dtype=torch.bfloat16, from_config=True, seed=5)
+    assert _same_weights(resident, load_model(str(tmp_path), dtype=torch.bfloat16, from_config=True, seed=5,
+                                              host_memory=True))
+    assert resident.lm_head.weight is not resident.model.embed_tokens.weight
+
+
 @pytest.mark.parametrize("load", [load_model, load_tokenizer])
 def test_missing_path_is_a_clear_error(tmp_path, load):
     kwargs = {"dtype": torch.float32} if load is load_model else {}

@@ -536,6 +536,7 @@ def test_profile_memory_tool(tmp_path, profiling_runs, monkeypatch):
     assert all(0 < r["update_ms"] < r["step_ms"] and r["setup_peak_gib"] > 0.1 for r in rows)
     assert all(r["estimate_gib"] is None for r in rows), "RSS is not compared with a device-memory estimate"
     assert [r["step_over_resident"] for r in rows][::2] == [1.0, 1.0]
+    assert [r["first_loss"] for r in rows][::2] == [r["first_loss"] for r in rows][1::2]  # the same start
     assert (tmp_path / "out" / "profile_memory.png").stat().st_size > 1000
     # section peaks come from GPU ranks only; given them, the table says where each run peaks
     assert all(r[f"peak_{k}_gib"] is None for r in rows for k in profile_memory.SECTIONS)

@@ -69,11 +69,12 @@ from .transport import check_placement, env_placement, resolve_transport, spans_
 
 
 def build_model(opts: RunOptions, vocab_size: int):
-    # A random initialisation is drawn on the rank's device (on the CPU an 8B model takes minutes),
-    # except with offloading, whose point is that the device never holds every layer.
+    # A random initialisation is drawn on the rank's device (on the CPU an 8B model takes minutes);
+    # offloaded, the model stays in host memory (the device never holds every layer), each module
+    # drawn on the device in turn: the same weights as a resident run's.
     model = load_model(opts.model, dtype=parse_dtype(opts.working_dtype), trust_remote_code=opts.trust_remote_code,
                        from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
-                       init_device=local_device(opts.device_map) if opts.offload == "none" else "cpu")
+                       init_device=local_device(opts.device_map), host_memory=opts.offload != "none")
     if opts.loss_chunk:
         check_plain_logits(model.config)
     return model
