@@ -134,8 +134,7 @@ class Laps:
     def __call__(self, phase: str) -> None:
         """`phase` ended now; it began where the previous one ended."""
         now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
-        self._last = now
+        self.seconds[phase], self._last = now - self._last, now
 
     def __str__(self) -> str:
         return (f"set up in {sum(self.seconds.values()):.1f} s: "
