@@ -245,18 +245,24 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, work
                       trainable also the down_proj input: w·i
     Ignored: RoPE cos/sin, the attention mask, dropout (p = 0), small per-token scalars.
     """
-    h, i, a, q, w = spec.hidden, spec.intermediate, spec.heads, spec.heads * spec.head_dim, working_bytes
+    h, i, w = spec.hidden, spec.intermediate, working_bytes
     norms = 2 * (4 * h + (2 * w * h if trainable else 0))
-    if attn_implementation == "sdpa":
-        attn = 4 * w * q + 4 * a
-    elif attn_implementation == "eager":
-        attn = 3 * w * q + a * seq_len * (4 + (w if w != 4 else 0))
-    else:
-        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+    attn = attention_saved_bytes(spec, seq_len, w, attn_implementation)
     if trainable:
-        attn += w * q
+        attn += w * spec.heads * spec.head_dim
     mlp = (4 if trainable else 3) * w * i
     return micro_batch * seq_len * (norms + attn + mlp)
+
+
+def attention_saved_bytes(spec: ModelSpec, seq_len: int, working_bytes: int, attn_implementation: str = "sdpa") -> int:
+    """APPROXIMATE bytes per token a frozen layer's attention saves when its inputs require grad
+    (layer_activation_bytes)."""
+    a, q, w = spec.heads, spec.heads * spec.head_dim, working_bytes
+    if attn_implementation == "sdpa":
+        return 4 * w * q + 4 * a
+    if attn_implementation == "eager":
+        return 3 * w * q + a * seq_len * (4 + (w if w != 4 else 0))
+    raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
 
 
 def layer_backward_transient_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, working_bytes: int) -> int:
@@ -310,7 +316,9 @@ def _setup_terms(spec: ModelSpec, working_bytes: int, *, offload: str, seq_len: 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes one DECA client holds on its GPU during an inner step on block `block` (see the
-    module docstring for the phase model). Every term is in bytes."""
+    module docstring for the phase model). Every term is in bytes. A baseline's estimate
+    (deca_ds.baseline_memory, `method` not "deca") has one block, the method's trainable set,
+    trained at every step: its round is one step, and the DECA-only terms are 0."""
 
     # ---- what was estimated
     model: str
@@ -376,10 +384,10 @@ class MemoryEstimate:
 
     # ---- communication, exact (bytes)
     comm_per_step: int  # sent by this client per inner step: n_neighbors × block × transfer bytes
-    comm_per_round: int  # Σ over all B blocks of R × n_neighbors × block × transfer bytes
+    comm_per_round: int  # Σ over all B blocks of R × n_neighbors × block × transfer bytes (a baseline: one step's)
 
     # ---- comparisons (bytes)
-    paper_deca: int  # paper Appendix B.2: M + 10M/B, M = 2d
+    paper_deca: int  # paper Appendix B.2: M + 10M/B, M = 2d (0 for a baseline)
     paper_dadam_9m: int  # paper: decentralized full-parameter Adam, 9M
     paper_dadam_11m: int  # paper: decentralized Adam with the extra fp32 h vector, 11M
     dadam_runtime: int  # full-parameter Adam as this runtime would hold it: all weights (working)
@@ -389,6 +397,8 @@ class MemoryEstimate:
     init_transient: int = 0  # APPROXIMATE: the largest tensor once more while the model is drawn or loaded
     eval_batch: int = 0  # sequences per forward of the evaluation before training (0: none)
     eval_forward: int = 0  # APPROXIMATE: eval_forward_bytes at eval_batch × seq_len
+
+    method: str = "deca"  # or the baseline estimated (deca_ds.baseline_memory)
 
     # ---- derived -----------------------------------------------------------------------------
     @property

@@ -7,6 +7,7 @@ import copy
 import runpy
 import socket
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,26 @@ def tiny_llama(layers: int = 3, hidden: int = 32, dtype: torch.dtype = torch.flo
         max_position_embeddings=64, tie_word_embeddings=False,
     )
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype)
+
+
+def saved_bytes(model, batch) -> int:
+    """Bytes of the distinct non-parameter storages autograd still holds after the forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    refs = []
+
+    def pack(t):
+        refs.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**batch)
+    alive = {}
+    for r in refs:
+        t = r()
+        if t is not None and t.untyped_storage().data_ptr() not in params:
+            alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    del out
+    return sum(alive.values())
 
 
 def client_batches(n_clients: int, steps: int, batch: int = 2, seq: int = 8, seed: int = 1):

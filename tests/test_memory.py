@@ -9,7 +9,6 @@ import json
 import math
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from deca_ds.memory import (
 )
 from deca_ds.mixing import MIX_CHUNK
 from deca_ds.models import enable_activation_checkpointing
-from helpers import run_script, run_script_in_fork, tiny_llama
+from helpers import run_script, run_script_in_fork, saved_bytes, tiny_llama
 from ranks import run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,26 +241,6 @@ def test_gpu_fit(specs):
 
 # ---- the activation formula against what autograd saves (CPU) -----------------------------------
 
-def _saved_bytes(model, batch) -> int:
-    """Bytes of the distinct non-parameter storages autograd still holds after the forward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    refs = []
-
-    def pack(t):
-        refs.append(weakref.ref(t))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(**batch)
-    alive = {}
-    for r in refs:
-        t = r()
-        if t is not None and t.untyped_storage().data_ptr() not in params:
-            alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    del out
-    return sum(alive.values())
-
-
 @pytest.mark.parametrize("config_cls", [LlamaConfig, Qwen2Config])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -284,7 +263,7 @@ def test_activation_estimate_matches_saved_tensors(config_cls, attn, dtype, chec
     for block in (0, 2):
         while opt.active.index != block:
             opt.step()
-        measured = _saved_bytes(model, batch)
+        measured = saved_bytes(model, batch)
         est = estimate_block(spec, 1, block, working_dtype=working, micro_batch=b, seq_len=s,
                              checkpointing=checkpointing, attn_implementation=attn)
         predicted = est.act_saved + b * s * cfg.vocab_size * 4  # + the fp32 log-softmax output the loss saves
@@ -307,7 +286,7 @@ def test_checkpointing_keeps_lower_layer_inputs_unless_input_grads_are_disabled(
             model.enable_input_require_grads()
         opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1))
         opt.step(), opt.step()  # block 2 active
-        got[disable] = _saved_bytes(model, {"input_ids": ids, "labels": ids})
+        got[disable] = saved_bytes(model, {"input_ids": ids, "labels": ids})
         est = estimate_block(spec, 1, 2, micro_batch=2, seq_len=64, inputs_require_grad=not disable)
         assert abs(got[disable] / (est.act_saved + 2 * 64 * 300 * 4) - 1) < 0.01, (disable, got[disable])
     assert got[False] - got[True] == 2 * 2 * 64 * 128 * 2  # exactly two lower layers' bf16 inputs
@@ -385,10 +364,12 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     hand: the preset's model config, bf16, 2 layers per block, grad_accum 2; a ring of 4 clients,
     2 neighbours each; the synthetic task's answer (label word, eos) at micro-batch 4, so the LM
     head runs at 8 positions, not 512; rank 0's scoring before training. Nothing is trained or
-    written, and a method the estimator does not model is refused."""
+    written; a baseline's is its own."""
     import re
 
+    from deca_ds.baseline_memory import estimate_method
     from deca_ds.memory import GiB
+    from deca_ds.methods import AdamConfig, DecLoRA
     from deca_ds.train import main as train_main
 
     qwen = CONFIGS / "qwen2.5-3b-instruct.json"
@@ -413,9 +394,13 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     train_main([*args, "--device-map", "0,0,0,0", "--transport", "gloo", "--estimate"])
     shared = 4 * (expected.process_peak + GiB) <= GPUS["RTX 5090"]
     assert f"RTX 5090 (31.8 GiB): {'yes' if shared else 'no'}" in capsys.readouterr().out and not shared
-    with pytest.raises(SystemExit):
-        train_main([*args, "--method", "dadam", "--estimate"])
-    assert "models DECA's memory, not method dadam's" in capsys.readouterr().err
+    # a baseline: deca_ds.baseline_memory for the method the run builds (LoRA's defaults)
+    train_main([*args, "--method", "dec_lora", "--estimate"])
+    text = capsys.readouterr().out
+    lora = estimate_method(qwen, DecLoRA(AdamConfig(steps=1)), working_dtype="bf16", n_neighbors=2, micro_batch=4,
+                           seq_len=512, loss_positions=8, eval_batch=32, eval_positions=2)
+    assert f"dec_lora training {lora.block_params:,} parameters at every step" in text
+    assert float(re.search(r"peak of the process\s+([\d.]+) GiB", text).group(1)) == round(lora.process_peak / GiB, 3)
     with pytest.raises(SystemExit):  # no launcher, no --clients: the graph is unknown
         train_main([*run, "--estimate"])
     assert "--estimate: give --clients N" in capsys.readouterr().err

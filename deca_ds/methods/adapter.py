@@ -22,7 +22,7 @@ from ..mixing import Mixer
 from .adam import AdamConfig, MixedAdam
 from .base import Method, seeded
 
-_ATTENTION = ("self_attn", "attn", "attention")
+ATTENTION = ("self_attn", "attn", "attention")  # where an attention module may sit in a decoder layer
 _MLP = ("mlp",)
 _CONFIG = "adapter_config.json"
 _WEIGHTS = "adapter_model.safetensors"
@@ -52,7 +52,7 @@ def _apply_adapter(module: nn.Module, args, output):
 def _targets(model: nn.Module) -> list[nn.Module]:
     modules = []
     for i, layer in enumerate(find_decoder_layers(model)[1]):
-        for names in (_ATTENTION, _MLP):
+        for names in (ATTENTION, _MLP):
             found = next((getattr(layer, n) for n in names if hasattr(layer, n)), None)
             if found is None:
                 raise ValueError(f"decoder layer {i} ({type(layer).__name__}) has none of {names}: "

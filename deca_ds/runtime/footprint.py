@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..evaluation.classification import SCORE_BATCH
-from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate
+from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate, ModelSpec
 from ..topology import make_topology
 from .dist import check_layout
 from .options import RunOptions, estimate_run, offload_keep_for_budget
@@ -43,8 +43,6 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     from .task import build_task, task_kind
     from .trainer import loss_positions_max
 
-    if opts.method != "deca":
-        raise ValueError(f"--estimate: deca_ds.memory models DECA's memory, not method {opts.method}'s")
     if opts.clients is None and "WORLD_SIZE" not in os.environ:  # a launcher's ranks make the clients, as in the run
         raise ValueError("--estimate: give --clients N, the run's number of clients (its neighbourhoods and so its "
                          "exchange buffers depend on it)")
@@ -54,10 +52,10 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     neighbors = max(len(topology.neighbors(i)) for i in range(n_clients))
     task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
                       if opts.client_data else None)
-    config = model_config(opts, len(task.tokenizer))
+    spec = ModelSpec.from_config(model_config(opts, len(task.tokenizer)))
     options, positions = asdict(opts), loss_positions_max(opts, task)
     if opts.offload_budget:
-        options["offload_keep"] = offload_keep_for_budget(options, config, ds_config, n_neighbors=neighbors,
+        options["offload_keep"] = offload_keep_for_budget(options, spec, ds_config, n_neighbors=neighbors,
                                                           loss_positions=positions)
     gpus = parse_device_map(opts.device_map)  # explicit: each rank on a shared GPU is another client's
     # rank 0 scores x̄ before a new run trains: SCORE_BATCH (prompt, label) sequences per forward
@@ -65,7 +63,7 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     evaluation = {"eval_batch": SCORE_BATCH if scored else 0, "eval_positions": task.answer_tokens}
     setting = {"clients": n_clients, "neighbors": neighbors, "loss_positions": positions, **evaluation,
                "offload_keep": options["offload_keep"], "clients_per_gpu": max(Counter(gpus).values()) if gpus else 1}
-    return estimate_run(options, config, ds_config, n_neighbors=neighbors, loss_positions=positions,
+    return estimate_run(options, spec, ds_config, n_neighbors=neighbors, loss_positions=positions,
                         **evaluation), setting
 
 
@@ -86,12 +84,17 @@ def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
                      for name, capacity in cards.items())
     offload = f"offload {opts.offload}" + (f", top {setting['offload_keep']} layer(s) kept" if opts.offload == "frozen"
                                            else "")
+    if est.method == "deca":
+        trains = f"{est.num_layers} decoder layers in {est.num_blocks} blocks"
+        where = f"; the peak block: {est.block}"
+    else:
+        trains, where = f"{est.method} training {est.block_params:,} parameters at every step", ""
     return "\n".join([
-        f"one client's GPU memory, estimated (deca_ds.memory): {est.model}, {est.num_layers} decoder layers in "
-        f"{est.num_blocks} blocks, {est.working_dtype} weights, {est.master_dtype} master, {offload}",
+        f"one client's GPU memory, estimated (deca_ds.memory): {est.model}, {trains}, {est.working_dtype} weights, "
+        f"{est.master_dtype} master, {offload}",
         f"{setting['clients']} client(s), at most {setting['neighbors']} neighbour(s) each; micro-batch "
-        f"{opts.micro_batch} × {opts.max_seq_len} tokens, the LM head at {setting['loss_positions']} position(s); "
-        f"the peak block: {est.block}",
+        f"{opts.micro_batch} × {opts.max_seq_len} tokens, the LM head at {setting['loss_positions']} position(s)"
+        + where,
         *(f"  {name:<24} {value / GiB:9.3f} GiB" for name, value in terms if value),
         *(f"  phase {name:<18} {value / GiB:9.3f} GiB" for name, value in phases),
         f"  {'peak of the process':<24} {est.process_peak / GiB:9.3f} GiB",

@@ -1,0 +1,159 @@
+"""deca_ds.memory's estimate for the baselines (D-Adam, Dec-LoRA, Dec-Adapter, DeCAF): one client's
+GPU memory when a method trains one fixed set of tensors at every step (methods.adam.MixedAdam).
+
+The method is applied to the meta model and its optimizer built there (nothing is allocated), so
+the weights, the trainable tensors and their dtypes are exact: D-Adam trains every decoder layer in
+the working dtype, Dec-LoRA and DeCAF add peft's LoRA factors (fp32: peft upcasts the adapters of a
+bf16 base), Dec-Adapter its bottlenecks in the working dtype. The result is a MemoryEstimate whose
+one block is that trainable set, with DECA's phase model (deca_ds.memory's docstring):
+
+    backward   weights + master, m, v + .grad of the trainable tensors + activations
+    update     kernels.half_step: the eager path frees each gradient before x½ exists, the fused
+               one holds both
+    mixing     x½ and DistributedMixer.mix's chunk buffers (x⁺ is summed into x½); DeCAF exchanges
+               the whole vector at once (mixer.exchange) and writes the re-factorized pairs into a
+               new one: a receive buffer of the whole vector per neighbour, and x_plus
+
+Activations: the gradient flows from the loss down to the lowest layer holding a trainable tensor
+(layer 0 in every baseline). With checkpointing each of those layers keeps its input and backward
+recomputes one layer at a time; without it each keeps what autograd saves: a trainable layer's
+(D-Adam) or a frozen layer's plus what its adapters save (adapter_saved_bytes). In the lowest
+layer the graph starts at the first tensor that trains: its input norm keeps no fp32 copy of the
+embeddings' output, and under Dec-Adapter its attention keeps nothing (the first adapter follows it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .blocks import find_decoder_layers
+from .config import dtype_name, parse_dtype
+from .memory import (
+    ATTN_IMPLEMENTATIONS,
+    TRANSFER_DTYPES,
+    MemoryEstimate,
+    ModelSpec,
+    _largest_bucket,
+    _setup_terms,
+    attention_saved_bytes,
+    layer_activation_bytes,
+    layer_backward_transient_bytes,
+    logits_bytes,
+    meta_model,
+)
+from .methods import Method
+from .methods.adapter import ATTENTION, Bottleneck
+from .mixing import MIX_CHUNK
+
+
+def adapter_saved_bytes(layer: nn.Module) -> int:
+    """APPROXIMATE bytes per token autograd saves for the adapters inside one decoder layer.
+
+    peft's LoRA (per adapted linear, d_in inputs, rank r, adapter dtype a bytes): lora_A keeps its
+    input, the layer's input cast to the adapter's dtype or its dropout output (a·d_in, a new
+    tensor per adapter), dropout its mask (d_in: a GPU's fused dropout keeps a bool mask, the CPU's
+    one in the input's dtype), lora_B the rank-r product (a·r). A Houlsby
+    bottleneck (methods.adapter.Bottleneck, h → size → h): down keeps its input (w·h), GELU its
+    input and up GELU's output (2·w·size). Counted as if no two adapters shared their input: with
+    no dropout and adapters in the working dtype q, k and v would share one (an over-count)."""
+    saved = 0
+    for module in layer.modules():
+        if isinstance(module, Bottleneck):
+            saved += module.down.weight.element_size() * (module.down.in_features + 2 * module.down.out_features)
+        for name, A in getattr(module, "lora_A", {}).items():
+            dropout = module.lora_dropout[name]
+            mask = A.in_features if isinstance(dropout, nn.Dropout) and dropout.p > 0 else 0
+            saved += A.weight.element_size() * (A.in_features + A.out_features) + mask
+    return saved
+
+
+def _trains_in_attention(layer: nn.Module, trainable: set[int]) -> bool:
+    """Whether a tensor inside the layer's attention (not an adapter on its output) trains."""
+    attention = next(getattr(layer, name) for name in ATTENTION if hasattr(layer, name))
+    return any(id(p) in trainable for name, p in attention.named_parameters() if not name.startswith("adapter."))
+
+
+def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtype: str = "master",
+                    n_neighbors: int = 2, micro_batch: int = 1, seq_len: int = 512, checkpointing: bool = True,
+                    attn_implementation: str = "sdpa", deepspeed_allreduce: bool = False,
+                    loss_positions: int | None = None, loss_chunk: int = 0, eval_batch: int = 0,
+                    eval_positions: int = 2) -> MemoryEstimate:
+    """One client's estimate for baseline `method` (its AdamConfig gives the master dtype and the
+    update path); the options as deca_ds.memory.estimate_block's."""
+    if method.name == "deca":
+        raise ValueError("DECA's estimate is deca_ds.memory.estimate_memory's")
+    spec = ModelSpec.from_config(spec)
+    working = parse_dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
+    if transfer_dtype not in TRANSFER_DTYPES:
+        raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got {transfer_dtype!r}")
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+    for name, value, least in (("n_neighbors", n_neighbors, 0), ("loss_chunk", loss_chunk, 0),
+                               ("micro_batch", micro_batch, 1), ("seq_len", seq_len, 1),
+                               ("eval_batch", eval_batch, 0), ("eval_positions", eval_positions, 1),
+                               ("loss_positions", loss_positions or 1, 1)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+
+    model = method.prepare(meta_model(spec.config).to(working))  # a model of its own: prepare adds to it
+    optimizer = method.optimizer(model)
+    trainable = {id(p) for p in optimizer.params}
+    n, mb = optimizer.master.numel(), optimizer.master.element_size()
+    w = working.itemsize
+    cast = transfer_dtype == "working" and working != optimizer.master.dtype
+    tb = w if cast else mb
+    grad = sum(p.numel() * p.element_size() for p in optimizer.params)
+    gb = optimizer.params[0].element_size()  # DeepSpeed's all-reduce bucket: flat copy, then an fp32 one
+    bucket = _largest_bucket([p.numel() for p in optimizer.params]) * (gb + (4 if gb != 4 else 0))
+
+    b, s, h = micro_batch, seq_len, spec.hidden
+    full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn_implementation)
+    flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn_implementation)
+    saved = []  # per layer from the lowest that trains up: what it saves without checkpointing
+    for layer in find_decoder_layers(model)[1]:
+        trains = any(id(p) in trainable for p in layer.parameters())
+        if not (saved or trains):
+            continue  # below the lowest layer that trains: no graph
+        adapters = adapter_saved_bytes(layer)
+        layer_saved = flow + b * s * adapters if adapters else full if trains else flow
+        if not saved:  # the lowest: its input, the embeddings' output, needs no gradient
+            layer_saved -= b * s * 4 * h  # so its input norm keeps no fp32 copy of it
+            if not _trains_in_attention(layer, trainable):  # Dec-Adapter: the graph starts after attention
+                layer_saved -= b * s * attention_saved_bytes(spec, s, w, attn_implementation)
+        saved.append(layer_saved)
+    transient = layer_backward_transient_bytes(spec, b, s, w)
+    final_norm = b * s * h * 4
+    if checkpointing:
+        act_saved, act_recompute = len(saved) * b * s * h * w + final_norm, max(saved, default=0) + transient
+    else:
+        act_saved, act_recompute = sum(saved) + final_norm, transient
+
+    # MixedAdam mixes through DistributedMixer.mix, chunk by chunk into x½; DeCAF (not linear)
+    # exchanges whole vectors and combines them into a new one
+    chunk = min(n, MIX_CHUNK) if optimizer.linear else n
+    d, M = spec.total_params, 2 * spec.total_params
+    return MemoryEstimate(
+        model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,
+        num_layers=spec.num_layers, layers_per_block=spec.num_layers, num_blocks=1, block=0, block_params=n,
+        working_dtype=dtype_name(working), master_dtype=dtype_name(optimizer.master.dtype),
+        transfer_dtype=transfer_dtype, n_neighbors=n_neighbors, micro_batch=b, seq_len=s,
+        checkpointing=checkpointing, offload="none", variant="n/a", state_bits=32,
+        fused_update=optimizer.config.fused_update, attn_implementation=attn_implementation,
+        inputs_require_grad=False, steps_per_block=1,
+        weights=sum(p.numel() * p.element_size() for p in model.parameters()),
+        master=n * mb, m=n * mb, v=n * mb, grad=grad,
+        grad_allreduce=bucket if deepspeed_allreduce else 0,
+        x_half=n * mb, send_copy=chunk * tb if cast and n_neighbors else 0, recv=n_neighbors * chunk * tb,
+        x_plus=n * mb if not optimizer.linear else chunk * mb if cast and n_neighbors else 0,
+        grad_kept=0, trivial_bma_extra=0, quant_transient=0, offload_buffers=0, offload_keep=0,
+        offload_stream_block=0, offload_stream=0, prefix_cache=0, host_weights=0,
+        act_saved=act_saved, act_recompute=act_recompute,
+        act_logits=logits_bytes(spec, b, min(s, loss_positions or s, loss_chunk or s), w),
+        comm_per_step=n_neighbors * n * tb, comm_per_round=n_neighbors * n * tb,
+        paper_deca=0, paper_dadam_9m=9 * M, paper_dadam_11m=11 * M,
+        dadam_runtime=d * w + spec.decoder_params * (3 * mb + w),
+        method=method.name,
+        **_setup_terms(spec, w, offload="none", seq_len=s, eval_batch=eval_batch, eval_positions=eval_positions,
+                       eval_kv_cache=False),
+    )
