@@ -1,5 +1,5 @@
 """deca-estimate: estimated GPU memory and communication of one DECA client, per model × granularity
-× offload.
+× offload, and of one client of each baseline (deca_ds.baseline_memory), per model.
 
     deca-estimate --config path/to/config.json --layers-per-block 2 --out /tmp/est
     python profiling/estimate.py                       # profiling/configs' four models into profiling/results
@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 from .reporting import pyplot, save_figure, setting, write_results
+
+BASELINES = ("dadam", "dec_lora", "dec_adapter", "decaf")  # deca_ds.methods.METHODS but DECA
 
 
 def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = None,
@@ -71,6 +73,9 @@ def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | N
     p.add_argument("--clients-per-gpu", type=int, default=1, metavar="K",
                    help="clients sharing one GPU (deca-train --transport gloo with more ranks than GPUs): "
                         "fits = K × (peak + reserve) <= capacity; the peak stays per client")
+    p.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES), metavar="METHOD",
+                   help=f"baselines to estimate beside DECA, with deca-train's defaults ({', '.join(BASELINES)}; "
+                        "none: DECA only)")
     p.add_argument("--reserve-gib", type=float, default=1.0,
                    help="memory a process needs besides the estimate (CUDA context, NCCL, allocator slack); "
                         "fits = peak + reserve <= capacity")
@@ -95,10 +100,17 @@ def gib(x: float) -> float:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from .memory import GPUS, ModelSpec, estimate_blocks
+    """DECA's rows (model × granularity × offload), then the baselines' (model × method)."""
+    from .baseline_memory import estimate_method
+    from .config import parse_dtype
+    from .memory import ModelSpec, estimate_blocks
+    from .methods import METHODS, AdamConfig
 
     specs = sorted((ModelSpec.from_config(c) for c in args.config), key=lambda s: s.total_params)
-    reserve = int(args.reserve_gib * 2**30)
+    common = dict(working_dtype=args.working_dtype, transfer_dtype=args.transfer_dtype, n_neighbors=args.neighbors,
+                  micro_batch=args.micro_batch, seq_len=args.seq_len, loss_positions=args.loss_positions,
+                  loss_chunk=args.loss_chunk, checkpointing=args.checkpointing, attn_implementation=args.attn,
+                  deepspeed_allreduce=args.deepspeed_allreduce)
     rows = []
     for spec in specs:
         for lpb in args.layers_per_block:
@@ -106,28 +118,35 @@ def run(args: argparse.Namespace) -> list[dict]:
                 raise SystemExit(f"--layers-per-block {lpb}: {spec.name} has {spec.num_layers} decoder layers")
             for offload, keep in [(o, k) for o in args.offload for k in (args.offload_keep if o == "frozen" else [0])]:
                 blocks = estimate_blocks(
-                    spec, lpb, working_dtype=args.working_dtype, master_dtype=args.master_dtype,
-                    transfer_dtype=args.transfer_dtype, n_neighbors=args.neighbors, micro_batch=args.micro_batch,
-                    seq_len=args.seq_len, loss_positions=args.loss_positions, loss_chunk=args.loss_chunk,
-                    checkpointing=args.checkpointing,
-                    grad_accum=args.grad_accum,
-                    offload=offload, variant=args.variant, state_bits=args.state_bits, offload_keep=keep,
-                    fused_update=args.fused_update, attn_implementation=args.attn, steps_per_block=args.steps_per_block,
-                    deepspeed_allreduce=args.deepspeed_allreduce)
+                    spec, lpb, master_dtype=args.master_dtype, grad_accum=args.grad_accum, offload=offload,
+                    variant=args.variant, state_bits=args.state_bits, offload_keep=keep,
+                    fused_update=args.fused_update, steps_per_block=args.steps_per_block, **common)
                 est = max(blocks, key=lambda e: (e.peak, -e.block))  # estimate_memory: the round's peak
-                row = est.to_dict()
                 # what a step copies from host memory, on average over a round (every block R steps)
-                streamed = sum(e.offload_stream_block for e in blocks)
-                row["offload_stream_round"] = streamed / (len(blocks) * args.steps_per_block)
-                row["offload_copy_ms"] = 1e3 * row["offload_stream_round"] / (args.h2d_gbps * 1e9)
-                for gpu, capacity in GPUS.items():
-                    row[f"capacity {gpu}"] = capacity
-                    row[f"headroom {gpu}"] = est.headroom(gpu, reserve, args.clients_per_gpu)
-                    row[f"fits {gpu}"] = est.fits(gpu, reserve, args.clients_per_gpu)
-                row["reserve"] = reserve
-                row["clients_per_gpu"] = args.clients_per_gpu
-                rows.append(row)
+                streamed = sum(e.offload_stream_block for e in blocks) / (len(blocks) * args.steps_per_block)
+                rows.append(_row(est, streamed, args))
+    adam = AdamConfig(steps=1, master_dtype=parse_dtype(args.master_dtype), fused_update=args.fused_update)
+    for spec in specs:
+        for name in args.baselines:
+            rows.append(_row(estimate_method(spec, METHODS[name](adam), **common), 0, args))
     return rows
+
+
+def _row(est, streamed: float, args: argparse.Namespace) -> dict:
+    """An estimate's row: its terms, what a step streams (bytes, and ms at --h2d-gbps), its fit on each card."""
+    from .memory import GPUS
+
+    reserve = int(args.reserve_gib * 2**30)
+    row = est.to_dict()
+    row["offload_stream_round"] = streamed
+    row["offload_copy_ms"] = 1e3 * streamed / (args.h2d_gbps * 1e9)
+    for gpu, capacity in GPUS.items():
+        row[f"capacity {gpu}"] = capacity
+        row[f"headroom {gpu}"] = est.headroom(gpu, reserve, args.clients_per_gpu)
+        row[f"fits {gpu}"] = est.fits(gpu, reserve, args.clients_per_gpu)
+    row["reserve"] = reserve
+    row["clients_per_gpu"] = args.clients_per_gpu
+    return row
 
 
 def _fit(row: dict, gpu: str) -> str:
@@ -143,7 +162,7 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
             "D-Adam GiB (paper 9M / runtime)", "comm MB/step", "streamed GB/step (copy ms)"] + [
             f"fits {g} (headroom GiB)" for g in GPUS]
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
+    for r in (r for r in rows if r["method"] == "deca"):
         cells = [r["model"], f"{r['total_params'] / 1e9:.2f} B", str(r["layers_per_block"]), str(r["num_blocks"]),
                  setting(r),
                  f"{gib(r['weights'] + r['offload_buffers']):.2f}", f"{gib(r['optimizer_state']):.2f}",
@@ -154,6 +173,7 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
                   if r["offload"] == "frozen" else "—"),
                  ] + [_fit(r, g) for g in GPUS]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _baseline_table([r for r in rows if r["method"] != "deca"])
     reserve = rows[0]["reserve"] / 2**30 if rows else args.reserve_gib
     lines += ["", "Notes", "",
               "- Every number is an estimate for ONE client, computed from the config on the meta device "
@@ -188,11 +208,38 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
               f"- comm: bytes one client sends per inner step = neighbours ({args.neighbors}) × block × "
               f"{args.transfer_dtype}-dtype bytes; per round (× R = {args.steps_per_block}, over all blocks) "
               "in the CSV/JSON.",
+              "- baselines (deca_ds.baseline_memory): one client training the method's tensors at every "
+              "step, with deca-train's defaults (LoRA rank 8 on every linear layer of attention and MLP, "
+              "dropout 0.05; adapters of width 64); the method applied to the meta model, so weights, "
+              "trainable tensors and their dtypes are exact (peft keeps LoRA factors in fp32 under a bf16 "
+              "base); x½ + exchange: x½ and the mixing buffers (DeCAF receives whole vectors); activations "
+              "down to layer 0, where every baseline trains.",
               f"- fits: {args.clients_per_gpu} × (peak + {reserve:g} GiB reserve (CUDA context, NCCL, allocator "
               f"slack)) ≤ the card's total as nvidia-smi reports it, for {args.clients_per_gpu} client(s) per GPU: "
               + ", ".join(f"{g} {c / 2**30:.2f} GiB" for g, c in GPUS.items())
               + "; headroom = total − clients × (reserve + peak). Allocator fragmentation is not modelled."]
     return "\n".join(lines) + "\n"
+
+
+def _baseline_table(rows: list[dict]) -> list[str]:
+    """The baselines' rows as a table of their own (no blocks, no offload)."""
+    from .memory import GPUS
+
+    if not rows:
+        return []
+    cols = ["model", "method", "trained params", "weights GiB", "optimizer state GiB", "grad GiB",
+            "x½ + exchange GiB", "activations GiB (approx.)", "peak GiB (estimated)", "peak phase", "comm MB/step"] + [
+            f"fits {g} (headroom GiB)" for g in GPUS]
+    lines = ["", "Baselines, one client each (deca-train --method; deca_ds.baseline_memory):", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        exchange = r["x_half"] + r["send_copy"] + r["recv"] + r["x_plus"]
+        cells = [r["model"], r["method"], f"{r['block_params'] / 1e6:,.1f} M", f"{gib(r['weights']):.2f}",
+                 f"{gib(r['optimizer_state']):.2f}", f"{gib(r['grad']):.2f}", f"{gib(exchange):.2f}",
+                 f"~{gib(r['activations']):.2f}", f"{gib(r['peak']):.2f}", r["peak_phase"],
+                 f"{r['comm_per_step'] / 1e6:.1f}"] + [_fit(r, g) for g in GPUS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _relative(path: str) -> str:
@@ -252,7 +299,7 @@ def main(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = 
                                                  if (sys.argv[1:] if argv is None else argv) else "")
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     vers = versions()
-    header = (f"**DECA per-client memory: estimated, not measured.** Command: `{command}`; "
+    header = (f"**DECA per-client memory (and the baselines'): estimated, not measured.** Command: `{command}`; "
               f"date: {date}; versions: "
               + ", ".join(f"{k} {v}" for k, v in vers.items()) + ".")
     text = markdown(rows, header, args)
@@ -261,7 +308,7 @@ def main(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = 
             "units": "bytes", "options": {k: v for k, v in vars(args).items() if k != "out"}}
     meta["options"]["config"] = [_relative(c) for c in args.config]
     write_results(out, args.name, markdown=text, rows=rows, payload={"meta": meta, "rows": rows})
-    plot(rows, out / f"{args.name}.png",
+    plot([r for r in rows if r["method"] == "deca"], out / f"{args.name}.png",
          f"DECA per-client peak memory (estimated)\n{args.working_dtype} weights, {args.master_dtype} master, "
          f"micro-batch {args.micro_batch} × {args.seq_len}, checkpointing {'on' if args.checkpointing else 'off'}, "
          f"{args.neighbors} neighbours")

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from deca_ds import DecaConfig, DecaOptimizer
+from deca_ds.baseline_memory import estimate_method
 from deca_ds.memory import (
     GPUS,
     ModelSpec,
@@ -26,6 +27,7 @@ from deca_ds.memory import (
     load_config,
     offload_block_stream,
 )
+from deca_ds.methods import AdamConfig, DecLoRA
 from deca_ds.mixing import MIX_CHUNK
 from deca_ds.models import enable_activation_checkpointing
 from helpers import run_script, run_script_in_fork, saved_bytes, tiny_llama
@@ -308,15 +310,25 @@ def test_command_writes_all_outputs(tmp_path, capsys):
     assert md.strip() in printed.out
     with (tmp_path / "estimate.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 and {r["offload"] for r in rows} == {"none", "frozen"}
+    deca = [r for r in rows if r["method"] == "deca"]
+    assert len(deca) == 4 and {r["offload"] for r in deca} == {"none", "frozen"}
+    assert [r["method"] for r in rows[4:]] == ["dadam", "dec_lora", "dec_adapter", "decaf"]
     for key in ("weights", "optimizer_state", "grad", "activations", "peak", "paper_deca", "comm_per_step",
                 "x_half", "recv", "x_plus", "fits RTX 5090"):
         assert key in rows[0]
     data = json.loads((tmp_path / "estimate.json").read_text())
-    assert len(data["rows"]) == 4 and "not measured" in data["meta"]["note"]
+    assert len(data["rows"]) == 8 and "not measured" in data["meta"]["note"]
     expected = estimate_memory(CONFIGS / "qwen2-1.5b.json", 2, offload="frozen")
     row = next(r for r in data["rows"] if r["layers_per_block"] == 2 and r["offload"] == "frozen")
     assert row["peak"] == expected.peak and row["optimizer_state"] == expected.optimizer_state
+    # the baselines with deca-train's defaults (LoRA rank 8, dropout 0.05, all linear layers)
+    lora = estimate_method(CONFIGS / "qwen2-1.5b.json", DecLoRA(AdamConfig(steps=1)))
+    row = next(r for r in data["rows"] if r["method"] == "dec_lora")
+    assert row["peak"] == lora.peak and row["block_params"] == lora.block_params
+    assert "| qwen2-1.5b | dadam |" in md
+    code = run_script(script, "--config", str(CONFIGS / "qwen2-1.5b.json"), "--layers-per-block", "1",
+                      "--offload", "none", "--baselines", "--out", str(tmp_path), "--name", "deca_only")
+    assert code == 0 and len(json.loads((tmp_path / "deca_only.json").read_text())["rows"]) == 1
     png = (tmp_path / "estimate.png").read_bytes()
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -367,9 +379,7 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     written; a baseline's is its own."""
     import re
 
-    from deca_ds.baseline_memory import estimate_method
     from deca_ds.memory import GiB
-    from deca_ds.methods import AdamConfig, DecLoRA
     from deca_ds.train import main as train_main
 
     qwen = CONFIGS / "qwen2.5-3b-instruct.json"
