@@ -35,7 +35,6 @@ import torch
 import runs
 from deca_ds.memory import DEFAULT_RESERVE, GPUS, GiB
 from deca_ds.offload import OFFLOAD_MODES
-from deca_ds.runtime.options import estimate_run
 from report import provenance, pyplot, save_figure, setting, write_results
 from runs import ROOT
 
@@ -75,16 +74,6 @@ def run(args, lpb: int, offload: str, keep: int) -> Path:
                       f"layers_per_block={lpb}, offload={offload}, keep={keep}")
 
 
-def estimate(run_config: dict):
-    """deca_ds.memory's MemoryEstimate for the run described by run_config.json; None for the tiny model."""
-    opts = run_config["options"]
-    if not opts["from_config"] and not Path(opts["model"]).is_dir():
-        return None  # the built-in tiny model, or a hub id whose config is not here
-    degree = max(len(neighbors) for neighbors in run_config["topology"]["neighbors"])
-    return estimate_run(opts, opts["model"], run_config["ds_config"], n_neighbors=degree,
-                        loss_positions=run_config["loss_positions_max"])
-
-
 SECTIONS = ("prefix", "forward", "backward", "step", "other")  # the trainer's mem_peak_<section>
 PHASES = ("prefix", "backward", "update", "mixing")  # the estimator's, beside them
 
@@ -98,7 +87,7 @@ def measure(out: Path, warmup: int) -> dict:
     if not steps:
         raise SystemExit(f"{out}: no steps left after --warmup {warmup}")
     peak = max(r[key_peak] for r in rows) / GiB
-    model = estimate(run_config) if key_now == "mem_allocated" else None  # RSS is not device memory
+    model = runs.estimate(run_config) if key_now == "mem_allocated" else None  # RSS is not device memory
     est = None if model is None else model.peak / GiB
     # on a GPU, the peak of each section of a step (the largest over the steps), beside the estimator's phases
     sections = {name: max(r.get(f"mem_peak_{name}", 0) for r in rows) / GiB for name in SECTIONS}

@@ -112,3 +112,29 @@ def metrics(out: Path) -> list[list[dict]]:
     """Every client's per-step records."""
     return [[json.loads(line) for line in f.read_text().splitlines() if line]
             for f in sorted((out / "metrics").glob("client_*.jsonl"))]
+
+
+def estimate(run_config: dict):
+    """The memory estimate (deca_ds.memory; deca_ds.baseline_memory for a baseline) of the run
+    run_config.json describes; None for the built-in tiny model or a hub id whose config is not here."""
+    from deca_ds.runtime.options import estimate_run
+
+    opts = run_config["options"]
+    if not opts["from_config"] and not Path(opts["model"]).is_dir():
+        return None
+    degree = max(len(neighbors) for neighbors in run_config["topology"]["neighbors"])
+    return estimate_run(opts, opts["model"], run_config["ds_config"], n_neighbors=degree,
+                        loss_positions=run_config["loss_positions_max"])
+
+
+def device_peak(out: Path) -> dict:
+    """A GPU run's training peak (torch.cuda, the largest over every client and step; the set-up's
+    is recorded apart) beside its estimate, in GiB; None for each from CPU ranks, whose resident
+    set is not device memory."""
+    from deca_ds.memory import GiB
+
+    rows = [r for client in metrics(out) for r in client]
+    if "mem_peak" not in rows[0]:
+        return {"peak_gib": None, "estimate_gib": None}
+    est = estimate(json.loads((out / "run_config.json").read_text()))
+    return {"peak_gib": max(r["mem_peak"] for r in rows) / GiB, "estimate_gib": est and est.peak / GiB}

@@ -251,3 +251,31 @@ def test_profile_resources_says_where_clients_time_share_a_gpu():
     assert profile_resources.sharing([{"clients_per_gpu": {}}, {"clients_per_gpu": {"0": 1, "1": 1}}]) == ""
     text = profile_resources.sharing([{"clients_per_gpu": {"0": 4}}, {"clients_per_gpu": {"0": 4, "1": 1}}])
     assert "time-share their GPU (4 on GPU 0)" in text and "not one-GPU-per-client figures" in text
+
+
+def test_device_peak_is_a_gpu_runs_peak_beside_its_estimate(tmp_path, monkeypatch):
+    """runs.device_peak (profile_resources' memory column): the largest mem_peak of any client's step
+    beside the estimate of the run run_config.json describes, a baseline's from
+    deca_ds.baseline_memory with the run's own options; nothing from CPU ranks (RSS)."""
+    from dataclasses import asdict
+
+    import runs
+    from deca_ds.baseline_memory import estimate_method
+    from deca_ds.memory import GiB
+    from deca_ds.methods import AdamConfig, DecLoRA
+    from deca_ds.runtime.options import parse_args
+
+    config = ROOT / "profiling" / "configs" / "qwen2-1.5b.json"
+    opts, ds = parse_args(["--preset", "rtx5090_qwen2-1.5b", "--from-config", "--model", str(config),
+                           "--method", "dec_lora", "--lora-rank", "4"])
+    run_config = {"options": asdict(opts), "ds_config": ds, "topology": {"neighbors": [[1], [0]]},
+                  "loss_positions_max": 2}
+    (tmp_path / "run_config.json").write_text(json.dumps(run_config))
+    monkeypatch.setattr(runs, "metrics", lambda out: [[{"mem_peak": 3 * GiB}, {"mem_peak": 5 * GiB}],
+                                                      [{"mem_peak": 4 * GiB}]])
+    expected = estimate_method(config, DecLoRA(AdamConfig(steps=1), rank=4), working_dtype=opts.working_dtype,
+                               n_neighbors=1, micro_batch=opts.micro_batch, seq_len=opts.max_seq_len,
+                               checkpointing="activation_checkpointing" in ds, loss_positions=2)
+    assert runs.device_peak(tmp_path) == {"peak_gib": 5.0, "estimate_gib": expected.peak / GiB}
+    monkeypatch.setattr(runs, "metrics", lambda out: [[{"mem_rss": 3 * GiB}]])
+    assert runs.device_peak(tmp_path) == {"peak_gib": None, "estimate_gib": None}

@@ -689,6 +689,9 @@ def test_profile_resources_tool(tmp_path, profiling_runs, monkeypatch):
     # CPU ranks share no GPU, so the table says nothing of time-sharing one
     assert all(r["clients_per_gpu"] == {} for r in summary["results"])
     assert "time-share" not in (tmp_path / "out" / "profile_resources.md").read_text()
+    # nor device memory (RSS is not), and the built-in tiny model has no estimate
+    assert all(r["peak_gib"] is None and r["estimate_gib"] is None for r in summary["results"])
+    assert "| — / — |" in (tmp_path / "out" / "profile_resources.md").read_text()
 
     # the results are written after every run: a run that fails or is stopped keeps those before it
     def rerun(train_args, ranks, out, timeout, what):  # DECA's finished run again; the fused one stopped
