@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     except torch.OutOfMemoryError as err:  # the answer --gpu-memory-gb asks for, or a card too small
         where = (f"within --gpu-memory-gb {opts.gpu_memory_gb:g}: it does not fit a card with that much room"
                  if opts.gpu_memory_gb else "on this GPU")
-        _fail(RuntimeError(f"out of GPU memory {where} (--estimate gives this run's estimated peak; "
-                           f"--offload frozen, --loss-chunk or a smaller micro-batch lower it). "
+        lower = ("--offload frozen, --loss-chunk or a smaller micro-batch lower it" if opts.method == "deca" else
+                 "--loss-chunk or a smaller micro-batch lower it; only DECA offloads frozen layers")
+        _fail(RuntimeError(f"out of GPU memory {where} (--estimate gives this run's estimated peak; {lower}). "
                            f"{str(err).splitlines()[0]}"))
     except Exception:  # a traceback, then out at once (the expected errors are reported above)
         if not cleanup.installed():

@@ -362,6 +362,12 @@ def test_out_of_gpu_memory_is_an_error_naming_the_cap(monkeypatch, tmp_path, cap
     err = capsys.readouterr().err
     assert ("error: out of GPU memory within --gpu-memory-gb 33: it does not fit a card with that much room" in err
             and "Tried to allocate 2.00 GiB." in err and "details" not in err), err
+    assert "--offload frozen, --loss-chunk or a smaller micro-batch lower it" in err
+    with pytest.raises(SystemExit):  # a baseline cannot offload: the answer does not offer it
+        train_main(["--ds_config", PRESET, "--output-dir", str(tmp_path / "run"), "--method", "dadam"])
+    err = capsys.readouterr().err
+    assert "out of GPU memory on this GPU" in err and "--offload" not in err
+    assert "only DECA offloads frozen layers" in err
 
 
 def test_deepspeed_clipping_default_is_turned_off(tmp_path):
