@@ -398,6 +398,8 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
                         ("phase setup: evaluate", expected.setup_phases["evaluate"])):
         assert float(re.search(line + r"\s+([\d.]+) GiB", text).group(1)) == round(value / GiB, 3), line
     assert f"the peak block: {expected.block}" in text
+    # resident, one rank per client: no FrozenPrefix, no DeepSpeed all-reduce
+    assert "phase backward" in text and "phase prefix" not in text and "phase grad_allreduce" not in text
     assert "RTX 5090 (31.8 GiB): yes" in text
     assert not (tmp_path / "out").exists()
     # four clients on one GPU each hold their own peak and CUDA context

@@ -74,7 +74,11 @@ def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
              ("master, m, v", est.optimizer_state), ("gradient", est.grad), ("x½", est.x_half),
              ("exchange buffers", est.send_copy + est.recv + est.x_plus + est.grad_kept),
              ("activations (approx.)", est.activations), ("prefix cache", est.prefix_cache)]
-    phases = [*(("setup: " + k, v) for k, v in est.setup_phases.items()), *est.phases.items()]
+    # the phases this run has: FrozenPrefix runs only offloaded, DeepSpeed's all-reduce only with G > 1
+    absent = {name for name, runs in (("prefix", est.offload == "frozen"), ("grad_allreduce", est.grad_allreduce))
+              if not runs}
+    phases = [*(("setup: " + k, v) for k, v in est.setup_phases.items()),
+              *((k, v) for k, v in est.phases.items() if k not in absent)]
     cards = dict(GPUS)
     if opts.gpu_memory_gb:
         cards[f"--gpu-memory-gb {opts.gpu_memory_gb:g}"] = int(opts.gpu_memory_gb * 1e9)
