@@ -71,3 +71,13 @@ def test_readme_demo_numbers_are_the_committed_runs():
              f"({before['accuracy']:.3f} before training, chance {after['chance']:.3f})")
     assert claim in text, claim
     assert before["n"] == after["n"]
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_api_doc_examples_run(index, monkeypatch, capsys):
+    """Each Python example of docs/api.md runs as written, from the repository root."""
+    examples = re.findall(r"^```python\n(.*?)^```", (ROOT / "docs" / "api.md").read_text(), flags=re.S | re.M)
+    assert len(examples) == 2
+    monkeypatch.chdir(ROOT)
+    exec(compile(examples[index], f"docs/api.md example {index + 1}", "exec"), {})
+    assert capsys.readouterr().out
