@@ -530,3 +530,37 @@ def test_settings_changed_compares_what_changes_a_result():
     assert settings_changed(old, {**now, "options": {**now["options"], "skip_nonfinite": True}}) == ["skip_nonfinite"]
     assert settings_changed({**old, "options": {**old["options"], "lr": 2e-3}}, now) == ["lr"]
     assert settings_changed(None, now) == ["no settings saved"]
+
+
+def test_estimate_gives_each_cells_memory_as_deca_train_does(tmp_path, capsys):
+    """deca-reproduce --estimate: one line per cell (its seeds share it) with deca-train --estimate's
+    peak for the cell's run, the cards every cell fits, and nothing run or written; a simulated
+    grid holds all clients in one process and is refused."""
+    import re
+
+    from deca_ds.reproduce.cli import main as reproduce_main
+    from deca_ds.train import main as train_main
+
+    config = str(ROOT / "profiling" / "configs" / "qwen2.5-3b-instruct.json")
+    grid = tiny_grid(config, backend="deepspeed", ds_config="ds_configs/rtx5090_qwen2.5-3b.json",
+                     methods=["deca", "dadam"], runs_dir=str(tmp_path / "runs"))
+    grid["options"].update(from_config=True, clients=4, topology="ring", micro_batch=2, max_seq_len=128)
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(grid))
+    assert reproduce_main([str(path), "--estimate"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == [f"synthetic/ring-n4-lpb1/{m}" for m in ("deca", "dadam")]
+    for line, method in zip(lines, ("deca", "dadam")):
+        train_main(["--ds_config", "ds_configs/rtx5090_qwen2.5-3b.json", "--model", config, "--from-config",
+                    "--method", method, "--clients", "4", "--topology", "ring", "--micro-batch", "2",
+                    "--max-seq-len", "128", "--steps-per-block", "2", "--rounds", "1", "--layers-per-block", "1",
+                    "--eval-limit", "40", "--lr", "1e-3", "--consensus-interval", "1", "--estimate"])
+        peak = re.search(r"peak of the process\s+([\d.]+) GiB", capsys.readouterr().out).group(1)
+        assert f": {peak} GiB per client ({method}); RTX 5090: " in line
+    assert "RTX 5090: 1 of 2 do not fit: synthetic/ring-n4-lpb1/dadam" in lines
+    assert "RTX PRO 6000: every cell fits" in lines
+    assert not (tmp_path / "runs").exists()
+    grid.update(backend="simulate")
+    path.write_text(yaml.safe_dump(grid))
+    assert reproduce_main([str(path), "--estimate"]) == 2
+    assert "the simulate backend holds every client of a cell in one process" in capsys.readouterr().err

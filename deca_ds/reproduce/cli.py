@@ -10,6 +10,7 @@ from functools import partial
 from ..reporting import invocation
 from .cells import base_state, check_finished, holder, pretrain_base, run_grid, steps_done
 from .figures import write_figures
+from .footprint import estimate_cells
 from .grid import GridError, grid_names, load_grid
 from .report import write_report
 
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true",
                    help="check the grid and list its cells (finished, running where and how far, to run); run nothing")
     p.add_argument("--report-only", action="store_true", help="write tables and figures of the finished cells only")
+    p.add_argument("--estimate", action="store_true",
+                   help="each cell's estimated GPU memory per client (deca-train --estimate) and the cards it fits "
+                        "(deepspeed backend); run nothing")
     p.add_argument("--only", nargs="+", default=[], metavar="KEY=VALUE[,VALUE]",
                    help="run only the cells with these values (task, method, topology, clients, layers_per_block, "
                         "seed), e.g. --only seed=0 method=deca,dec_lora; the tables still take every finished cell")
@@ -37,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     command = invocation("deca-reproduce", argv)
+    if args.estimate:
+        try:
+            estimate_cells(grid, select, log=log)
+        except GridError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.dry_run:
         if base:
             log(f"model {grid.pretrain.output_dir}: {base}" + (f" ({grid.pretrain.steps} steps, before the first "

@@ -67,6 +67,16 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
                         **evaluation), setting
 
 
+def card_fits(opts: RunOptions, est: MemoryEstimate, clients_per_gpu: int = 1) -> dict[str, tuple[int, bool]]:
+    """{card: (its memory, whether it holds the process's peak plus the reserve for the CUDA context
+    and NCCL, that many times)} for the cards deca_ds.memory knows and --gpu-memory-gb's cap."""
+    cards = dict(GPUS)
+    if opts.gpu_memory_gb:
+        cards[f"--gpu-memory-gb {opts.gpu_memory_gb:g}"] = int(opts.gpu_memory_gb * 1e9)
+    need = clients_per_gpu * (est.process_peak + DEFAULT_RESERVE)
+    return {name: (capacity, need <= capacity) for name, capacity in cards.items()}
+
+
 def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
     """The estimate as deca-train --estimate prints it: the setting, the terms, the phases (the
     largest is the peak), and the cards the process fits."""
@@ -79,13 +89,9 @@ def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
               if not runs}
     phases = [*(("setup: " + k, v) for k, v in est.setup_phases.items()),
               *((k, v) for k, v in est.phases.items() if k not in absent)]
-    cards = dict(GPUS)
-    if opts.gpu_memory_gb:
-        cards[f"--gpu-memory-gb {opts.gpu_memory_gb:g}"] = int(opts.gpu_memory_gb * 1e9)
     k = setting["clients_per_gpu"]
-    fits = "; ".join(f"{name} ({capacity / GiB:.1f} GiB): "
-                     f"{'yes' if k * (est.process_peak + DEFAULT_RESERVE) <= capacity else 'no'}"
-                     for name, capacity in cards.items())
+    fits = "; ".join(f"{name} ({capacity / GiB:.1f} GiB): {'yes' if fit else 'no'}"
+                     for name, (capacity, fit) in card_fits(opts, est, k).items())
     offload = f"offload {opts.offload}" + (f", top {setting['offload_keep']} layer(s) kept" if opts.offload == "frozen"
                                            else "")
     if est.method == "deca":
