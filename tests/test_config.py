@@ -36,7 +36,7 @@ def run_file(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
 def test_yaml_values_are_converted_to_the_declared_types(tmp_path):
     # YAML 1.1 reads 5e-5 and 1e2 (no dot) as strings; the declared types decide
     path = run_file(tmp_path, "lr: 5e-5\nsteps_per_block: 1e2\nrounds: '3'\nadam_betas: [0.8, 1]\n"
-                              "iid: 'yes'\nlora_targets: q_proj\nstate_bits: '8'\neps: 1e-6\n")
+                              "iid: 'yes'\nstate_bits: '8'\neps: 1e-6\n")
     assert yaml.safe_load(Path(path).read_text())["lr"] == "5e-5"
     opts, _ = parse_args(["--config", path])
     assert opts.lr == 5e-5 and type(opts.lr) is float
@@ -44,9 +44,11 @@ def test_yaml_values_are_converted_to_the_declared_types(tmp_path):
     assert opts.rounds == 3 and type(opts.rounds) is int
     assert opts.adam_betas == (0.8, 1.0) and all(type(b) is float for b in opts.adam_betas)
     assert opts.iid is True
-    assert opts.lora_targets == ["q_proj"]
     assert opts.state_bits == 8
     assert opts.eps == 1e-6
+    # one module name becomes the list
+    opts, _ = parse_args(["--config", run_file(tmp_path, "lora_targets: q_proj\n")])
+    assert opts.lora_targets == ["q_proj"]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -373,3 +375,29 @@ def test_option_reference_is_generated_from_the_parser(tmp_path):
 def test_option_help_is_short():
     for f in RunOptions.__dataclass_fields__.values():
         assert len(f.metadata["help"]) <= 160, f"--{f.name}: keep the help to one short sentence; detail goes to docs/"
+
+
+def test_an_option_the_method_does_not_read_is_refused():
+    """Each of DECA's options the baselines ignore and the baselines' DECA ignores, set away from
+    its default: a method that reads it builds something else than with the default (so READ_BY
+    is what the methods read), and any other method refuses the run before it starts, naming it."""
+    from deca_ds.blocks import partition_model
+    from deca_ds.models import tiny_llama
+
+    partition = partition_model(tiny_llama(64), 1)
+    changed = {"variant": "no_bma", "bma_betas": (0.8, 0.99), "block_order": "random", "state_bits": 8,
+               "steps": 7, "mix_every": 2}
+    assert changed.keys() == options_module.READ_BY.keys()
+
+    def built(**values) -> dict:
+        method = RunOptions(**values).build_method(partition)
+        return {k: v for k, v in vars(method).items() if k != "partition"}
+
+    for method in options_module.METHOD_NAMES:
+        for name, value in changed.items():
+            if method in options_module.READ_BY[name]:
+                assert built(method=method, **{name: value}) != built(method=method), (method, name)
+            else:
+                flag = "--" + name.replace("_", "-")
+                with pytest.raises(ValueError, match=f"--method {method} does not read {flag} "):
+                    RunOptions(method=method, **{name: value})

@@ -524,12 +524,18 @@ def test_deepspeed_outputs_become_the_cell_files(tmp_path):
 def test_settings_changed_compares_what_changes_a_result():
     from deca_ds.reproduce.cells import settings_changed
 
-    now = {"key": "k", "options": {"lr": 1e-3, "transport": "auto", "skip_nonfinite": False, "eval_limit": 100}}
-    old = {"key": "k", "options": {"lr": 1e-3, "eval_limit": 50}}  # made before transport/skip_nonfinite existed
+    now = {"key": "k", "options": {"method": "deca", "lr": 1e-3, "transport": "auto", "skip_nonfinite": False,
+                                   "eval_limit": 100}}
+    old = {"key": "k", "options": {"method": "deca", "lr": 1e-3, "eval_limit": 50}}  # before transport/skip_nonfinite
     assert settings_changed(old, now) == []  # new options at their defaults; eval_limit changes no result
     assert settings_changed(old, {**now, "options": {**now["options"], "skip_nonfinite": True}}) == ["skip_nonfinite"]
     assert settings_changed({**old, "options": {**old["options"], "lr": 2e-3}}, now) == ["lr"]
     assert settings_changed(None, now) == ["no settings saved"]
+    # an option the method does not read (a cell saved before such options were refused)
+    steps = {**old, "options": {**old["options"], "steps": 16}}
+    assert settings_changed(steps, now) == []
+    dadam = {"key": "k", "options": {**now["options"], "method": "dadam"}}
+    assert settings_changed({**steps, "options": {**steps["options"], "method": "dadam"}}, dadam) == ["steps"]
 
 
 def test_estimate_gives_each_cells_memory_as_deca_train_does(tmp_path, capsys):

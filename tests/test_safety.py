@@ -295,6 +295,19 @@ def test_resume_refuses_every_change_that_alters_the_result(diverged, monkeypatc
         trainer.check_output_dir(*parse_args(same), edited)
 
 
+def test_resume_ignores_an_option_the_method_does_not_read():
+    """A D-Adam run saved with --state-bits 8 (ignored, before such options were refused) resumes
+    without it: recorded, not refused; for a DECA run the moments' bits are a result's."""
+    from deca_ds.runtime.outputs import resume_changes
+
+    now = {"method": "dadam", "state_bits": 32, "lr": 1e-3}
+    saved = {"options": {**now, "state_bits": 8}, "world_size": 2}
+    assert resume_changes(saved, now, {}, 2, {}) == {"state_bits": [8, 32]}
+    deca = {"options": {**saved["options"], "method": "deca"}, "world_size": 2}
+    with pytest.raises(ValueError, match="state_bits: 8 in the saved run, 32 now"):
+        resume_changes(deca, {**now, "method": "deca"}, {}, 2, {})
+
+
 def test_record_resume_appends_to_run_config(tmp_path):
     (tmp_path / "run_config.json").write_text(json.dumps({"options": {"timeout": 60.0}}))
     outputs.record_resume(tmp_path, {"timeout": [60.0, 5.0]})

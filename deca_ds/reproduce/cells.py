@@ -68,16 +68,17 @@ BASE = "base_sha256"  # settings' key: the weights of the model the grid's `pret
 
 def settings_changed(saved: dict | None, now: dict) -> list[str]:
     """The options in which a finished cell's saved settings and the grid's differ in what they
-    compute. Options that change no result (runtime.options.NOT_RESULT) are not compared, and an
-    option the cell's code did not have yet counts as its default: a new option's default keeps
-    the old behaviour. The base model's weights are compared where both settings know them."""
-    from ..runtime.options import NOT_RESULT, RunOptions
+    compute. Options that change no result (runtime.options.NOT_RESULT, and those the cell's method
+    does not read) are not compared, and an option the cell's code did not have yet counts as its
+    default: a new option's default keeps the old behaviour. The base model's weights are compared
+    where both settings know them."""
+    from ..runtime.options import NOT_RESULT, RunOptions, unread
 
     if saved is None or saved.get("key") != now["key"]:
         return ["no settings saved" if saved is None else "key"]
     defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(RunOptions)}, allow_nan=False))
     old, new = saved["options"], now["options"]
-    changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT
+    changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT - unread(new["method"])
                      if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
     if None not in (saved.get(BASE), now.get(BASE)) and saved[BASE] != now[BASE]:
         changed.append("the base model's weights")

@@ -8,7 +8,6 @@ client of a cell in one process.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 from ..memory import GiB
@@ -30,7 +29,7 @@ def estimate_cells(grid: Grid, select: Callable[[Cell], bool], *, log=print) -> 
         key = cell.key.rsplit("/seed", 1)[0]
         if key in found:
             continue
-        opts = RunOptions(**json.loads(json.dumps(cell.options)))
+        opts = RunOptions(**cell.options)
         try:
             est, setting = footprint.estimate(opts, ds_config)
         except ValueError as err:

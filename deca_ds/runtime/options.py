@@ -45,6 +45,21 @@ OFFLOAD_MODES = ("none", "frozen")  # deca_ds.offload.OFFLOAD_MODES
 TOPOLOGIES = ("ring", "erdos_renyi", "complete_bipartite", "complete", "torus", "exponential")  # deca_ds.topology
 WEIGHT_SCHEMES = ("metropolis_hastings", "uniform", "laplacian")  # deca_ds.topology
 BLOCK_ORDERS = ("ascending", "descending", "random")  # deca_ds.blocks.BLOCK_ORDERS
+# DECA's options the baselines ignore, and the baselines' DECA ignores: set away from their default
+# for a method that ignores them they would change nothing (--state-bits 8 would not shrink D-Adam's
+# moments, --steps would not shorten DECA's T·B·R), so such a run is refused rather than run as if
+# they held. The baselines do read T, B (from layers per block) and R: their default budget is T·B·R.
+# LoRA's and the adapters' options say whose they are in their names; one command line may carry
+# them for every method.
+BASELINES = tuple(m for m in METHOD_NAMES if m != "deca")
+READ_BY = {"variant": ("deca",), "bma_betas": ("deca",), "block_order": ("deca",), "state_bits": ("deca",),
+           "steps": BASELINES, "mix_every": BASELINES}
+
+
+def unread(method: str) -> set[str]:
+    """The options `method` does not read: they change none of its results (a run saved before they
+    were refused may hold another value)."""
+    return {name for name, methods in READ_BY.items() if method not in methods}
 TRANSPORTS = ("auto", "nccl", "gloo")  # how ranks talk (deca_ds.runtime.transport)
 
 
@@ -69,6 +84,12 @@ def per_client(path: str) -> bool:
 def client_path(path: str, client: int) -> str:
     """`client`'s own file of a per-client path (`per_client`)."""
     return path.format(client=client)
+
+
+def _default(name: str):
+    """RunOptions' default of option `name` (a tuple where the option holds a tuple)."""
+    f = RunOptions.__dataclass_fields__[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def _opt(default, help: str, **extra):
@@ -204,6 +225,12 @@ class RunOptions:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+        self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
+        ignored = [name for name in READ_BY if name in unread(self.method) and getattr(self, name) != _default(name)]
+        if ignored:
+            raise ValueError(f"--method {self.method} does not read " + ", ".join(
+                f"--{name.replace('_', '-')} (read by {'/'.join(READ_BY[name])} only)" for name in ignored)
+                + ": leave it at its default (in a grid, under method_options)")
         if self.offload == "frozen":
             # Evaluating x̄ mid-run swaps every weight in and out on the device, which offloading
             # exists to avoid; offloading streams the decoder layers DECA's blocks freeze.
@@ -218,7 +245,6 @@ class RunOptions:
         from .transport import parse_device_map
 
         parse_device_map(self.device_map)
-        self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
 
     @property
