@@ -29,8 +29,8 @@ def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | N
     the defaults of the calling command."""
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Estimate (not measure) the per-client GPU memory and communication of DECA from model "
-                    "configs. Memory in GiB (2^30 B), communication in MB (10^6 B).",
+        description="Estimate (not measure) the per-client GPU memory and communication of DECA, and of "
+                    "the baselines, from model configs. Memory in GiB (2^30 B), communication in MB (10^6 B).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", nargs="+", default=configs, required=configs is None, metavar="PATH",
                    help="HF config.json files (or directories holding one)")
