@@ -34,13 +34,13 @@ from .memory import (
     TRANSFER_DTYPES,
     MemoryEstimate,
     ModelSpec,
-    _largest_bucket,
-    _setup_terms,
     attention_saved_bytes,
+    largest_bucket,
     layer_activation_bytes,
     layer_backward_transient_bytes,
     logits_bytes,
     meta_model,
+    setup_terms,
 )
 from .methods import Method
 from .methods.adapter import ATTENTION, Bottleneck
@@ -52,11 +52,11 @@ def adapter_saved_bytes(layer: nn.Module) -> int:
 
     peft's LoRA (per adapted linear, d_in inputs, rank r, adapter dtype a bytes): lora_A keeps its
     input, the layer's input cast to the adapter's dtype or its dropout output (a·d_in, a new
-    tensor per adapter), dropout its mask (d_in: a GPU's fused dropout keeps a bool mask, the CPU's
-    one in the input's dtype), lora_B the rank-r product (a·r). A Houlsby
-    bottleneck (methods.adapter.Bottleneck, h → size → h): down keeps its input (w·h), GELU its
-    input and up GELU's output (2·w·size). Counted as if no two adapters shared their input: with
-    no dropout and adapters in the working dtype q, k and v would share one (an over-count)."""
+    tensor per adapter), dropout its mask (d_in: a GPU's fused dropout keeps a bool mask, the
+    CPU's one in the input's dtype), lora_B the rank-r product (a·r). A Houlsby bottleneck
+    (methods.adapter.Bottleneck, h → size → h): down keeps its input (w·h), GELU its input and up
+    GELU's output (2·w·size). Counted as if no two adapters shared their input: with no dropout and
+    adapters in the working dtype q, k and v would share one (an over-count)."""
     saved = 0
     for module in layer.modules():
         if isinstance(module, Bottleneck):
@@ -105,7 +105,7 @@ def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtyp
     tb = w if cast else mb
     grad = sum(p.numel() * p.element_size() for p in optimizer.params)
     gb = optimizer.params[0].element_size()  # DeepSpeed's all-reduce bucket: flat copy, then an fp32 one
-    bucket = _largest_bucket([p.numel() for p in optimizer.params]) * (gb + (4 if gb != 4 else 0))
+    bucket = largest_bucket([p.numel() for p in optimizer.params]) * (gb + (4 if gb != 4 else 0))
 
     b, s, h = micro_batch, seq_len, spec.hidden
     full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn_implementation)
@@ -129,9 +129,11 @@ def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtyp
     else:
         act_saved, act_recompute = sum(saved) + final_norm, transient
 
-    # MixedAdam mixes through DistributedMixer.mix, chunk by chunk into x½; DeCAF (not linear)
-    # exchanges whole vectors and combines them into a new one
-    chunk = min(n, MIX_CHUNK) if optimizer.linear else n
+    if optimizer.linear:  # DistributedMixer.mix: chunk by chunk, x⁺ summed into x½ (a new chunk when cast)
+        chunk = min(n, MIX_CHUNK)
+        x_plus = chunk * mb if cast and n_neighbors else 0
+    else:  # DeCAF: whole vectors exchanged (mixer.exchange), combined into a new one
+        chunk, x_plus = n, n * mb
     d, M = spec.total_params, 2 * spec.total_params
     return MemoryEstimate(
         model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,
@@ -145,7 +147,7 @@ def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtyp
         master=n * mb, m=n * mb, v=n * mb, grad=grad,
         grad_allreduce=bucket if deepspeed_allreduce else 0,
         x_half=n * mb, send_copy=chunk * tb if cast and n_neighbors else 0, recv=n_neighbors * chunk * tb,
-        x_plus=n * mb if not optimizer.linear else chunk * mb if cast and n_neighbors else 0,
+        x_plus=x_plus,
         grad_kept=0, trivial_bma_extra=0, quant_transient=0, offload_buffers=0, offload_keep=0,
         offload_stream_block=0, offload_stream=0, prefix_cache=0, host_weights=0,
         act_saved=act_saved, act_recompute=act_recompute,
@@ -154,6 +156,6 @@ def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtyp
         paper_deca=0, paper_dadam_9m=9 * M, paper_dadam_11m=11 * M,
         dadam_runtime=d * w + spec.decoder_params * (3 * mb + w),
         method=method.name,
-        **_setup_terms(spec, w, offload="none", seq_len=s, eval_batch=eval_batch, eval_positions=eval_positions,
+        **setup_terms(spec, w, offload="none", seq_len=s, eval_batch=eval_batch, eval_positions=eval_positions,
                        eval_kv_cache=False),
     )

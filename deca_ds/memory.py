@@ -302,7 +302,7 @@ def eval_forward_bytes(spec: ModelSpec, batch: int, seq_len: int, working_bytes:
     return cache + max(layer, head)
 
 
-def _setup_terms(spec: ModelSpec, working_bytes: int, *, offload: str, seq_len: int, eval_batch: int,
+def setup_terms(spec: ModelSpec, working_bytes: int, *, offload: str, seq_len: int, eval_batch: int,
                  eval_positions: int, eval_kv_cache: bool) -> dict:
     """MemoryEstimate's setup fields (module docstring, setup phases)."""
     return {"init_transient": 0 if offload == "frozen" else spec.largest_param * working_bytes,
@@ -489,7 +489,7 @@ _COUNTS = {"total_params", "decoder_params", "non_layer_params", "num_layers", "
            "state_bits", "offload_keep"}
 
 
-def _largest_bucket(numels: list[int], limit: int = DEEPSPEED_ALLREDUCE_BUCKET) -> int:
+def largest_bucket(numels: list[int], limit: int = DEEPSPEED_ALLREDUCE_BUCKET) -> int:
     """Largest bucket DeepSpeed's allreduce_no_retain forms: append until numel > limit, flush."""
     largest = current = 0
     for n in numels:
@@ -619,7 +619,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
 
     grad_allreduce = 0
     if deepspeed_allreduce:
-        grad_allreduce = _largest_bucket(spec.tensor_numels(partition, block)) * (w + (4 if w != 4 else 0))
+        grad_allreduce = largest_bucket(spec.tensor_numels(partition, block)) * (w + (4 if w != 4 else 0))
 
     d, M = spec.total_params, 2 * spec.total_params
     in_place = fused_update and state_bits == 32 and n_neighbors == 0  # deca_ds.updates.InPlaceUpdate
@@ -647,7 +647,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         paper_deca=M + 10 * M // B if (10 * M) % B == 0 else round(M + 10 * M / B),
         paper_dadam_9m=9 * M, paper_dadam_11m=11 * M,
         dadam_runtime=d * w + spec.decoder_params * (3 * mb + w),
-        **_setup_terms(spec, w, offload=offload, seq_len=s, eval_batch=eval_batch, eval_positions=eval_positions,
+        **setup_terms(spec, w, offload=offload, seq_len=s, eval_batch=eval_batch, eval_positions=eval_positions,
                        eval_kv_cache=eval_kv_cache),
     )
 
@@ -682,7 +682,8 @@ def to_json(estimates: list[MemoryEstimate]) -> str:
 
 
 __all__ = [
-    "DEFAULT_RESERVE", "GPUS", "MB", "GiB", "MemoryEstimate", "ModelSpec", "communication", "estimate_block",
-    "estimate_blocks", "estimate_memory", "eval_forward_bytes", "layer_activation_bytes", "load_config",
-    "logits_bytes", "meta_model", "offload_block_stream",
+    "DEFAULT_RESERVE", "GPUS", "MB", "GiB", "MemoryEstimate", "ModelSpec", "attention_saved_bytes", "communication",
+    "estimate_block", "estimate_blocks", "estimate_memory", "eval_forward_bytes", "largest_bucket",
+    "layer_activation_bytes", "layer_backward_transient_bytes", "load_config", "logits_bytes", "meta_model",
+    "offload_block_stream", "setup_terms",
 ]
