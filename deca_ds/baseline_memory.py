@@ -24,17 +24,15 @@ embeddings' output, and under Dec-Adapter its attention keeps nothing (the first
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .blocks import find_decoder_layers
-from .config import dtype_name, parse_dtype
+from .config import dtype_name
 from .memory import (
-    ATTN_IMPLEMENTATIONS,
-    TRANSFER_DTYPES,
     MemoryEstimate,
     ModelSpec,
     attention_saved_bytes,
+    check_setting,
     largest_bucket,
     layer_activation_bytes,
     layer_backward_transient_bytes,
@@ -84,17 +82,10 @@ def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtyp
     if method.name == "deca":
         raise ValueError("DECA's estimate is deca_ds.memory.estimate_memory's")
     spec = ModelSpec.from_config(spec)
-    working = parse_dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
-    if transfer_dtype not in TRANSFER_DTYPES:
-        raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got {transfer_dtype!r}")
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
-    for name, value, least in (("n_neighbors", n_neighbors, 0), ("loss_chunk", loss_chunk, 0),
-                               ("micro_batch", micro_batch, 1), ("seq_len", seq_len, 1),
-                               ("eval_batch", eval_batch, 0), ("eval_positions", eval_positions, 1),
-                               ("loss_positions", loss_positions or 1, 1)):
-        if value < least:
-            raise ValueError(f"{name} must be >= {least}, got {value}")
+    working = check_setting(working_dtype, transfer_dtype, attn_implementation, n_neighbors=(n_neighbors, 0),
+                            loss_chunk=(loss_chunk, 0), micro_batch=(micro_batch, 1), seq_len=(seq_len, 1),
+                            eval_batch=(eval_batch, 0), eval_positions=(eval_positions, 1),
+                            loss_positions=(loss_positions or 1, 1))
 
     model = method.prepare(meta_model(spec.config).to(working))  # a model of its own: prepare adds to it
     optimizer = method.optimizer(model)

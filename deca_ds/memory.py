@@ -526,6 +526,21 @@ def offload_block_stream(below: list[int], above: list[int], steps: int, prefix:
     return copied
 
 
+def check_setting(working_dtype, transfer_dtype: str, attn_implementation: str,
+                  **at_least: tuple[int, int]) -> torch.dtype:
+    """The working dtype, once the settings every estimate shares are checked: the dtypes and
+    attention it knows, and each count `name=(value, least)` at least its least value."""
+    working = parse_dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
+    if transfer_dtype not in TRANSFER_DTYPES:
+        raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got {transfer_dtype!r}")
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+    for name, (value, least) in at_least.items():
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    return working
+
+
 def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_dtype="bf16", master_dtype="fp32",
                    transfer_dtype: str = "master", n_neighbors: int = 2, micro_batch: int = 1, seq_len: int = 512,
                    checkpointing: bool = True, offload: str = "none", variant: str = "deca",
@@ -551,26 +566,19 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     the KV cache the scoring forward kept before use_cache=False).
     """
     spec = ModelSpec.from_config(spec)
-    working = parse_dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
+    working = check_setting(working_dtype, transfer_dtype, attn_implementation, n_neighbors=(n_neighbors, 0),
+                            loss_chunk=(loss_chunk, 0), micro_batch=(micro_batch, 1), seq_len=(seq_len, 1),
+                            grad_accum=(grad_accum, 1), eval_batch=(eval_batch, 0), eval_positions=(eval_positions, 1),
+                            steps_per_block=(steps_per_block, 1), loss_positions=(loss_positions or 1, 1))
     master = parse_dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
-    if transfer_dtype not in TRANSFER_DTYPES:
-        raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got {transfer_dtype!r}")
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
     if not 0 <= offload_keep <= spec.num_layers:
         raise ValueError(f"offload_keep must be in [0, {spec.num_layers}], got {offload_keep}")
     if state_bits not in (32, 8):
         raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
     if variant not in ("deca", "trivial_bma", "no_bma"):
         raise ValueError(f"variant must be deca, trivial_bma or no_bma, got {variant!r}")
-    for name, value, least in (("n_neighbors", n_neighbors, 0), ("loss_chunk", loss_chunk, 0),
-                               ("micro_batch", micro_batch, 1), ("seq_len", seq_len, 1), ("grad_accum", grad_accum, 1),
-                               ("eval_batch", eval_batch, 0), ("eval_positions", eval_positions, 1),
-                               ("steps_per_block", steps_per_block, 1), ("loss_positions", loss_positions or 1, 1)):
-        if value < least:
-            raise ValueError(f"{name} must be >= {least}, got {value}")
 
     partition = spec.partition(layers_per_block)
     B = partition.num_blocks
@@ -682,7 +690,8 @@ def to_json(estimates: list[MemoryEstimate]) -> str:
 
 
 __all__ = [
-    "DEFAULT_RESERVE", "GPUS", "MB", "GiB", "MemoryEstimate", "ModelSpec", "attention_saved_bytes", "communication",
+    "DEFAULT_RESERVE", "GPUS", "MB", "GiB", "MemoryEstimate", "ModelSpec", "attention_saved_bytes", "check_setting",
+    "communication",
     "estimate_block", "estimate_blocks", "estimate_memory", "eval_forward_bytes", "largest_bucket",
     "layer_activation_bytes", "layer_backward_transient_bytes", "load_config", "logits_bytes", "meta_model",
     "offload_block_stream", "setup_terms",

@@ -14,8 +14,8 @@ from ..memory import GiB
 from .grid import Cell, Grid, GridError
 
 
-def estimate_cells(grid: Grid, select: Callable[[Cell], bool], *, log=print) -> dict[str, dict]:
-    """{cell key without its seed: its peak and card fits} of the selected cells, each logged."""
+def estimate_cells(grid: Grid, select: Callable[[Cell], bool], *, log=print) -> dict[str, dict[str, bool]]:
+    """{cell key without its seed: {card: whether the cell fits it}} of the selected cells, each logged."""
     from ..runtime import footprint
     from ..runtime.options import RunOptions
     from ..runtime.presets import load_ds_config
@@ -24,7 +24,7 @@ def estimate_cells(grid: Grid, select: Callable[[Cell], bool], *, log=print) -> 
         raise GridError(f"--estimate: the {grid.backend} backend holds every client of a cell in one process; "
                         "the estimate is one client's, as the deepspeed backend runs it")
     ds_config, _ = load_ds_config(grid.ds_config)
-    found: dict[str, dict] = {}
+    found: dict[str, dict[str, bool]] = {}
     for cell in filter(select, grid.cells):
         key = cell.key.rsplit("/seed", 1)[0]
         if key in found:
@@ -35,12 +35,11 @@ def estimate_cells(grid: Grid, select: Callable[[Cell], bool], *, log=print) -> 
         except ValueError as err:
             raise GridError(f"--estimate: {key}: {err}") from None
         fits = {name: fit for name, (_, fit) in footprint.card_fits(opts, est, setting["clients_per_gpu"]).items()}
-        found[key] = {"peak_gib": est.process_peak / GiB, "phase": est.peak_phase, "fits": fits}
+        found[key] = fits
         log(f"{key}: {est.process_peak / GiB:.3f} GiB per client ({est.method}); "
             + ", ".join(f"{name}: {'yes' if fit else 'no'}" for name, fit in fits.items()))
-    cards = next(iter(found.values()))["fits"] if found else {}
-    for name in cards:
-        short = [key for key, value in found.items() if not value["fits"][name]]
+    for name in next(iter(found.values()), {}):
+        short = [key for key, fits in found.items() if not fits[name]]
         log(f"{name}: " + ("every cell fits" if not short else f"{len(short)} of {len(found)} do not fit: "
                            + ", ".join(short)))
     return found

@@ -86,12 +86,6 @@ def client_path(path: str, client: int) -> str:
     return path.format(client=client)
 
 
-def _default(name: str):
-    """RunOptions' default of option `name` (a tuple where the option holds a tuple)."""
-    f = RunOptions.__dataclass_fields__[name]
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
-
-
 def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
@@ -226,7 +220,8 @@ class RunOptions:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
-        ignored = [name for name in READ_BY if name in unread(self.method) and getattr(self, name) != _default(name)]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}  # _opt's: every option has one
+        ignored = [name for name in READ_BY if name in unread(self.method) and getattr(self, name) != defaults[name]]
         if ignored:
             raise ValueError(f"--method {self.method} does not read " + ", ".join(
                 f"--{name.replace('_', '-')} (read by {'/'.join(READ_BY[name])} only)" for name in ignored)
