@@ -21,7 +21,17 @@ from deca_ds.models import load_model, load_tokenizer
 from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_finished, pretrain, run_grid
 from deca_ds.reproduce.figures import smooth, write_figures
 from deca_ds.reproduce.grid import Cell, load_grid
-from deca_ds.reproduce.report import Table, build_table, marks, to_csv, to_markdown, write_report
+from deca_ds.reproduce.report import (
+    Table,
+    build_paired,
+    build_table,
+    marks,
+    paired_csv,
+    paired_markdown,
+    to_csv,
+    to_markdown,
+    write_report,
+)
 from deca_ds.runtime.checkpoint import sha256
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +122,7 @@ def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
     assert status == {c.key: "skipped" if c.seed == 0 else "done" for c in grid.cells}, status
     written = write_report(grid, command=["test"]) + write_figures(grid)
     names = {p.name for p in written}
-    assert {"main.csv", "ablation.csv", "tables.md", "results.json", "loss_synthetic.png",
+    assert {"main.csv", "ablation.csv", "paired.csv", "tables.md", "results.json", "loss_synthetic.png",
             "consensus_synthetic.png"} <= names
 
     data = json.loads((tmp_path / "results" / "results.json").read_text())
@@ -182,6 +192,36 @@ def test_average_column_and_groups_from_cells():
     assert "**70.00 ± 0.00**" in to_markdown(table) and "<u>60.00 ± 14.14</u>" in to_markdown(table)
     topo = build_table("topology", "T", results, ("dec_lora", "deca"))
     assert [g for g, _, _ in topo.rows] == ["Ring", "Ring"] and topo.group_name == "Topology"
+
+
+def test_paired_differences_seed_by_seed_against_hand_computed_numbers():
+    def cell(task, method, seed):
+        return Cell(task, method, "ring", 4, 1, seed, {}, ("main",))
+
+    acc = {("t1", "deca", 0): 0.60, ("t1", "deca", 1): 0.70, ("t1", "deca", 2): 0.50,
+           ("t2", "deca", 0): 0.80, ("t2", "deca", 1): 0.70, ("t2", "deca", 2): 0.90,
+           ("t1", "no_bma", 0): 0.50, ("t1", "no_bma", 1): 0.75, ("t1", "no_bma", 2): 0.40,
+           ("t2", "no_bma", 0): 0.80, ("t2", "no_bma", 1): 0.60, ("t2", "no_bma", 2): 0.90,
+           ("t1", "dec_lora", 0): 0.10, ("t2", "dec_lora", 0): 0.20, ("t1", "dec_lora", 1): 0.30}
+    results = {cell(t, m, s): {"accuracy": a, "macro_f1": a / 2} for (t, m, s), a in acc.items()}
+    paired = build_paired(results, ("dec_lora", "deca", "no_bma"))
+    assert paired.columns == ["t1 Δ Acc.", "t1 Δ F1", "t2 Δ Acc.", "t2 Δ F1", "Average Δ Acc.", "Average Δ F1"]
+    # Dec-LoRA finished both tasks on seed 0 only: one pair; w/o BMA on all three seeds
+    (_, lora, lora_seeds, lora_values), (_, no_bma, seeds, values) = paired.rows
+    assert (lora, lora_seeds) == ("Dec-LoRA", [0]) and lora_values[0] == pytest.approx([0.5])
+    assert (no_bma, seeds) == ("w/o BMA", [0, 1, 2])
+    assert values[0] == pytest.approx([0.10, -0.05, 0.10])  # t1: DECA − w/o BMA per seed
+    assert values[2] == pytest.approx([0.0, 0.10, 0.0])  # t2
+    assert values[4] == pytest.approx([0.05, 0.025, 0.05])  # per seed, the mean over tasks
+    md = paired_markdown(paired)
+    # t1: mean 5.00, sample std sqrt(((0.05)²·2 + (0.10)²)/2) = 0.0866; ahead on 2 seeds, behind on 1;
+    # t2: ahead on one seed, tied on two
+    assert "| w/o BMA | 3 | 5.00 ± 8.66 | 2.50 ± 4.33 | 3.33 ± 5.77 |" in md
+    assert md.rstrip().endswith("| 2 / 1 | 1 / 0 | 3 / 0 |")
+    rows = list(csv.DictReader(io.StringIO(paired_csv(paired))))
+    t1 = next(r for r in rows if r["method"] == "w/o BMA" and r["column"] == "t1 Δ Acc.")
+    assert (t1["seeds"], t1["mean"], t1["std"], t1["deca_ahead"], t1["deca_behind"]) == ("0 1 2", "5.0000", "8.6603",
+                                                                                          "2", "1")
 
 
 def test_smooth_is_a_trailing_mean():

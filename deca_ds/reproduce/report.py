@@ -158,6 +158,79 @@ def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple
     return Table(name, title, axis[1] if axis else None, columns, rows) if rows else None
 
 
+PAIRED_TITLE = "DECA against each method, seed by seed (percentage points)"
+PAIRED_NOTE = ("Δ = DECA − method, mean ± std over the seeds both finished; the cells of one seed share the data "
+               "split and the graph, so each seed is a paired comparison. Ahead: the seeds on which DECA's "
+               "accuracy is higher (behind: lower).")
+
+
+@dataclass
+class Paired:
+    """Per (group, method): the per-seed differences DECA − method of each column, and the seeds."""
+
+    columns: list[str]
+    rows: list[tuple[str, str, list[int], list[list[float]]]]
+
+
+def build_paired(results: dict[Cell, dict], methods: tuple[str, ...]) -> Paired | None:
+    """DECA against each other method of the main table's cells, on the seeds both finished every
+    task of (the Average column: per seed, the mean over tasks of the difference)."""
+    cells = [c for c in results if "main" in c.tables and c.method in methods]
+    tasks = list(dict.fromkeys(c.task for c in cells))
+    settings = {(c.topology, c.clients, c.layers_per_block) for c in cells}
+    finals = {(c.topology, c.clients, c.layers_per_block, c.method, c.task, c.seed): results[c] for c in cells}
+    columns = [f"{t} Δ {short}" for t in tasks for _, short in METRICS_SHOWN]
+    if len(tasks) > 1:
+        columns += [f"Average Δ {short}" for _, short in METRICS_SHOWN]
+    rows = []
+    for setting in sorted(settings, key=lambda s: (_axis_rank(s[0]), s[1], s[2])):
+        group = (f"{TOPOLOGY_LABELS.get(setting[0], setting[0])}, N={setting[1]}, lpb={setting[2]}"
+                 if len(settings) > 1 else "")
+        for method in (m for m in methods if m != "deca"):
+            seeds = sorted(s for s in {c.seed for c in cells}
+                           if all((*setting, m, t, s) in finals for m in ("deca", method) for t in tasks))
+            if not seeds:
+                continue
+            diff = {(t, key, s): finals[(*setting, "deca", t, s)][key] - finals[(*setting, method, t, s)][key]
+                    for t in tasks for key, _ in METRICS_SHOWN for s in seeds}
+            values = [[diff[(t, key, s)] for s in seeds] for t in tasks for key, _ in METRICS_SHOWN]
+            if len(tasks) > 1:
+                values += [[statistics.fmean(diff[(t, key, s)] for t in tasks) for s in seeds]
+                           for key, _ in METRICS_SHOWN]
+            rows.append((group, LABELS[method], seeds, values))
+    return Paired(columns, rows) if rows else None
+
+
+def _ahead(diffs: list[float]) -> tuple[int, int]:
+    return sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+
+
+def paired_markdown(paired: Paired) -> str:
+    """Each Δ column as mean ± std, then per accuracy column DECA's seeds ahead and behind."""
+    grouped = any(group for group, _, _, _ in paired.rows)
+    accuracy = [i for i, c in enumerate(paired.columns) if c.endswith(METRICS_SHOWN[0][1])]
+    head = (["Setting"] if grouped else []) + ["Method", "Seeds"] + paired.columns + [
+        paired.columns[i].replace("Δ Acc.", "DECA ahead / behind") for i in accuracy]
+    lines = [f"### {PAIRED_TITLE}", "", PAIRED_NOTE, "", "| " + " | ".join(head) + " |",
+             "| " + " | ".join([":--"] * (2 + grouped) + ["--:"] * (len(head) - 2 - grouped)) + " |"]
+    for group, method, seeds, values in paired.rows:
+        cells = [cell_text(v) for v in values] + ["{} / {}".format(*_ahead(values[i])) for i in accuracy]
+        lines.append("| " + " | ".join(([group] if grouped else []) + [method, str(len(seeds))] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_csv(paired: Paired) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["setting", "method", "seeds", "column", "mean", "std", "deca_ahead", "deca_behind"])
+    for group, method, seeds, values in paired.rows:
+        for column, v in zip(paired.columns, values):
+            mean, std = mean_std(v)
+            w.writerow([group, method, " ".join(map(str, seeds)), column, f"{100 * mean:.4f}",
+                        "" if std is None else f"{100 * std:.4f}", *_ahead(v)])
+    return buf.getvalue()
+
+
 TABLES = (
     ("main", "Accuracy and macro-F1 of the consensus model (%), DECA against the decentralized baselines", BASELINES),
     ("ablation", "Ablation: DECA's BMA (%)", ABLATION),
@@ -196,6 +269,12 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
         markdown.append(to_markdown(table))
         path = out / f"{name}.csv"
         write_text(path, to_csv(table))
+        written.append(path)
+    paired = build_paired(results, tuple(m for m in (*BASELINES, *ABLATION[1:]) if m in METHODS))
+    if paired is not None:
+        markdown.append(paired_markdown(paired))
+        path = out / "paired.csv"
+        write_text(path, paired_csv(paired))
         written.append(path)
     path = out / "tables.md"
     write_text(path, "\n".join(markdown))
