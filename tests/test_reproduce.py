@@ -28,6 +28,7 @@ from deca_ds.reproduce.report import (
     marks,
     paired_csv,
     paired_markdown,
+    per_seed_markdown,
     to_csv,
     to_markdown,
     write_report,
@@ -194,7 +195,7 @@ def test_average_column_and_groups_from_cells():
     assert [g for g, _, _ in topo.rows] == ["Ring", "Ring"] and topo.group_name == "Topology"
 
 
-def test_paired_differences_seed_by_seed_against_hand_computed_numbers():
+def test_per_seed_table_and_paired_differences_against_hand_computed_numbers():
     def cell(task, method, seed):
         return Cell(task, method, "ring", 4, 1, seed, {}, ("main",))
 
@@ -218,6 +219,10 @@ def test_paired_differences_seed_by_seed_against_hand_computed_numbers():
     # t2: ahead on one seed, tied on two
     assert "| w/o BMA | 3 | 5.00 ± 8.66 | 2.50 ± 4.33 | 3.33 ± 5.77 |" in md
     assert md.rstrip().endswith("| 2 / 1 | 1 / 0 | 3 / 0 |")
+    table = per_seed_markdown(results, ("dec_lora", "deca", "no_bma"))
+    assert "| Method | t1 seed 0 | t1 seed 1 | t1 seed 2 | t2 seed 0 | t2 seed 1 | t2 seed 2 |" in table
+    assert "| Dec-LoRA | 10.0 / 5.0 | 30.0 / 15.0 | – | 20.0 / 10.0 | – | – |" in table
+    assert "| w/o BMA | 50.0 / 25.0 | 75.0 / 37.5 | 40.0 / 20.0 | 80.0 / 40.0 | 60.0 / 30.0 | 90.0 / 45.0 |" in table
     rows = list(csv.DictReader(io.StringIO(paired_csv(paired))))
     t1 = next(r for r in rows if r["method"] == "w/o BMA" and r["column"] == "t1 Δ Acc.")
     assert (t1["seeds"], t1["mean"], t1["std"], t1["deca_ahead"], t1["deca_behind"]) == ("0 1 2", "5.0000", "8.6603",

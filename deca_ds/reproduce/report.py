@@ -231,6 +231,31 @@ def paired_csv(paired: Paired) -> str:
     return buf.getvalue()
 
 
+def per_seed_markdown(results: dict[Cell, dict], methods: tuple[str, ...]) -> str | None:
+    """The main table's cells one by one: accuracy / macro-F1 (%) per task and seed, '–' where a cell
+    has not finished."""
+    cells = [c for c in results if "main" in c.tables and c.method in methods]
+    if not cells:
+        return None
+    tasks = list(dict.fromkeys(c.task for c in cells))
+    seeds = sorted({c.seed for c in cells})
+    settings = sorted({(c.topology, c.clients, c.layers_per_block) for c in cells},
+                      key=lambda s: (_axis_rank(s[0]), s[1], s[2]))
+    finals = {(c.topology, c.clients, c.layers_per_block, c.method, c.task, c.seed): results[c] for c in cells}
+    grouped = len(settings) > 1
+    head = (["Setting"] if grouped else []) + ["Method"] + [f"{t} seed {s}" for t in tasks for s in seeds]
+    lines = ["### Per seed: accuracy / macro-F1 (%)", "", "| " + " | ".join(head) + " |",
+             "| " + " | ".join([":--"] * (1 + grouped) + ["--:"] * (len(head) - 1 - grouped)) + " |"]
+    for setting in settings:
+        group = [f"{TOPOLOGY_LABELS.get(setting[0], setting[0])}, N={setting[1]}, lpb={setting[2]}"] if grouped else []
+        for method in methods:
+            found = [finals.get((*setting, method, t, s)) for t in tasks for s in seeds]
+            text = ["–" if f is None else f"{100 * f['accuracy']:.1f} / {100 * f['macro_f1']:.1f}" for f in found]
+            if any(found):
+                lines.append("| " + " | ".join(group + [LABELS[method]] + text) + " |")
+    return "\n".join(lines) + "\n"
+
+
 TABLES = (
     ("main", "Accuracy and macro-F1 of the consensus model (%), DECA against the decentralized baselines", BASELINES),
     ("ablation", "Ablation: DECA's BMA (%)", ABLATION),
@@ -270,7 +295,11 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
         path = out / f"{name}.csv"
         write_text(path, to_csv(table))
         written.append(path)
-    paired = build_paired(results, tuple(m for m in (*BASELINES, *ABLATION[1:]) if m in METHODS))
+    main_methods = tuple(m for m in (*BASELINES, *ABLATION[1:]) if m in METHODS)
+    seeds = per_seed_markdown(results, main_methods)
+    if seeds is not None:
+        markdown.append(seeds)
+    paired = build_paired(results, main_methods)
     if paired is not None:
         markdown.append(paired_markdown(paired))
         path = out / "paired.csv"
