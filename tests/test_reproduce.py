@@ -424,8 +424,8 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     granularity = load_grid("reproduce/paper_llama-3.1-8b.yaml", runs_dir=tmp_path)
     assert {c.layers_per_block for c in granularity.cells if "granularity" in c.tables} == {1, 2, 4}
     synthetic = load_grid("reproduce/cpu_synthetic.yaml", runs_dir=tmp_path)
-    # main: 7 methods x 2 seeds; one seed each for 2 more graphs x 4 methods, N = 16 x 4 and 2 more granularities
-    assert len(synthetic.cells) == 14 + 8 + 4 + 2
+    # main: 7 methods x 5 seeds; one seed each for 2 more graphs x 4 methods, N = 4 x 4 and 2 more granularities
+    assert len(synthetic.cells) == 35 + 8 + 4 + 2
     # seed by seed: the main table's 7 methods at seed 0 come first, whole
     assert [(c.seed, "main" in c.tables) for c in synthetic.cells[:8]] == [(0, True)] * 7 + [(1, True)]
     assert {c.seed for c in synthetic.cells if "topology" in c.tables} == {0}
