@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 import matplotlib.image as mpimg
@@ -434,6 +435,18 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
         assert {c.clients for c in small.cells if "main" in c.tables} == {8}
         assert {c.options["dirichlet_alpha"] for c in small.cells} == {0.25}
     assert (small.jobs, len(small.cells)) == (4, 14)
+
+
+@pytest.mark.parametrize("results", sorted(p.name for p in (ROOT / "reproduce" / "results").iterdir()))
+def test_results_readmes_quote_their_generated_tables(results):
+    """Every mean ± std and every per-seed accuracy / macro-F1 of a results README's tables is one
+    that the grid's report wrote into tables.md (the README may order and label rows its own way)."""
+    folder = ROOT / "reproduce" / "results" / results
+    tables = " ".join((folder / "tables.md").read_text().split())
+    rows = [line for line in (folder / "README.md").read_text().splitlines() if line.startswith("|")]
+    quoted = [n for line in rows for n in re.findall(r"\d+\.\d+ ± \d+\.\d+|\d+\.\d / \d+\.\d", line)]
+    assert quoted, f"{results}/README.md quotes no numbers of its tables"
+    assert [n for n in quoted if n not in tables] == []
 
 
 def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):
