@@ -117,6 +117,20 @@ def _axis_rank(value) -> tuple:
     return (0, value)
 
 
+def _setting(cell: Cell) -> tuple:
+    return cell.topology, cell.clients, cell.layers_per_block
+
+
+def _settings(cells: list[Cell]) -> list[tuple]:
+    """The (topology, clients, layers per block) the cells were run with, in the tables' order."""
+    return sorted({_setting(c) for c in cells}, key=lambda s: (_axis_rank(s[0]), s[1], s[2]))
+
+
+def _setting_label(setting: tuple) -> str:
+    topology, clients, layers_per_block = setting
+    return f"{TOPOLOGY_LABELS.get(topology, topology)}, N={clients}, lpb={layers_per_block}"
+
+
 GROUP_AXIS = {"main": None, "ablation": None, "topology": ("topology", "Topology"), "clients": ("clients", "N"),
               "granularity": ("layers_per_block", "Layers per block")}
 
@@ -135,10 +149,11 @@ def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple
     if len(tasks) > 1:
         columns += [f"Average {short}" for _, short in METRICS_SHOWN]
     by_row: dict[tuple, dict[tuple[str, int], dict]] = {}
+    several = len(_settings(cells)) > 1
     for c in cells:
         group = _axis_label(axis[0], getattr(c, axis[0])) if axis else ""
-        if not axis and len({(x.topology, x.clients, x.layers_per_block) for x in cells}) > 1:
-            group = f"{TOPOLOGY_LABELS.get(c.topology, c.topology)}, N={c.clients}, lpb={c.layers_per_block}"
+        if not axis and several:
+            group = _setting_label(_setting(c))
         by_row.setdefault((group, c.method), {})[(c.task, c.seed)] = results[c]
     rows = []
     order = {m: i for i, m in enumerate(methods)}
@@ -177,15 +192,14 @@ def build_paired(results: dict[Cell, dict], methods: tuple[str, ...]) -> Paired 
     task of (the Average column: per seed, the mean over tasks of the difference)."""
     cells = [c for c in results if "main" in c.tables and c.method in methods]
     tasks = list(dict.fromkeys(c.task for c in cells))
-    settings = {(c.topology, c.clients, c.layers_per_block) for c in cells}
-    finals = {(c.topology, c.clients, c.layers_per_block, c.method, c.task, c.seed): results[c] for c in cells}
+    settings = _settings(cells)
+    finals = {(*_setting(c), c.method, c.task, c.seed): results[c] for c in cells}
     columns = [f"{t} Δ {short}" for t in tasks for _, short in METRICS_SHOWN]
     if len(tasks) > 1:
         columns += [f"Average Δ {short}" for _, short in METRICS_SHOWN]
     rows = []
-    for setting in sorted(settings, key=lambda s: (_axis_rank(s[0]), s[1], s[2])):
-        group = (f"{TOPOLOGY_LABELS.get(setting[0], setting[0])}, N={setting[1]}, lpb={setting[2]}"
-                 if len(settings) > 1 else "")
+    for setting in settings:
+        group = _setting_label(setting) if len(settings) > 1 else ""
         for method in (m for m in methods if m != "deca"):
             seeds = sorted(s for s in {c.seed for c in cells}
                            if all((*setting, m, t, s) in finals for m in ("deca", method) for t in tasks))
@@ -239,15 +253,14 @@ def per_seed_markdown(results: dict[Cell, dict], methods: tuple[str, ...]) -> st
         return None
     tasks = list(dict.fromkeys(c.task for c in cells))
     seeds = sorted({c.seed for c in cells})
-    settings = sorted({(c.topology, c.clients, c.layers_per_block) for c in cells},
-                      key=lambda s: (_axis_rank(s[0]), s[1], s[2]))
-    finals = {(c.topology, c.clients, c.layers_per_block, c.method, c.task, c.seed): results[c] for c in cells}
+    settings = _settings(cells)
+    finals = {(*_setting(c), c.method, c.task, c.seed): results[c] for c in cells}
     grouped = len(settings) > 1
     head = (["Setting"] if grouped else []) + ["Method"] + [f"{t} seed {s}" for t in tasks for s in seeds]
     lines = ["### Per seed: accuracy / macro-F1 (%)", "", "| " + " | ".join(head) + " |",
              "| " + " | ".join([":--"] * (1 + grouped) + ["--:"] * (len(head) - 1 - grouped)) + " |"]
     for setting in settings:
-        group = [f"{TOPOLOGY_LABELS.get(setting[0], setting[0])}, N={setting[1]}, lpb={setting[2]}"] if grouped else []
+        group = [_setting_label(setting)] if grouped else []
         for method in methods:
             found = [finals.get((*setting, method, t, s)) for t in tasks for s in seeds]
             text = ["–" if f is None else f"{100 * f['accuracy']:.1f} / {100 * f['macro_f1']:.1f}" for f in found]
