@@ -187,13 +187,18 @@ class Paired:
     rows: list[tuple[str, str, list[int], list[list[float]]]]
 
 
+def _main_cells(results: dict[Cell, dict], methods: tuple[str, ...]) -> tuple[list, list, list, dict]:
+    """The main table's finished cells of `methods`: their tasks, seeds and settings in the tables'
+    order, and each final result by (*setting, method, task, seed)."""
+    cells = [c for c in results if "main" in c.tables and c.method in methods]
+    finals = {(*_setting(c), c.method, c.task, c.seed): results[c] for c in cells}
+    return list(dict.fromkeys(c.task for c in cells)), sorted({c.seed for c in cells}), _settings(cells), finals
+
+
 def build_paired(results: dict[Cell, dict], methods: tuple[str, ...]) -> Paired | None:
     """DECA against each other method of the main table's cells, on the seeds both finished every
     task of (the Average column: per seed, the mean over tasks of the difference)."""
-    cells = [c for c in results if "main" in c.tables and c.method in methods]
-    tasks = list(dict.fromkeys(c.task for c in cells))
-    settings = _settings(cells)
-    finals = {(*_setting(c), c.method, c.task, c.seed): results[c] for c in cells}
+    tasks, all_seeds, settings, finals = _main_cells(results, methods)
     columns = [f"{t} Δ {short}" for t in tasks for _, short in METRICS_SHOWN]
     if len(tasks) > 1:
         columns += [f"Average Δ {short}" for _, short in METRICS_SHOWN]
@@ -201,8 +206,8 @@ def build_paired(results: dict[Cell, dict], methods: tuple[str, ...]) -> Paired 
     for setting in settings:
         group = _setting_label(setting) if len(settings) > 1 else ""
         for method in (m for m in methods if m != "deca"):
-            seeds = sorted(s for s in {c.seed for c in cells}
-                           if all((*setting, m, t, s) in finals for m in ("deca", method) for t in tasks))
+            seeds = [s for s in all_seeds
+                     if all((*setting, m, t, s) in finals for m in ("deca", method) for t in tasks)]
             if not seeds:
                 continue
             diff = {(t, key, s): finals[(*setting, "deca", t, s)][key] - finals[(*setting, method, t, s)][key]
@@ -248,13 +253,9 @@ def paired_csv(paired: Paired) -> str:
 def per_seed_markdown(results: dict[Cell, dict], methods: tuple[str, ...]) -> str | None:
     """The main table's cells one by one: accuracy / macro-F1 (%) per task and seed, '–' where a cell
     has not finished."""
-    cells = [c for c in results if "main" in c.tables and c.method in methods]
-    if not cells:
+    tasks, seeds, settings, finals = _main_cells(results, methods)
+    if not finals:
         return None
-    tasks = list(dict.fromkeys(c.task for c in cells))
-    seeds = sorted({c.seed for c in cells})
-    settings = _settings(cells)
-    finals = {(*_setting(c), c.method, c.task, c.seed): results[c] for c in cells}
     grouped = len(settings) > 1
     head = (["Setting"] if grouped else []) + ["Method"] + [f"{t} seed {s}" for t in tasks for s in seeds]
     lines = ["### Per seed: accuracy / macro-F1 (%)", "", "| " + " | ".join(head) + " |",
