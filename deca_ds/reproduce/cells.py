@@ -18,7 +18,6 @@ deca_ds.train`) with one rank per client and converts its outputs to the same fi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import math
@@ -72,11 +71,11 @@ def settings_changed(saved: dict | None, now: dict) -> list[str]:
     does not read) are not compared, and an option the cell's code did not have yet counts as its
     default: a new option's default keeps the old behaviour. The base model's weights are compared
     where both settings know them."""
-    from ..runtime.options import NOT_RESULT, RunOptions, unread
+    from ..runtime.options import NOT_RESULT, option_defaults, unread
 
     if saved is None or saved.get("key") != now["key"]:
         return ["no settings saved" if saved is None else "key"]
-    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(RunOptions)}, allow_nan=False))
+    defaults = json.loads(json.dumps(option_defaults(), allow_nan=False))
     old, new = saved["options"], now["options"]
     changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT - unread(new["method"])
                      if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))

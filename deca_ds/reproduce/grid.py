@@ -29,7 +29,7 @@ import yaml
 
 from ..datasets import TASKS
 from ..models import TINY_LLAMA
-from ..runtime.options import RunOptions, convert_options
+from ..runtime.options import RunOptions, convert_options, option_defaults
 from ..runtime.presets import load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS
 from .pretrain import PretrainOptions
@@ -283,7 +283,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
                             "tables (accuracy, macro-F1)")
     seeds = _seeds(data["seeds"], f"{where}: seeds")
     preset = _ds_batch(ds_config) if backend == "deepspeed" else {}
-    defaults = {f.name: f.default for f in dataclasses.fields(RunOptions)}
+    defaults = option_defaults()
     sweeps = []
     for i, raw in enumerate(data.get("sweeps") or [{"table": "main"}]):
         at = f"{where}: sweeps[{i}]"

@@ -220,7 +220,7 @@ class RunOptions:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}  # _opt's: every option has one
+        defaults = option_defaults()
         ignored = [name for name in READ_BY if name in unread(self.method) and getattr(self, name) != defaults[name]]
         if ignored:
             raise ValueError(f"--method {self.method} does not read " + ", ".join(
@@ -313,6 +313,11 @@ GROUP_STARTS = {
     "micro_batch": "batch (overrides the preset's DeepSpeed keys)",
     "output_dir": "outputs",
 }
+
+
+def option_defaults() -> dict:
+    """Every option's default (each field has one: `_opt` gives it)."""
+    return {f.name: f.default for f in dataclasses.fields(RunOptions)}
 
 
 def option_groups() -> list[tuple[str, list[dataclasses.Field]]]:
