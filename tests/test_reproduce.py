@@ -224,10 +224,29 @@ def test_per_seed_table_and_paired_differences_against_hand_computed_numbers():
     assert "| Method | t1 seed 0 | t1 seed 1 | t1 seed 2 | t2 seed 0 | t2 seed 1 | t2 seed 2 |" in table
     assert "| Dec-LoRA | 10.0 / 5.0 | 30.0 / 15.0 | – | 20.0 / 10.0 | – | – |" in table
     assert "| w/o BMA | 50.0 / 25.0 | 75.0 / 37.5 | 40.0 / 20.0 | 80.0 / 40.0 | 60.0 / 30.0 | 90.0 / 45.0 |" in table
-    rows = list(csv.DictReader(io.StringIO(paired_csv(paired))))
+    rows = list(csv.DictReader(io.StringIO(paired_csv([paired]))))
     t1 = next(r for r in rows if r["method"] == "w/o BMA" and r["column"] == "t1 Δ Acc.")
-    assert (t1["seeds"], t1["mean"], t1["std"], t1["deca_ahead"], t1["deca_behind"]) == ("0 1 2", "5.0000", "8.6603",
-                                                                                          "2", "1")
+    assert (t1["table"], t1["seeds"], t1["mean"], t1["std"], t1["deca_ahead"], t1["deca_behind"]) == (
+        "main", "0 1 2", "5.0000", "8.6603", "2", "1")
+
+
+def test_sweep_cells_paired_with_deca_per_row_of_their_table():
+    def cell(method, seed, topology):
+        return Cell("t", method, topology, 8, 2, seed, {}, ("topology",))
+
+    acc = {("deca", 0, "ring"): 0.9, ("deca", 1, "ring"): 0.8, ("dec_lora", 0, "ring"): 0.7,
+           ("dec_lora", 1, "ring"): 0.85, ("deca", 0, "erdos_renyi"): 0.6, ("dec_lora", 0, "erdos_renyi"): 0.5}
+    results = {cell(m, s, topo): {"accuracy": a, "macro_f1": a} for (m, s, topo), a in acc.items()}
+    assert build_paired(results, ("dec_lora", "deca")) is None  # no cell of the main table
+    paired = build_paired(results, ("dec_lora", "deca"), "topology")
+    # rows in the paper's topology order, labelled by topology; ring: Δ 0.2 and −0.05 on seeds 0, 1
+    assert [(g, m, s) for g, m, s, _ in paired.rows] == [("Ring", "Dec-LoRA", [0, 1]), ("ER", "Dec-LoRA", [0])]
+    assert paired.rows[0][3][0] == pytest.approx([0.2, -0.05])
+    md = paired_markdown(paired)
+    assert md.startswith("### DECA against each method, seed by seed (percentage points): topologies")
+    assert "| Topology | Method | Seeds |" in md
+    assert "| Ring | Dec-LoRA | 2 | 7.50 ± 17.68 | 7.50 ± 17.68 | 1 / 1 |" in md
+    assert "| ER | Dec-LoRA | 1 | 10.00 | 10.00 | 1 / 0 |" in md
 
 
 def test_smooth_is_a_trailing_mean():

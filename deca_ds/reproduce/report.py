@@ -177,34 +177,50 @@ PAIRED_TITLE = "DECA against each method, seed by seed (percentage points)"
 PAIRED_NOTE = ("Δ = DECA − method, mean ± std over the seeds both finished; the cells of one seed share the data "
                "split and the graph, so each seed is a paired comparison. Ahead: the seeds on which DECA's "
                "accuracy is higher (behind: lower).")
+# the tables whose cells are paired with DECA's, and how their paired table's title names them
+PAIRED_TABLES = {"main": "", "topology": "topologies", "clients": "numbers of clients"}
 
 
 @dataclass
 class Paired:
-    """Per (group, method): the per-seed differences DECA − method of each column, and the seeds."""
+    """Per (group, method) of table `name`: the per-seed differences DECA − method of each column,
+    and the seeds."""
 
+    name: str
+    group_name: str | None
     columns: list[str]
     rows: list[tuple[str, str, list[int], list[list[float]]]]
 
 
-def _main_cells(results: dict[Cell, dict], methods: tuple[str, ...]) -> tuple[list, list, list, dict]:
-    """The main table's finished cells of `methods`: their tasks, seeds and settings in the tables'
-    order, and each final result by (*setting, method, task, seed)."""
-    cells = [c for c in results if "main" in c.tables and c.method in methods]
+def _group_label(name: str, setting: tuple, several: bool) -> str:
+    """A row group's label: the value of the table's axis (a topology, a number of clients), or for
+    the main table the whole setting where its cells have several."""
+    axis = GROUP_AXIS[name]
+    if axis:
+        return _axis_label(axis[0], dict(zip(("topology", "clients", "layers_per_block"), setting))[axis[0]])
+    return _setting_label(setting) if several else ""
+
+
+def _table_cells(results: dict[Cell, dict], methods: tuple[str, ...],
+                 name: str = "main") -> tuple[list, list, list, dict]:
+    """The finished cells of `methods` tagged with table `name`: their tasks, seeds and (group label,
+    setting) in the tables' order, and each final result by (*setting, method, task, seed)."""
+    cells = [c for c in results if name in c.tables and c.method in methods]
     finals = {(*_setting(c), c.method, c.task, c.seed): results[c] for c in cells}
-    return list(dict.fromkeys(c.task for c in cells)), sorted({c.seed for c in cells}), _settings(cells), finals
+    settings = _settings(cells)
+    groups = [(_group_label(name, s, len(settings) > 1), s) for s in settings]
+    return list(dict.fromkeys(c.task for c in cells)), sorted({c.seed for c in cells}), groups, finals
 
 
-def build_paired(results: dict[Cell, dict], methods: tuple[str, ...]) -> Paired | None:
-    """DECA against each other method of the main table's cells, on the seeds both finished every
-    task of (the Average column: per seed, the mean over tasks of the difference)."""
-    tasks, all_seeds, settings, finals = _main_cells(results, methods)
+def build_paired(results: dict[Cell, dict], methods: tuple[str, ...], name: str = "main") -> Paired | None:
+    """DECA against each other method of table `name`'s cells, setting by setting, on the seeds both
+    finished every task of (the Average column: per seed, the mean over tasks of the difference)."""
+    tasks, all_seeds, groups, finals = _table_cells(results, methods, name)
     columns = [f"{t} Δ {short}" for t in tasks for _, short in METRICS_SHOWN]
     if len(tasks) > 1:
         columns += [f"Average Δ {short}" for _, short in METRICS_SHOWN]
     rows = []
-    for setting in settings:
-        group = _setting_label(setting) if len(settings) > 1 else ""
+    for group, setting in groups:
         for method in (m for m in methods if m != "deca"):
             seeds = [s for s in all_seeds
                      if all((*setting, m, t, s) in finals for m in ("deca", method) for t in tasks)]
@@ -217,7 +233,8 @@ def build_paired(results: dict[Cell, dict], methods: tuple[str, ...]) -> Paired 
                 values += [[statistics.fmean(diff[(t, key, s)] for t in tasks) for s in seeds]
                            for key, _ in METRICS_SHOWN]
             rows.append((group, LABELS[method], seeds, values))
-    return Paired(columns, rows) if rows else None
+    axis = GROUP_AXIS[name]
+    return Paired(name, axis[1] if axis else "Setting", columns, rows) if rows else None
 
 
 def _ahead(diffs: list[float]) -> tuple[int, int]:
@@ -228,9 +245,10 @@ def paired_markdown(paired: Paired) -> str:
     """Each Δ column as mean ± std, then per accuracy column DECA's seeds ahead and behind."""
     grouped = any(group for group, _, _, _ in paired.rows)
     accuracy = [i for i, c in enumerate(paired.columns) if c.endswith(METRICS_SHOWN[0][1])]
-    head = (["Setting"] if grouped else []) + ["Method", "Seeds"] + paired.columns + [
+    head = ([paired.group_name] if grouped else []) + ["Method", "Seeds"] + paired.columns + [
         paired.columns[i].replace("Δ Acc.", "DECA ahead / behind") for i in accuracy]
-    lines = [f"### {PAIRED_TITLE}", "", PAIRED_NOTE, "", "| " + " | ".join(head) + " |",
+    title = PAIRED_TITLE + (f": {PAIRED_TABLES[paired.name]}" if PAIRED_TABLES[paired.name] else "")
+    lines = [f"### {title}", "", PAIRED_NOTE, "", "| " + " | ".join(head) + " |",
              "| " + " | ".join([":--"] * (2 + grouped) + ["--:"] * (len(head) - 2 - grouped)) + " |"]
     for group, method, seeds, values in paired.rows:
         cells = [cell_text(v) for v in values] + ["{} / {}".format(*_ahead(values[i])) for i in accuracy]
@@ -238,30 +256,32 @@ def paired_markdown(paired: Paired) -> str:
     return "\n".join(lines) + "\n"
 
 
-def paired_csv(paired: Paired) -> str:
+def paired_csv(tables: list[Paired]) -> str:
+    """One row per (table, group, method, column) of the paired tables."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["setting", "method", "seeds", "column", "mean", "std", "deca_ahead", "deca_behind"])
-    for group, method, seeds, values in paired.rows:
-        for column, v in zip(paired.columns, values):
-            mean, std = mean_std(v)
-            w.writerow([group, method, " ".join(map(str, seeds)), column, f"{100 * mean:.4f}",
-                        "" if std is None else f"{100 * std:.4f}", *_ahead(v)])
+    w.writerow(["table", "setting", "method", "seeds", "column", "mean", "std", "deca_ahead", "deca_behind"])
+    for paired in tables:
+        for group, method, seeds, values in paired.rows:
+            for column, v in zip(paired.columns, values):
+                mean, std = mean_std(v)
+                w.writerow([paired.name, group, method, " ".join(map(str, seeds)), column, f"{100 * mean:.4f}",
+                            "" if std is None else f"{100 * std:.4f}", *_ahead(v)])
     return buf.getvalue()
 
 
 def per_seed_markdown(results: dict[Cell, dict], methods: tuple[str, ...]) -> str | None:
     """The main table's cells one by one: accuracy / macro-F1 (%) per task and seed, '–' where a cell
     has not finished."""
-    tasks, seeds, settings, finals = _main_cells(results, methods)
+    tasks, seeds, groups, finals = _table_cells(results, methods)
     if not finals:
         return None
-    grouped = len(settings) > 1
+    grouped = len(groups) > 1
     head = (["Setting"] if grouped else []) + ["Method"] + [f"{t} seed {s}" for t in tasks for s in seeds]
     lines = ["### Per seed: accuracy / macro-F1 (%)", "", "| " + " | ".join(head) + " |",
              "| " + " | ".join([":--"] * (1 + grouped) + ["--:"] * (len(head) - 1 - grouped)) + " |"]
-    for setting in settings:
-        group = [_setting_label(setting)] if grouped else []
+    for label, setting in groups:
+        group = [label] if grouped else []
         for method in methods:
             found = [finals.get((*setting, method, t, s)) for t in tasks for s in seeds]
             text = ["–" if f is None else f"{100 * f['accuracy']:.1f} / {100 * f['macro_f1']:.1f}" for f in found]
@@ -313,9 +333,11 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
     seeds = per_seed_markdown(results, main_methods)
     if seeds is not None:
         markdown.append(seeds)
-    paired = build_paired(results, main_methods)
-    if paired is not None:
-        markdown.append(paired_markdown(paired))
+    baselines = tuple(m for m in BASELINES if m in METHODS)
+    paired = [p for name in PAIRED_TABLES
+              if (p := build_paired(results, main_methods if name == "main" else baselines, name)) is not None]
+    markdown += [paired_markdown(p) for p in paired]
+    if paired:
         path = out / "paired.csv"
         write_text(path, paired_csv(paired))
         written.append(path)
