@@ -190,6 +190,20 @@ def label_histogram(labels: Sequence[int], partition: Sequence[Sequence[int]], n
     return np.stack([np.bincount(labels[list(part)], minlength=num_labels) for part in partition])
 
 
+def token_range_batches(n_clients: int, steps: int, vocab: int, *, batch: int = 2, seq: int = 8,
+                        seed: int = 1) -> list[list[dict[str, torch.Tensor]]]:
+    """Per client, `steps` language-modelling batches of random tokens from half the vocabulary,
+    each client's half shifted by vocab / (2·n_clients): clients whose data differ (non-IID), for
+    the simulator's exactness tests and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n_clients):
+        low = (i * vocab) // (2 * n_clients)
+        ids = torch.randint(low, low + vocab // 2, (steps, batch, seq), generator=g)
+        out.append([{"input_ids": x, "labels": x} for x in ids])
+    return out
+
+
 def collate(features: Sequence[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence; padded labels are -100 and masked out."""
     length = max(len(f["input_ids"]) for f in features)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
+from deca_ds.data import token_range_batches
 from deca_ds.memory import ModelSpec
 from deca_ds.models import tiny_llama
 from deca_ds.quantized import num_absmax
@@ -41,14 +42,8 @@ def tiny(layers: int) -> torch.nn.Module:
 
 
 def client_batches(n_clients: int, steps: int, batch: int = 2, seq: int = 8, seed: int = 1) -> list[list[dict]]:
-    """Per client, `steps` language-modelling batches from a token range of its own (non-IID)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n_clients):
-        low = (i * VOCAB) // (2 * n_clients)
-        ids = torch.randint(low, low + VOCAB // 2, (steps, batch, seq), generator=g)
-        out.append([{"input_ids": x, "labels": x} for x in ids])
-    return out
+    """deca_ds.data.token_range_batches over the tiny Llama's vocabulary."""
+    return token_range_batches(n_clients, steps, VOCAB, batch=batch, seq=seq, seed=seed)
 
 
 def parse_args(argv=None):

@@ -14,6 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from deca_ds.data import token_range_batches
+
 VOCAB = 64
 # Torch threads of every rank a test starts (DECA_RANK_THREADS) and of the simulator it is compared
 # with: CPU matmuls round differently at another count, and Adam amplifies that past the 1e-6 bounds.
@@ -61,16 +63,9 @@ def saved_bytes(model, batch) -> int:
     return sum(alive.values())
 
 
-def client_batches(n_clients: int, steps: int, batch: int = 2, seq: int = 8, seed: int = 1):
-    """Per client, `steps` language-modelling batches drawn from a client-specific token range,
-    so clients' data differ (non-IID)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n_clients):
-        low = (i * VOCAB) // (2 * n_clients)
-        ids = torch.randint(low, low + VOCAB // 2, (steps, batch, seq), generator=g)
-        out.append([{"input_ids": x, "labels": x} for x in ids])
-    return out
+def client_batches(n_clients: int, steps: int, batch: int = 2, seq: int = 8, seed: int = 1) -> list[list[dict]]:
+    """deca_ds.data.token_range_batches over the tiny Llama's vocabulary."""
+    return token_range_batches(n_clients, steps, VOCAB, batch=batch, seq=seq, seed=seed)
 
 
 PORTS: list[int] = []  # every port handed to a job in this session (conftest checks /dev/shm for them)
