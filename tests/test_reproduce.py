@@ -24,6 +24,7 @@ from deca_ds.reproduce.figures import smooth, write_figures
 from deca_ds.reproduce.grid import Cell, load_grid
 from deca_ds.reproduce.report import (
     Table,
+    build_granularity_paired,
     build_paired,
     build_table,
     marks,
@@ -247,6 +248,23 @@ def test_sweep_cells_paired_with_deca_per_row_of_their_table():
     assert "| Topology | Method | Seeds |" in md
     assert "| Ring | Dec-LoRA | 2 | 7.50 ± 17.68 | 7.50 ± 17.68 | 1 / 1 |" in md
     assert "| ER | Dec-LoRA | 1 | 10.00 | 10.00 | 1 / 0 |" in md
+
+
+def test_granularity_paired_against_the_main_tables_layers_per_block():
+    def cell(lpb, seed):
+        return Cell("t", "deca", "ring", 8, lpb, seed, {}, ("main", "granularity") if lpb == 2 else ("granularity",))
+
+    acc = {(2, 0): 0.9, (2, 1): 0.7, (1, 0): 0.8, (1, 1): 0.75, (4, 0): 0.6}
+    results = {cell(lpb, s): {"accuracy": a, "macro_f1": a} for (lpb, s), a in acc.items()}
+    paired = build_granularity_paired(results)
+    # lpb 2 − lpb 1: 0.1 and −0.05 (mean 2.50, std |0.15|/√2 = 10.61); lpb 2 − lpb 4 on seed 0: 0.3
+    assert [(g, s) for g, _, s, _ in paired.rows] == [("1", [0, 1]), ("4", [0])]
+    md = paired_markdown(paired)
+    assert "DECA at the main table's 2 layers per block − DECA at the row's" in md
+    assert "| 1 | DECA | 2 | 2.50 ± 10.61 | 2.50 ± 10.61 | 1 / 1 |" in md
+    assert "| 4 | DECA | 1 | 30.00 | 30.00 | 1 / 0 |" in md
+    # without the main table's granularity among the sweep's cells there is nothing to pair with
+    assert build_granularity_paired({c: r for c, r in results.items() if "main" not in c.tables}) is None
 
 
 def test_smooth_is_a_trailing_mean():

@@ -179,14 +179,21 @@ PAIRED_NOTE = ("Δ = DECA − method, mean ± std over the seeds both finished; 
                "accuracy is higher (behind: lower).")
 # the tables whose cells are paired with DECA's, and how their paired table's title names them
 PAIRED_TABLES = {"main": "", "topology": "topologies", "clients": "numbers of clients"}
+GRANULARITY_TITLE = "DECA's granularity, seed by seed (percentage points)"
+GRANULARITY_NOTE = ("Δ = DECA at the main table's {ref} layers per block − DECA at the row's, mean ± std over the "
+                    "seeds both finished (one seed: one data split and graph for both). Ahead: the seeds on which "
+                    "{ref} layers per block score higher (behind: lower). The step budget T·B·R is not equal across "
+                    "rows: B changes with the granularity.")
 
 
 @dataclass
 class Paired:
-    """Per (group, method) of table `name`: the per-seed differences DECA − method of each column,
-    and the seeds."""
+    """Rows (group, method, seeds, per column the per-seed differences) of one paired comparison
+    with DECA, drawn from table `name`'s cells."""
 
     name: str
+    title: str
+    note: str
     group_name: str | None
     columns: list[str]
     rows: list[tuple[str, str, list[int], list[list[float]]]]
@@ -212,29 +219,55 @@ def _table_cells(results: dict[Cell, dict], methods: tuple[str, ...],
     return list(dict.fromkeys(c.task for c in cells)), sorted({c.seed for c in cells}), groups, finals
 
 
-def build_paired(results: dict[Cell, dict], methods: tuple[str, ...], name: str = "main") -> Paired | None:
-    """DECA against each other method of table `name`'s cells, setting by setting, on the seeds both
-    finished every task of (the Average column: per seed, the mean over tasks of the difference)."""
-    tasks, all_seeds, groups, finals = _table_cells(results, methods, name)
+def _paired_columns(tasks: list[str]) -> list[str]:
     columns = [f"{t} Δ {short}" for t in tasks for _, short in METRICS_SHOWN]
+    return columns + ([f"Average Δ {short}" for _, short in METRICS_SHOWN] if len(tasks) > 1 else [])
+
+
+def _differences(finals: dict, tasks: list[str], all_seeds: list[int], a: tuple,
+                 b: tuple) -> tuple[list[int], list[list[float]]]:
+    """Cell a − cell b ((*setting, method) each), per column and seed, on the seeds both finished
+    every task of (the Average column: per seed, the mean over tasks of the difference)."""
+    seeds = [s for s in all_seeds if all((*k, t, s) in finals for k in (a, b) for t in tasks)]
+    diff = {(t, key, s): finals[(*a, t, s)][key] - finals[(*b, t, s)][key]
+            for t in tasks for key, _ in METRICS_SHOWN for s in seeds}
+    values = [[diff[(t, key, s)] for s in seeds] for t in tasks for key, _ in METRICS_SHOWN]
     if len(tasks) > 1:
-        columns += [f"Average Δ {short}" for _, short in METRICS_SHOWN]
+        values += [[statistics.fmean(diff[(t, key, s)] for t in tasks) for s in seeds] for key, _ in METRICS_SHOWN]
+    return seeds, values
+
+
+def build_paired(results: dict[Cell, dict], methods: tuple[str, ...], name: str = "main") -> Paired | None:
+    """DECA against each other method of table `name`'s cells, setting by setting."""
+    tasks, all_seeds, groups, finals = _table_cells(results, methods, name)
     rows = []
     for group, setting in groups:
         for method in (m for m in methods if m != "deca"):
-            seeds = [s for s in all_seeds
-                     if all((*setting, m, t, s) in finals for m in ("deca", method) for t in tasks)]
-            if not seeds:
-                continue
-            diff = {(t, key, s): finals[(*setting, "deca", t, s)][key] - finals[(*setting, method, t, s)][key]
-                    for t in tasks for key, _ in METRICS_SHOWN for s in seeds}
-            values = [[diff[(t, key, s)] for s in seeds] for t in tasks for key, _ in METRICS_SHOWN]
-            if len(tasks) > 1:
-                values += [[statistics.fmean(diff[(t, key, s)] for t in tasks) for s in seeds]
-                           for key, _ in METRICS_SHOWN]
-            rows.append((group, LABELS[method], seeds, values))
+            seeds, values = _differences(finals, tasks, all_seeds, (*setting, "deca"), (*setting, method))
+            if seeds:
+                rows.append((group, LABELS[method], seeds, values))
     axis = GROUP_AXIS[name]
-    return Paired(name, axis[1] if axis else "Setting", columns, rows) if rows else None
+    title = PAIRED_TITLE + (f": {PAIRED_TABLES[name]}" if PAIRED_TABLES[name] else "")
+    return Paired(name, title, PAIRED_NOTE, axis[1] if axis else "Setting", _paired_columns(tasks),
+                  rows) if rows else None
+
+
+def build_granularity_paired(results: dict[Cell, dict]) -> Paired | None:
+    """DECA at the main table's layers per block against DECA at each other granularity of the
+    granularity table, seed by seed."""
+    tasks, all_seeds, groups, finals = _table_cells(results, ("deca",), "granularity")
+    main = {_setting(c) for c in results if c.method == "deca" and {"main", "granularity"} <= set(c.tables)}
+    if len(main) != 1:  # no granularity sweep, or one that does not contain the main table's setting
+        return None
+    ref = main.pop()
+    rows = []
+    for group, setting in groups:
+        if setting != ref:
+            seeds, values = _differences(finals, tasks, all_seeds, (*ref, "deca"), (*setting, "deca"))
+            if seeds:
+                rows.append((group, LABELS["deca"], seeds, values))
+    return Paired("granularity", GRANULARITY_TITLE, GRANULARITY_NOTE.format(ref=ref[2]), GROUP_AXIS["granularity"][1],
+                  _paired_columns(tasks), rows) if rows else None
 
 
 def _ahead(diffs: list[float]) -> tuple[int, int]:
@@ -242,13 +275,13 @@ def _ahead(diffs: list[float]) -> tuple[int, int]:
 
 
 def paired_markdown(paired: Paired) -> str:
-    """Each Δ column as mean ± std, then per accuracy column DECA's seeds ahead and behind."""
+    """Each Δ column as mean ± std, then per accuracy column the seeds ahead and behind."""
     grouped = any(group for group, _, _, _ in paired.rows)
     accuracy = [i for i, c in enumerate(paired.columns) if c.endswith(METRICS_SHOWN[0][1])]
     head = ([paired.group_name] if grouped else []) + ["Method", "Seeds"] + paired.columns + [
-        paired.columns[i].replace("Δ Acc.", "DECA ahead / behind") for i in accuracy]
-    title = PAIRED_TITLE + (f": {PAIRED_TABLES[paired.name]}" if PAIRED_TABLES[paired.name] else "")
-    lines = [f"### {title}", "", PAIRED_NOTE, "", "| " + " | ".join(head) + " |",
+        paired.columns[i].replace("Δ Acc.", "ahead / behind" if paired.name == "granularity" else
+                                  "DECA ahead / behind") for i in accuracy]
+    lines = [f"### {paired.title}", "", paired.note, "", "| " + " | ".join(head) + " |",
              "| " + " | ".join([":--"] * (2 + grouped) + ["--:"] * (len(head) - 2 - grouped)) + " |"]
     for group, method, seeds, values in paired.rows:
         cells = [cell_text(v) for v in values] + ["{} / {}".format(*_ahead(values[i])) for i in accuracy]
@@ -334,8 +367,8 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
     if seeds is not None:
         markdown.append(seeds)
     baselines = tuple(m for m in BASELINES if m in METHODS)
-    paired = [p for name in PAIRED_TABLES
-              if (p := build_paired(results, main_methods if name == "main" else baselines, name)) is not None]
+    paired = [p for p in (*(build_paired(results, main_methods if name == "main" else baselines, name)
+                            for name in PAIRED_TABLES), build_granularity_paired(results)) if p is not None]
     markdown += [paired_markdown(p) for p in paired]
     if paired:
         path = out / "paired.csv"
