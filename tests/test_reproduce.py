@@ -261,6 +261,7 @@ def test_granularity_paired_against_the_main_tables_layers_per_block():
     assert [(g, s) for g, _, s, _ in paired.rows] == [("1", [0, 1]), ("4", [0])]
     md = paired_markdown(paired)
     assert "DECA at the main table's 2 layers per block − DECA at the row's" in md
+    assert "| Layers per block | Method | Seeds | t Δ Acc. | t Δ F1 | t lpb 2 ahead / behind |" in md
     assert "| 1 | DECA | 2 | 2.50 ± 10.61 | 2.50 ± 10.61 | 1 / 1 |" in md
     assert "| 4 | DECA | 1 | 30.00 | 30.00 | 1 / 0 |" in md
     # without the main table's granularity among the sweep's cells there is nothing to pair with

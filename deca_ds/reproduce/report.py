@@ -189,11 +189,12 @@ GRANULARITY_NOTE = ("Δ = DECA at the main table's {ref} layers per block − DE
 @dataclass
 class Paired:
     """Rows (group, method, seeds, per column the per-seed differences) of one paired comparison
-    with DECA, drawn from table `name`'s cells."""
+    with DECA, drawn from table `name`'s cells; `ahead` names the side whose lead the seeds count."""
 
     name: str
     title: str
     note: str
+    ahead: str
     group_name: str | None
     columns: list[str]
     rows: list[tuple[str, str, list[int], list[list[float]]]]
@@ -248,7 +249,7 @@ def build_paired(results: dict[Cell, dict], methods: tuple[str, ...], name: str 
                 rows.append((group, LABELS[method], seeds, values))
     axis = GROUP_AXIS[name]
     title = PAIRED_TITLE + (f": {PAIRED_TABLES[name]}" if PAIRED_TABLES[name] else "")
-    return Paired(name, title, PAIRED_NOTE, axis[1] if axis else "Setting", _paired_columns(tasks),
+    return Paired(name, title, PAIRED_NOTE, "DECA", axis[1] if axis else "Setting", _paired_columns(tasks),
                   rows) if rows else None
 
 
@@ -266,8 +267,8 @@ def build_granularity_paired(results: dict[Cell, dict]) -> Paired | None:
             seeds, values = _differences(finals, tasks, all_seeds, (*ref, "deca"), (*setting, "deca"))
             if seeds:
                 rows.append((group, LABELS["deca"], seeds, values))
-    return Paired("granularity", GRANULARITY_TITLE, GRANULARITY_NOTE.format(ref=ref[2]), GROUP_AXIS["granularity"][1],
-                  _paired_columns(tasks), rows) if rows else None
+    return Paired("granularity", GRANULARITY_TITLE, GRANULARITY_NOTE.format(ref=ref[2]), f"lpb {ref[2]}",
+                  GROUP_AXIS["granularity"][1], _paired_columns(tasks), rows) if rows else None
 
 
 def _ahead(diffs: list[float]) -> tuple[int, int]:
@@ -279,8 +280,7 @@ def paired_markdown(paired: Paired) -> str:
     grouped = any(group for group, _, _, _ in paired.rows)
     accuracy = [i for i, c in enumerate(paired.columns) if c.endswith(METRICS_SHOWN[0][1])]
     head = ([paired.group_name] if grouped else []) + ["Method", "Seeds"] + paired.columns + [
-        paired.columns[i].replace("Δ Acc.", "ahead / behind" if paired.name == "granularity" else
-                                  "DECA ahead / behind") for i in accuracy]
+        paired.columns[i].replace("Δ Acc.", f"{paired.ahead} ahead / behind") for i in accuracy]
     lines = [f"### {paired.title}", "", paired.note, "", "| " + " | ".join(head) + " |",
              "| " + " | ".join([":--"] * (2 + grouped) + ["--:"] * (len(head) - 2 - grouped)) + " |"]
     for group, method, seeds, values in paired.rows:
