@@ -149,17 +149,14 @@ def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple
     if len(tasks) > 1:
         columns += [f"Average {short}" for _, short in METRICS_SHOWN]
     by_row: dict[tuple, dict[tuple[str, int], dict]] = {}
+    raw = {}  # group label -> the axis value it shows, for the rows' order
     several = len(_settings(cells)) > 1
     for c in cells:
-        group = _axis_label(axis[0], getattr(c, axis[0])) if axis else ""
-        if not axis and several:
-            group = _setting_label(_setting(c))
+        group = _group_label(name, _setting(c), several)
+        raw.setdefault(group, getattr(c, axis[0]) if axis else 0)
         by_row.setdefault((group, c.method), {})[(c.task, c.seed)] = results[c]
     rows = []
     order = {m: i for i, m in enumerate(methods)}
-    raw = {}  # group label -> the axis value it shows, for the rows' order
-    for c in cells:
-        raw.setdefault(_axis_label(axis[0], getattr(c, axis[0])) if axis else "", getattr(c, axis[0]) if axis else 0)
     for (group, method), finals in sorted(by_row.items(), key=lambda kv: (_axis_rank(raw.get(kv[0][0], 0)), kv[0][0],
                                                                          order[kv[0][1]])):
         complete = [s for s in seeds if all((t, s) in finals for t in tasks)]
@@ -195,7 +192,7 @@ class Paired:
     title: str
     note: str
     ahead: str
-    group_name: str | None
+    group_name: str
     columns: list[str]
     rows: list[tuple[str, str, list[int], list[list[float]]]]
 
