@@ -280,8 +280,8 @@ def test_the_evaluation_before_training_runs_before_the_first_block_state_exists
 @linux_peak
 def test_setup_peaks_against_the_estimator():
     """profiling/setup_peaks.py on CPU (bf16, 27 M parameters), every tensor in pages of its own
-    (peaks.map_each_allocation). Drawn from its config: the model is at least its bf16 weights and
-    at most the estimator's init term (which adds one largest tensor, for a checkpoint's copy); the
+    (peaks.map_each_allocation). Drawn from its config: init holds the model's bf16 weights (to 5 %)
+    and at most the estimator's init term (which adds one largest tensor, for a checkpoint's copy); the
     first block's fp32 master, m, v, the evaluation's forward and the setup peak are the
     estimator's to 5 %. Loaded from a bf16 safetensors checkpoint of the same model: no second copy
     anywhere in setup (its weights are mapped from the file; a copy would add 55 MB to the 97 MB
@@ -289,9 +289,12 @@ def test_setup_peaks_against_the_estimator():
     result = run_on_ranks(_setup_peaks, 1, timeout=900)[0]
     drawn, loaded = result["loads"]["config"], result["loads"]["checkpoint"]
     rows = {r["phase"]: r for r in drawn["rows"]}
-    # at least the weights in what init still holds in anonymous memory (the resident set also has
-    # file-backed pages, which the kernel pages in and out by hundreds of KB on its own); at most its term
-    assert 2 * drawn["params"] <= rows["init"]["anon_held_bytes"], rows
+    # the weights, to the 5 % of every other phase, in what init still holds in anonymous memory (the
+    # resident set also has file-backed pages, which the kernel pages in and out by hundreds of KB on
+    # its own). A net rise, so not a strict lower bound: memory from before init that dies during it
+    # is netted out (an interpreter arena, 1 MiB mapped, and a 132 KB malloc chunk measured here, by
+    # /proc/self/smaps; CI once saw init 189 KB under the 54.5 MB weights). At most its term.
+    assert 0.95 * 2 * drawn["params"] <= rows["init"]["anon_held_bytes"], rows
     assert rows["init"]["measured_bytes"] <= rows["init"]["estimated_bytes"], rows
     for phase in ("optimizer", "evaluate"):
         assert abs(rows[phase]["measured_over_estimated"] - 1) < 0.05, rows
