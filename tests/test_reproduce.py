@@ -464,7 +464,8 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     assert {c.layers_per_block for c in granularity.cells if "granularity" in c.tables} == {1, 2, 4}
     synthetic = load_grid("reproduce/cpu_synthetic.yaml", runs_dir=tmp_path)
     # five seeds of: main, 7 methods; 2 more graphs x 4 methods, N = 4 x 4 methods and 2 more granularities
-    assert len(synthetic.cells) == 5 * (7 + 8 + 4 + 2)
+    assert len(synthetic.cells) == len(load_grid("reproduce/cpu_ag_news.yaml", runs_dir=tmp_path).cells) \
+        == 5 * (7 + 8 + 4 + 2)
     # seed by seed: the main table's 7 methods at seed 0 come first, whole
     assert [(c.seed, "main" in c.tables) for c in synthetic.cells[:8]] == [(0, True)] * 7 + [(1, True)]
     assert {c.seed for c in synthetic.cells if "topology" in c.tables} == {0, 1, 2, 3, 4}
