@@ -1,8 +1,9 @@
-"""DecaConfig: the hyperparameters of Algorithm 1, validated once at construction."""
+"""DecaConfig: the hyperparameters of Algorithm 1, validated once at construction; AdamSettings: the
+local Adam's, which DECA and the baselines (methods.AdamConfig) both extend."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -52,11 +53,48 @@ def check_bool(name: str, value) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
-@dataclass
-class DecaConfig:
+@dataclass(kw_only=True)
+class AdamSettings:
+    """The local Adam's hyperparameters, declared and checked once: DECA's block-wise Adam
+    (DecaConfig) and the baselines' (methods.AdamConfig) extend them. lr is γ, adam_betas (α1, α2);
+    master_dtype holds the trained weights' master, m and v. fused_update: the update as
+    torch.compile'd kernels (deca_ds.kernels.fused), compiled at the first step."""
+
+    lr: float = 5e-5
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    master_dtype: torch.dtype = torch.float32
+    fused_update: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        self.adam_betas = check_betas("adam_betas", self.adam_betas)
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
+        self.master_dtype = check_master_dtype(self.master_dtype)
+        check_bool("fused_update", self.fused_update)
+
+    def adam_settings(self) -> dict:
+        """These settings alone, as keyword arguments: a baseline's AdamConfig(**them) runs the same
+        local Adam as this config."""
+        return {f.name: getattr(self, f.name) for f in fields(AdamSettings)}
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "master_dtype": str(self.master_dtype).removeprefix("torch.")}
+
+
+@dataclass(kw_only=True)
+class DecaConfig(AdamSettings):
     """Algorithm 1's hyperparameters. Defaults are the paper's (classification tasks).
 
-    lr is γ, adam_betas (α1, α2), bma_betas (β1, β2), steps_per_block R, rounds T.
+    The local Adam's are AdamSettings'; bma_betas (β1, β2), steps_per_block R, rounds T.
     state_bits: 32 (default) keeps the active block's m and v in master_dtype; 8 holds them in
     8 bits (deca_ds.quantized, the optional `bnb` extra), the master and the arithmetic stay fp32.
     fused_update: run the update as two torch.compile'd calls that move only what the update
@@ -65,35 +103,24 @@ class DecaConfig:
     together; a client without neighbors (N = 1) updates in place and holds no x½ at all.
     """
 
-    lr: float = 5e-5
-    adam_betas: tuple[float, float] = (0.9, 0.999)
     bma_betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
     steps_per_block: int = 48
     rounds: int = 4
     layers_per_block: int = 2
     variant: str = "deca"
     block_order: str = "ascending"
     seed: int = 0
-    master_dtype: torch.dtype = torch.float32
-    grad_clip: float | None = None
-    weight_decay: float = 0.0
     train_embeddings: bool = False
     train_final_norm: bool = False
     train_lm_head: bool = False
     custom_blocks: list | None = field(default=None)
     state_bits: int = 32
-    fused_update: bool = False
 
     def __post_init__(self) -> None:
         from .blocks import BLOCK_ORDERS  # blocks imports torch only; kept local to avoid a cycle
 
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        self.adam_betas = check_betas("adam_betas", self.adam_betas)
+        super().__post_init__()
         self.bma_betas = check_betas("bma_betas", self.bma_betas)
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
         for name in ("steps_per_block", "rounds", "layers_per_block"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,7 +129,6 @@ class DecaConfig:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.block_order not in BLOCK_ORDERS:
             raise ValueError(f"block_order must be one of {BLOCK_ORDERS}, got {self.block_order!r}")
-        self.master_dtype = check_master_dtype(self.master_dtype)
         if self.state_bits not in (32, 8):
             raise ValueError(f"state_bits must be 32 or 8, got {self.state_bits!r}")
         if self.state_bits == 8:
@@ -112,13 +138,3 @@ class DecaConfig:
             from .quantized import bitsandbytes_functional
 
             bitsandbytes_functional()  # fail here, with the extra to install, not at the first step
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        check_bool("fused_update", self.fused_update)
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["master_dtype"] = str(self.master_dtype).removeprefix("torch.")
-        return out

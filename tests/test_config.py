@@ -377,6 +377,23 @@ def test_option_help_is_short():
         assert len(f.metadata["help"]) <= 160, f"--{f.name}: keep the help to one short sentence; detail goes to docs/"
 
 
+def test_a_baseline_runs_decas_local_adam():
+    """The run gives a baseline the local Adam it gives DECA (one AdamSettings): every setting of
+    the DecaConfig it builds, and the baseline's own steps and mixing schedule."""
+    import torch
+
+    from deca_ds.blocks import partition_model
+    from deca_ds.models import tiny_llama
+
+    opts = RunOptions(method="dadam", lr=3e-3, adam_betas=(0.8, 0.99), eps=1e-6, master_dtype="fp64",
+                      fused_update=True, steps=5, mix_every=2)
+    adam = opts.build_method(partition_model(tiny_llama(64), 1)).config
+    assert adam.adam_settings() == opts.deca_config().adam_settings() == {
+        "lr": 3e-3, "adam_betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0, "grad_clip": None,
+        "master_dtype": torch.float64, "fused_update": True}
+    assert (adam.steps, adam.mix_every) == (5, 2)
+
+
 def test_an_option_the_method_does_not_read_is_refused():
     """Each of DECA's options the baselines ignore and the baselines' DECA ignores, set away from
     its default: a method that reads it builds something else than with the default (so READ_BY

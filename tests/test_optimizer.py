@@ -175,27 +175,42 @@ def test_weight_decay_is_decoupled():
     torch.testing.assert_close(x_half, want, rtol=1e-13, atol=1e-15)
 
 
-@pytest.mark.parametrize("kw, message", [
+# the local Adam's settings (deca_ds.config.AdamSettings), which DECA and the baselines share
+ADAM_REFUSALS = [
     (dict(lr=0), "lr must be > 0"),
     (dict(lr=-1e-3), "lr must be > 0"),
     (dict(adam_betas=(0.9, 1.5)), "adam_betas must be two numbers in \\[0, 1\\]"),
+    (dict(eps=0), "eps must be > 0"),
+    (dict(master_dtype="bf16"), "master_dtype must be float32 or float64"),
+    (dict(master_dtype="fp128"), "master_dtype must be one of"),
+    (dict(grad_clip=0.0), "grad_clip must be > 0"),
+    (dict(weight_decay=-1.0), "weight_decay must be >= 0"),
+    (dict(fused_update="yes"), "fused_update must be True or False"),
+]
+
+
+@pytest.mark.parametrize("kw, message", [
+    *ADAM_REFUSALS,
     (dict(bma_betas=(-0.1, 0.9)), "bma_betas must be two numbers in \\[0, 1\\]"),
     (dict(bma_betas=(0.9,)), "bma_betas must be two numbers"),
-    (dict(eps=0), "eps must be > 0"),
     (dict(steps_per_block=0), "steps_per_block must be an integer >= 1"),
     (dict(rounds=0), "rounds must be an integer >= 1"),
     (dict(layers_per_block=0), "layers_per_block must be an integer >= 1"),
     (dict(layers_per_block=1.5), "layers_per_block must be an integer >= 1"),
     (dict(variant="adam"), "variant must be one of"),
     (dict(block_order="sideways"), "block_order must be one of"),
-    (dict(master_dtype="bf16"), "master_dtype must be float32 or float64"),
-    (dict(master_dtype="fp128"), "master_dtype must be one of"),
-    (dict(grad_clip=0.0), "grad_clip must be > 0"),
-    (dict(weight_decay=-1.0), "weight_decay must be >= 0"),
 ])
 def test_config_rejects_bad_values(kw, message):
     with pytest.raises(ValueError, match=message):
         DecaConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, message", ADAM_REFUSALS)
+def test_the_baselines_adam_refuses_what_decas_refuses(kw, message):
+    from deca_ds.methods import AdamConfig
+
+    with pytest.raises(ValueError, match=message):
+        AdamConfig(steps=1, **kw)
 
 
 def test_simulate_rejects_mismatched_inputs():

@@ -12,53 +12,35 @@ is what DECA's one-block-at-a-time state avoids.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
 from ..blocks import partition_model
-from ..config import check_betas, check_bool, check_master_dtype
+from ..config import AdamSettings
 from ..decentralized import DecentralizedOptimizer, check_saved_config
 from ..kernels import clip_scale, half_step, segments, write_params
 from ..mixing import IdentityMixer, Mixer
 from .base import Method
 
 
-@dataclass
-class AdamConfig:
-    """Hyperparameters of the baselines' local Adam and their mixing schedule."""
+@dataclass(kw_only=True)
+class AdamConfig(AdamSettings):
+    """The baselines' local Adam (AdamSettings) and their mixing schedule: `steps` local steps,
+    mixing after every `mix_every`-th."""
 
     steps: int
     lr: float = 1e-4
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    mix_every: int = 1  # K: mix after every K-th local step
-    master_dtype: torch.dtype = torch.float32
-    grad_clip: float | None = None
-    fused_update: bool = False  # as DecaConfig's: the local Adam step as torch.compile'd kernels
+    mix_every: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("steps", "mix_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
-        self.adam_betas = check_betas("adam_betas", self.adam_betas)
-        self.master_dtype = check_master_dtype(self.master_dtype)
-        check_bool("fused_update", self.fused_update)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "master_dtype": str(self.master_dtype).removeprefix("torch.")}
 
 
 class MixedAdam(DecentralizedOptimizer):

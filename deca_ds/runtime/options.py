@@ -279,9 +279,9 @@ class RunOptions:
         config = self.deca_config()
         if self.method == "deca":
             return Deca(config, partition)
+        # the same local Adam as DECA's (lr, betas, eps, master dtype, fused update)
         adam = AdamConfig(steps=self.steps or config.rounds * partition.num_blocks * config.steps_per_block,
-                          lr=self.lr, adam_betas=self.adam_betas, eps=self.eps, mix_every=self.mix_every,
-                          master_dtype=config.master_dtype, fused_update=self.fused_update)
+                          mix_every=self.mix_every, **config.adam_settings())
         if self.method == "dadam":
             return DAdam(adam)
         if self.method == "dec_adapter":
