@@ -48,6 +48,14 @@ def check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
     return betas
 
 
+def check_counts(config, names: Sequence[str]) -> None:
+    """Each of `config`'s fields `names` an integer >= 1 (a bool is not one)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -121,10 +129,7 @@ class DecaConfig(AdamSettings):
 
         super().__post_init__()
         self.bma_betas = check_betas("bma_betas", self.bma_betas)
-        for name in ("steps_per_block", "rounds", "layers_per_block"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_counts(self, ("steps_per_block", "rounds", "layers_per_block"))
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.block_order not in BLOCK_ORDERS:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..blocks import partition_model
-from ..config import AdamSettings
+from ..config import AdamSettings, check_counts
 from ..decentralized import DecentralizedOptimizer, check_saved_config
 from ..kernels import clip_scale, half_step, segments, write_params
 from ..mixing import IdentityMixer, Mixer
@@ -37,10 +37,7 @@ class AdamConfig(AdamSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("steps", "mix_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_counts(self, ("steps", "mix_every"))
 
 
 class MixedAdam(DecentralizedOptimizer):

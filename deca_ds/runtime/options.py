@@ -279,7 +279,7 @@ class RunOptions:
         config = self.deca_config()
         if self.method == "deca":
             return Deca(config, partition)
-        # the same local Adam as DECA's (lr, betas, eps, master dtype, fused update)
+        # the same local Adam as DECA's: every AdamSettings field of its config
         adam = AdamConfig(steps=self.steps or config.rounds * partition.num_blocks * config.steps_per_block,
                           mix_every=self.mix_every, **config.adam_settings())
         if self.method == "dadam":
