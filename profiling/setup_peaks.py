@@ -9,16 +9,19 @@ peaks.PhasePeaks, and the increment each one adds is compared with the term that
     optimizer  DecaOptimizer activates the first block: its master, m, v      optimizer_state
 
 DeepSpeed's engine setup is not run here: at stage 0 it wraps the module without copying it
-(the estimator counts nothing for it; a GPU run through launch/train.py measures it). On CPU the
-peak is the resident set's high-water mark (VmHWM), with every tensor in pages of its own
-(peaks.map_each_allocation), so the model must be large against the interpreter's own
-allocations; on a GPU (`--device cuda`) torch.cuda's allocated peak.
+(the estimator counts nothing for it; a GPU run through launch/train.py measures it). A phase's
+number is the tensor memory allocated: on a GPU (`--device cuda`) torch.cuda's allocated peak, on
+CPU its counterpart, a peaks.TensorBytes counter of what operators allocate (exact: memory from
+before a phase that is freed inside it is not netted out, as in a resident set). Each row also says
+what the phase still holds at its end (`held_bytes`), and on CPU the resident set's high-water
+mark above its start (`rss_peak_bytes`, VmHWM, every tensor in pages of its own by
+peaks.map_each_allocation): the whole process, a mapped file's pages included.
 
 `--load config checkpoint` (the default) measures both ways of starting, one after the other in the
 same process: the checkpoint is the same random initialisation, saved by save_pretrained before
-its measurement starts. On CPU a loaded model's weights stay mapped from the file (safetensors),
-so they become resident when first read, in the evaluation's phase rather than init's; the setup
-peak, the largest cumulative phase, compares the two.
+its measurement starts. On CPU a loaded model's weights stay mapped from the file (safetensors):
+no operator allocates them, and they become resident when first read, in the evaluation's phase
+rather than init's; the resident setup peak (`setup_peak_rss`) compares the two starts.
 
     python profiling/setup_peaks.py --out profiling/results/cpu/setup_peaks.json
 """
@@ -26,6 +29,7 @@ peak, the largest cumulative phase, compares the two.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import tempfile
@@ -36,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "profiling"))
 
-from peaks import PhasePeaks, map_each_allocation, rss, rss_anon  # noqa: E402
+from peaks import PhasePeaks, TensorBytes, map_each_allocation, rss  # noqa: E402
 from report import emit, provenance  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -78,26 +82,33 @@ def save_checkpoint(config, *, dtype: str, device: torch.device, checkpoint: Pat
 
 
 def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = "cpu", load: str = "config") -> dict:
-    """Run the setup steps once in this process; each phase's peak above the memory at its start."""
+    """Run the setup steps once in this process; each phase's allocated peak above the count at its
+    start, and what it still holds at its end (on CPU, a TensorBytes counter; also the resident set)."""
     from deca_ds import DecaConfig, DecaOptimizer
     from deca_ds.memory import estimate_block
     from deca_ds.models import labelled_logits
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
+    tensors = None if cuda else TensorBytes(dev)
 
-    def now() -> int:
-        return torch.cuda.memory_allocated(dev) if cuda else rss()
+    def allocated() -> int:
+        return torch.cuda.memory_allocated(dev) if cuda else tensors.live
 
     def mark(phase: str) -> None:
-        before[phase], anon[phase] = now(), rss_anon()
+        before[phase], rss_before[phase] = allocated(), rss()
         peaks.mark(phase)
 
     # one-time costs (transformers' lazy imports and loading code, kernels' first-call buffers) are
     # not setup's: pay them on a one-layer copy first. A loaded model's files may go once it is
     # loaded (on CPU its tensors map them, and a mapping outlives the file's name).
     warm = config.__class__(**{**config.to_dict(), "num_hidden_layers": 1, "vocab_size": 16})
-    with tempfile.TemporaryDirectory(prefix="setup_peaks_") as tmp:
+    # the evaluation's batch, made before the count starts (in a run the data loader makes it)
+    ids = torch.randint(0, config.vocab_size, (eval_batch, seq_len), device=dev)
+    labels = torch.full_like(ids, -100)
+    labels[:, -1] = ids[:, -1]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    with tempfile.TemporaryDirectory(prefix="setup_peaks_") as tmp, tensors or contextlib.nullcontext():
         if load == "checkpoint":
             save_checkpoint(warm, dtype=dtype, device=dev, checkpoint=Path(tmp, "warm"))
             save_checkpoint(config, dtype=dtype, device=dev, checkpoint=Path(tmp, "model"))
@@ -107,42 +118,43 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
                                     "attention_mask": torch.ones(1, 8, dtype=torch.long, device=dev),
                                     "labels": torch.zeros(1, 8, dtype=torch.long, device=dev)})
         del small
-        peaks = PhasePeaks(dev)
+        peaks = PhasePeaks(dev, tensors)
         gc.collect()
-        before, anon = {}, {}
+        before, rss_before = {}, {}
         mark("init")
         model = start_model(config, dtype=dtype, load=load, device=dev, checkpoint=Path(tmp, "model"))
-    ids = torch.randint(0, config.vocab_size, (eval_batch, seq_len), device=dev)
-    labels = torch.full_like(ids, -100)
-    labels[:, -1] = ids[:, -1]
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    gc.collect()
-    mark("evaluate")
-    with torch.no_grad():
-        labelled_logits(model, batch)
-    del batch, ids, labels
-    gc.collect()
-    mark("optimizer")
-    optimizer = DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))  # held, as in a run
-    peaks.mark("end")
+        gc.collect()
+        mark("evaluate")
+        with torch.no_grad():
+            labelled_logits(model, batch)
+        gc.collect()
+        mark("optimizer")
+        # held, as in a run
+        optimizer = DecaOptimizer(model, DecaConfig(layers_per_block=1, master_dtype=torch.float32))
+        peaks.mark("end")
     del optimizer
-    key = "cuda_allocated_peak" if cuda else "rss_peak"
-    measured = {r["phase"]: r[key] - before[r["phase"]] for r in peaks.rows if r["phase"] in before}
-    # what each phase still holds at its end in anonymous memory: the resident set's file-backed
-    # pages (the libraries') come and go on their own, by hundreds of KB, whatever the phase does
-    held = {r["phase"]: r["rss_anon_end"] - anon[r["phase"]] for r in peaks.rows if r["phase"] in before}
+    phases = {r["phase"]: r for r in peaks.rows if r["phase"] in before}
+    measured = {p: r[f"{dev.type}_allocated_peak"] - before[p] for p, r in phases.items()}
+    held = {p: r[f"{dev.type}_allocated_end"] - before[p] for p, r in phases.items()}
 
     est = estimate_block(config, 1, 0, working_dtype=dtype, master_dtype="fp32", micro_batch=1, seq_len=seq_len,
                          eval_batch=eval_batch, eval_positions=1, n_neighbors=0)
     terms = {"init": est.weights + est.init_transient, "evaluate": est.eval_forward,
              "optimizer": est.optimizer_state}
-    rows = [{"phase": p, "measured_bytes": measured[p], "estimated_bytes": terms[p],
-             "measured_over_estimated": measured[p] / terms[p], **({} if cuda else {"anon_held_bytes": held[p]})}
+    rows = [{"phase": p, "measured_bytes": measured[p], "held_bytes": held[p], "estimated_bytes": terms[p],
+             "measured_over_estimated": measured[p] / terms[p],
+             # the whole process's resident set: libraries' pages, the interpreter's, a mapped file's
+             **({} if cuda else {"rss_peak_bytes": phases[p]["rss_peak"] - rss_before[p]})}
             for p in terms]
-    # the setup peak above the process's memory before init, phase by phase cumulative
-    above = {p: before[p] - before["init"] + measured[p] for p in terms}
-    return {"rows": rows, "setup_peak_measured": max(above.values()), "setup_peak_estimated": est.setup_peak,
-            "setup_phases_estimated": est.setup_phases, "params": est.total_params, "block_params": est.block_params}
+    # the setup peak above the count before init, phase by phase cumulative
+    result = {"rows": rows, "setup_peak_measured": max(before[p] - before["init"] + measured[p] for p in terms),
+              "setup_peak_estimated": est.setup_peak, "setup_phases_estimated": est.setup_phases,
+              "params": est.total_params, "block_params": est.block_params,
+              "weight_bytes": sum(t.nbytes for t in (*model.parameters(), *model.buffers()))}
+    if not cuda:
+        result["setup_peak_rss"] = max(rss_before[p] - rss_before["init"] + r["rss_peak_bytes"]
+                                       for p, r in zip(terms, rows))
+    return result
 
 
 def parse_args(argv=None):
