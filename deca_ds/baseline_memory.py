@@ -12,7 +12,8 @@ one block is that trainable set, with DECA's phase model (deca_ds.memory's docst
                one holds both
     mixing     x½ and DistributedMixer.mix's chunk buffers (x⁺ is summed into x½); DeCAF exchanges
                the whole vector at once (mixer.exchange) and writes the re-factorized pairs into a
-               new one: a receive buffer of the whole vector per neighbour, and x_plus
+               new one: a receive buffer of the whole vector per neighbour, and x_plus; and one
+               pair's re-factorization at a time (refactor_bytes), the largest
 
 Activations: the gradient flows from the loss down to the lowest layer holding a trainable tensor
 (layer 0 in every baseline). With checkpointing each of those layers keeps its input and backward
@@ -64,6 +65,20 @@ def adapter_saved_bytes(layer: nn.Module) -> int:
             mask = A.in_features if isinstance(dropout, nn.Dropout) and dropout.p > 0 else 0
             saved += A.weight.element_size() * (A.in_features + A.out_features) + mask
     return saved
+
+
+def refactor_bytes(fan_in: int, fan_out: int, rank: int, terms: int) -> int:
+    """Elements methods.lora.refactor_pair holds at its peak for one LoRA pair (A: rank × fan_in,
+    B: fan_out × rank) combined over `terms` clients, kr = terms · rank wide: the concatenations
+    B_cat (fan_out × kr) and A_cat (kr × fan_in), their reduced QR factors, then either the SVD's
+    input and outputs (truncated_factors) or, after it, the root of its top values, the new B and
+    A and the two products that fill the wider of them (a matmul, then its scaling)."""
+    o, i, r, kr = fan_out, fan_in, rank, terms * rank
+    qb, qa = min(o, kr), min(i, kr)  # reduced QR: Q_b is o × qb, R_b qb × kr; Q_a i × qa, R_a qa × kr
+    s = min(qb, qa)  # singular values; U is qb × qb, Vh qa × qa
+    t = min(r, s)  # the values kept
+    held = kr * (o + i) + o * qb + qb * kr + i * qa + qa * kr + qb * qb + s + qa * qa
+    return held + max(qb * qa, t + o * r + r * i + 2 * t * max(o, i))
 
 
 def _trains_in_attention(layer: nn.Module, trainable: set[int]) -> bool:
@@ -121,10 +136,13 @@ def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtyp
         act_saved, act_recompute = sum(saved) + final_norm, transient
 
     if optimizer.linear:  # DistributedMixer.mix: chunk by chunk, x⁺ summed into x½ (a new chunk when cast)
-        chunk = min(n, MIX_CHUNK)
+        chunk, refactor = min(n, MIX_CHUNK), 0
         x_plus = chunk * mb if cast and n_neighbors else 0
-    else:  # DeCAF: whole vectors exchanged (mixer.exchange), combined into a new one
+    else:  # DeCAF: whole vectors exchanged (mixer.exchange), combined into a new one pair by pair
         chunk, x_plus = n, n * mb
+        pairs = optimizer.params  # A (rank × in), B (out × rank) of each LoRA pair
+        refactor = max(refactor_bytes(A.shape[1], B.shape[0], A.shape[0], n_neighbors + 1) * mb
+                       for A, B in zip(pairs[::2], pairs[1::2]))
     d, M = spec.total_params, 2 * spec.total_params
     return MemoryEstimate(
         model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,
@@ -146,6 +164,7 @@ def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtyp
         comm_per_step=n_neighbors * n * tb, comm_per_round=n_neighbors * n * tb,
         paper_deca=0, paper_dadam_9m=9 * M, paper_dadam_11m=11 * M,
         dadam_runtime=d * w + spec.decoder_params * (3 * mb + w),
+        refactor=refactor,
         method=method.name,
         **setup_terms(spec, w, offload="none", seq_len=s, eval_batch=eval_batch, eval_positions=eval_positions,
                        eval_kv_cache=False),

@@ -87,6 +87,11 @@ def adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch
     return torch.addcmul(x, u, neg_step) if keep is None else torch.addcmul(u * neg_step, x, keep)
 
 
+def _fold(ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor], a1: float, a2: float) -> None:
+    for m, v, g in zip(ms, vs, gs):
+        moments_(m, v, g, a1, a2)
+
+
 def _fold_and_step(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
                    outs: list[torch.Tensor], a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor,
                    eps: float, keep: torch.Tensor | None) -> None:
@@ -131,9 +136,8 @@ def half_step(params: Sequence[nn.Parameter], x: torch.Tensor, m: torch.Tensor, 
         out = torch.empty_like(x) if out is None else out
         fused(_fold_and_step)(*(flat_segments(params, t) for t in (x, m, v)), grads, flat_segments(params, out),
                               a1, a2, neg_step, bc2, eps, keep)
-    else:
-        for m_p, v_p, g in zip(flat_segments(params, m), flat_segments(params, v), grads):
-            moments_(m_p, v_p, g, a1, a2)
+    else:  # a function of its own: a loop variable here would hold the last gradient beside x½
+        _fold(flat_segments(params, m), flat_segments(params, v), grads, a1, a2)
     del grads
     for p in params:
         p.grad = None

@@ -33,11 +33,14 @@ Phase model of one inner step (what is alive at once; the peak is the largest ph
                    gradient is freed tensor by tensor, and one tensor's fp32 m, v and Adam result
                    exist at a time: grad + x_half + quant_transient
     mixing         weights + optimizer_state + x_half + grad_kept + send_copy + recv + x_plus
-                   + trivial_bma_extra
+                   + trivial_bma_extra (+ refactor: DeCAF's, deca_ds.baseline_memory)
                    (DistributedMixer.mix exchanges the block MIX_CHUNK elements at a time: per
                    chunk one receive buffer per neighbor, a cast send copy if the transfer dtype
                    is not the master's, and x⁺ summed into the first term's buffer (a new
-                   master-dtype chunk when cast), then written over x½; bma_correct works in
+                   master-dtype chunk when cast), then written over x½; the cast copy and x⁺'s
+                   chunk are counted together, as the staged path (gloo on a GPU) may hold them,
+                   casting chunk k+1 before it sums chunk k, where the direct path frees the copy
+                   first; bma_correct works in
                    place. A client without neighbors exchanges nothing, and with the fused update
                    it stores no x½ at all: x_half = 0, and the gradient is kept until
                    bma_correct writes x⁺ over x: grad_kept = grad)
@@ -398,6 +401,9 @@ class MemoryEstimate:
     eval_batch: int = 0  # sequences per forward of the evaluation before training (0: none)
     eval_forward: int = 0  # APPROXIMATE: eval_forward_bytes at eval_batch × seq_len
 
+    # ---- DeCAF (deca_ds.baseline_memory), exact (bytes)
+    refactor: int = 0  # one LoRA pair's re-factorization at a time (methods.lora.refactor_pair), the largest
+
     method: str = "deca"  # or the baseline estimated (deca_ds.baseline_memory)
 
     # ---- derived -----------------------------------------------------------------------------
@@ -423,7 +429,7 @@ class MemoryEstimate:
                               else max(self.grad, self.x_half))
                       + self.quant_transient + self.trivial_bma_extra,
             "mixing": base + self.x_half + self.grad_kept + self.send_copy + self.recv + self.x_plus
-                      + self.trivial_bma_extra,
+                      + self.trivial_bma_extra + self.refactor,
         }
 
     @property

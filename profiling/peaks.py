@@ -79,7 +79,9 @@ class TensorBytes(TorchDispatchMode):
     cannot lower the phase's number (the resident set nets it out: a freed interpreter arena once
     put a model's init 189 KB under its weights), and the C allocator's reuse of freed pages cannot
     hide an allocation. An operator's result counts when no input of it holds the same memory (a
-    view or an in-place result is its input's), from then until its storage is freed."""
+    view or an in-place result is its input's), from then until its storage is freed. What an
+    operator allocates and frees inside itself (a LAPACK workspace) is not seen, nor is anything
+    torch.compile'd code allocates."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()

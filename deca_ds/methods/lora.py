@@ -107,6 +107,16 @@ def truncated_factors(B_cat: torch.Tensor, A_cat: torch.Tensor, rank: int) -> tu
     return B, A
 
 
+def refactor_pair(A_out: torch.Tensor, B_out: torch.Tensor,
+                  factors: list[tuple[float, torch.Tensor, torch.Tensor]]) -> None:
+    """A_out, B_out = the truncated factors of Σ_j w_j B_j A_j over `factors` (w_j, A_j, B_j): one
+    pair's temporaries at a time, all of them freed on return."""
+    B, A = truncated_factors(torch.cat([w * B_j for w, _, B_j in factors], dim=1),
+                             torch.cat([A_j for _, A_j, _ in factors], dim=0), rank=A_out.shape[0])
+    A_out.copy_(A)
+    B_out.copy_(B)
+
+
 class DeCAFAdam(MixedAdam):
     """MixedAdam whose combination is DeCAF's truncated SVD of Σ_j w_ij B_j A_j per LoRA pair.
 
@@ -124,11 +134,7 @@ class DeCAFAdam(MixedAdam):
         views = [list(segments(self.params, x)) for _, x in terms]
         mine = list(segments(self.params, out))
         for k in range(0, len(self.params), 2):
-            B_cat = torch.cat([w * v[k + 1][1] for (w, _), v in zip(terms, views)], dim=1)
-            A_cat = torch.cat([v[k][1] for v in views], dim=0)
-            B, A = truncated_factors(B_cat, A_cat, rank=self.params[k].shape[0])
-            mine[k][1].copy_(A)
-            mine[k + 1][1].copy_(B)
+            refactor_pair(mine[k][1], mine[k + 1][1], [(w, v[k][1], v[k + 1][1]) for (w, _), v in zip(terms, views)])
         return out
 
 

@@ -1,0 +1,113 @@
+"""One training step's update and mixing, counted on CPU ranks against the estimator.
+
+Each rank is one client of a ring (two neighbours each) or a client alone, exchanging through the
+runtime's DistributedMixer over gloo. A profiling/peaks.TensorBytes counter (the tensor memory
+operators allocate: on CPU what torch.cuda's allocated counter is on a GPU) runs from before the
+model exists, so after backward it holds exactly the weights, the optimizer state and the
+gradient, and the peak of `optimizer.step()` is what the update and the mixing hold at once: the
+estimator's `update` and `mixing` phases (deca_ds.memory, deca_ds.baseline_memory), which are
+exact arithmetic, unlike the activations. The fused update is not counted here: torch.compile'd
+code allocates out of sight of a dispatch mode (and refuses to compile under one)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig
+
+from deca_ds import DecaConfig, make_topology
+from deca_ds.baseline_memory import estimate_method
+from deca_ds.memory import estimate_block
+from deca_ds.methods import AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA
+from deca_ds.mixing import mixing_order
+from deca_ds.models import causal_lm_loss, draw_from_config
+from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
+from helpers import free_port
+from ranks import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+SEQ = 16
+# the step's 0-d scalars (−γ/(1−α1^t), 1−α2^t, a zero), 4 bytes each, which the estimator leaves out
+SCALARS = 64
+
+
+def build(method: str, variant: str):
+    """The method as the trainer builds it (RunOptions.build_method), at one step per block: each
+    step ends a block, so the next block's state is made inside the step counted."""
+    deca = DecaConfig(layers_per_block=1, steps_per_block=1, rounds=1, variant=variant)
+    if method == "deca":
+        return Deca(deca)
+    adam = AdamConfig(steps=3, **deca.adam_settings())
+    return {"dadam": lambda: DAdam(adam), "dec_lora": lambda: DecLoRA(adam, rank=4),
+            "decaf": lambda: DeCAF(adam, rank=4), "dec_adapter": lambda: DecAdapter(adam, size=8)}[method]()
+
+
+def step_peaks(rank: int, port: int, world: int, method: str, variant: str, transfer: str) -> list[int]:
+    """Counted on this rank: each step's peak above the weights, state and gradient it starts from."""
+    sys.path.insert(0, str(ROOT / "profiling"))
+    from peaks import TensorBytes
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        W = make_topology("ring", world).W
+        layout = ClientLayout(rank, world, 1)
+        ids = torch.randint(0, CONFIG.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(rank))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        counter, peaks = TensorBytes(), []
+        with counter:
+            how = build(method, variant)
+            model = how.prepare(draw_from_config(CONFIG, dtype=torch.bfloat16, seed=0, device="cpu")).train()
+            mixer = DistributedMixer(W, layout, ClientGroups(layout, W, 30.0), timeout_s=30.0,
+                                     transfer_dtype=torch.bfloat16 if transfer == "working" else None)
+            optimizer = how.optimizer(model, mixer)
+            buffers = sum(b.nbytes for b in model.buffers())
+            for _ in range(2):
+                causal_lm_loss(model, batch).backward()
+                counter.reset_peak()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                peaks.append(counter.peak - buffers)
+        return peaks
+    finally:
+        dist.destroy_process_group()
+
+
+def estimate(method: str, variant: str, transfer: str, neighbors: int):
+    options = dict(working_dtype="bf16", transfer_dtype=transfer, n_neighbors=neighbors, micro_batch=1, seq_len=SEQ)
+    if method == "deca":
+        return estimate_block(CONFIG, 1, 0, variant=variant, steps_per_block=1, **options)
+    return estimate_method(CONFIG, build(method, variant), **options)
+
+
+def expected_peak(est, method: str, rank: int, world: int) -> int:
+    """The estimate of what `rank` holds at its step's peak. Transferred in the working dtype, the
+    estimate holds a chunk's cast send copy and its x⁺ together, as the staged path (gloo on a
+    GPU) may, which casts chunk k+1 before it sums chunk k; the direct path frees the copy when the
+    chunk's exchange returns, and a linear method's client whose own term comes first in the sum
+    sums into its x½, with no x⁺ chunk at all (mixing.weighted_sum's `out`)."""
+    mixing = est.phases["mixing"]
+    if est.send_copy:
+        own_first = mixing_order(make_topology("ring", world).W, rank)[0] == rank
+        mixing -= est.x_plus if own_first and method != "decaf" else est.send_copy
+    return max(est.phases["update"], mixing)
+
+
+@pytest.mark.parametrize("world", [3, 1])
+@pytest.mark.parametrize("method,variant,transfer", [
+    ("deca", "deca", "master"), ("deca", "deca", "working"), ("deca", "trivial_bma", "working"),
+    ("deca", "no_bma", "master"), ("dadam", "deca", "working"), ("dec_lora", "deca", "master"),
+    ("decaf", "deca", "working"), ("dec_adapter", "deca", "master"),
+])
+def test_a_steps_update_and_mixing_hold_what_the_estimator_says(world, method, variant, transfer):
+    est = estimate(method, variant, transfer, neighbors=min(2, world - 1))
+    for rank, peaks in enumerate(run_on_ranks(step_peaks, world, free_port(), world, method, variant, transfer,
+                                              timeout=300)):
+        want = expected_peak(est, method, rank, world)
+        for peak in peaks:
+            assert 0 <= peak - want < SCALARS, (rank, peak, want, est.phases)
