@@ -11,6 +11,7 @@ code allocates out of sight of a dispatch mode (and refuses to compile under one
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -37,10 +38,10 @@ SEQ = 16
 SCALARS = 64
 
 
-def build(method: str, variant: str):
+def build(method: str, variant: str, bits: int = 32):
     """The method as the trainer builds it (RunOptions.build_method), at one step per block: each
     step ends a block, so the next block's state is made inside the step counted."""
-    deca = DecaConfig(layers_per_block=1, steps_per_block=1, rounds=1, variant=variant)
+    deca = DecaConfig(layers_per_block=1, steps_per_block=1, rounds=1, variant=variant, state_bits=bits)
     if method == "deca":
         return Deca(deca)
     adam = AdamConfig(steps=3, **deca.adam_settings())
@@ -48,7 +49,7 @@ def build(method: str, variant: str):
             "decaf": lambda: DeCAF(adam, rank=4), "dec_adapter": lambda: DecAdapter(adam, size=8)}[method]()
 
 
-def step_peaks(rank: int, port: int, world: int, method: str, variant: str, transfer: str) -> list[int]:
+def step_peaks(rank: int, port: int, world: int, method: str, variant: str, transfer: str, bits: int = 32) -> list[int]:
     """Counted on this rank: each step's peak above the weights, state and gradient it starts from."""
     sys.path.insert(0, str(ROOT / "profiling"))
     from peaks import TensorBytes
@@ -61,7 +62,7 @@ def step_peaks(rank: int, port: int, world: int, method: str, variant: str, tran
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         counter, peaks = TensorBytes(), []
         with counter:
-            how = build(method, variant)
+            how = build(method, variant, bits)
             model = how.prepare(draw_from_config(CONFIG, dtype=torch.bfloat16, seed=0, device="cpu")).train()
             mixer = DistributedMixer(W, layout, ClientGroups(layout, W, 30.0), timeout_s=30.0,
                                      transfer_dtype=torch.bfloat16 if transfer == "working" else None)
@@ -78,10 +79,10 @@ def step_peaks(rank: int, port: int, world: int, method: str, variant: str, tran
         dist.destroy_process_group()
 
 
-def estimate(method: str, variant: str, transfer: str, neighbors: int):
+def estimate(method: str, variant: str, transfer: str, neighbors: int, bits: int = 32):
     options = dict(working_dtype="bf16", transfer_dtype=transfer, n_neighbors=neighbors, micro_batch=1, seq_len=SEQ)
     if method == "deca":
-        return estimate_block(CONFIG, 1, 0, variant=variant, steps_per_block=1, **options)
+        return estimate_block(CONFIG, 1, 0, variant=variant, steps_per_block=1, state_bits=bits, **options)
     return estimate_method(CONFIG, build(method, variant), **options)
 
 
@@ -111,3 +112,20 @@ def test_a_steps_update_and_mixing_hold_what_the_estimator_says(world, method, v
         want = expected_peak(est, method, rank, world)
         for peak in peaks:
             assert 0 <= peak - want < SCALARS, (rank, peak, want, est.phases)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="the optional bnb extra is not installed")
+@pytest.mark.parametrize("world", [3, 1])
+def test_8bit_moments_step_stays_within_the_estimate(world):
+    """state_bits=8 works tensor by tensor (updates.QuantizedUpdate): the estimate counts one
+    largest tensor's fp32 m, v and Adam result beside every gradient and x½ (quant_transient), a
+    bound: by the largest tensor, gradients of the tensors before it are gone, and its Adam result
+    is written into x½. The count stays under it by less than one largest tensor in fp32."""
+    largest = 4 * CONFIG.hidden_size * CONFIG.intermediate_size
+    for variant, transfer in (("deca", "master"), ("trivial_bma", "working")):
+        est = estimate("deca", variant, transfer, neighbors=min(2, world - 1), bits=8)
+        for rank, peaks in enumerate(run_on_ranks(step_peaks, world, free_port(), world, "deca", variant, transfer,
+                                                  8, timeout=300)):
+            want = expected_peak(est, "deca", rank, world)
+            for peak in peaks:
+                assert 0 <= want - peak < largest, (variant, rank, peak, want, est.phases)
