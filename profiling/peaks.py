@@ -1,7 +1,8 @@
 """A process's memory peak phase by phase: the resident set's high-water mark on Linux (VmHWM,
 reset through /proc/self/clear_refs); on a GPU, torch.cuda's allocated/reserved peaks and the
 device memory in use (the CUDA context and other processes included); on CPU, with a TensorBytes
-counter on, the bytes of tensors allocated, the counterpart of torch.cuda's allocated counter.
+counter on (deca_ds.runtime.allocated), the bytes of tensors allocated, the counterpart of
+torch.cuda's allocated counter.
 
     peaks = PhasePeaks(device)  # or PhasePeaks("cpu", TensorBytes()), inside `with` that counter
     peaks.mark("load")   # closes the phase before it (named at the previous mark), opens "load"
@@ -13,12 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from deca_ds.runtime.allocated import TensorBytes
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -67,50 +67,6 @@ def map_each_allocation(threshold: int = 64 * 1024) -> str:
     whatever it happened to reuse."""
     mallopt({M_MMAP_THRESHOLD: threshold}, "the resident-set peaks need glibc's malloc")
     return f"glibc malloc, a mapping for each allocation of {threshold} bytes or more (mallopt M_MMAP_THRESHOLD)"
-
-
-class TensorBytes(TorchDispatchMode):
-    """While on (`with counter:`), the bytes of tensor memory on `device` that operators allocate,
-    as long as it lives (`live`), and their high-water mark (`peak`): what torch.cuda's
-    memory_allocated and max_memory_allocated count on a GPU, without its allocator's rounding.
-
-    Exact where the resident set is not: memory allocated before the counter was on, or not by an
-    operator (a safetensors file mapped into memory), is not counted, so its release inside a phase
-    cannot lower the phase's number (the resident set nets it out: a freed interpreter arena once
-    put a model's init 189 KB under its weights), and the C allocator's reuse of freed pages cannot
-    hide an allocation. An operator's result counts when no input of it holds the same memory (a
-    view or an in-place result is its input's), from then until its storage is freed. What an
-    operator allocates and frees inside itself (a LAPACK workspace) is not seen, nor is anything
-    torch.compile'd code allocates."""
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        super().__init__()
-        self.device = torch.device(device)
-        self.live = self.peak = 0
-        self._counted: dict[int, weakref.ref] = {}  # data pointer -> the storage, until it is freed
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def _freed(self, pointer: int, nbytes: int) -> None:
-        del self._counted[pointer]
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device != self.device:
-                continue
-            storage = t.untyped_storage()
-            pointer, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes and pointer not in inputs and pointer not in self._counted:
-                # torch keeps a storage's Python object alive as long as the storage: the callback runs when it is freed
-                self._counted[pointer] = weakref.ref(storage, lambda _, p=pointer, n=nbytes: self._freed(p, n))
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-        return out
 
 
 class PhasePeaks:

@@ -717,6 +717,7 @@ def test_profile_resources_tool(tmp_path, profiling_runs, monkeypatch):
 def test_step_sections_keep_their_own_allocation_peaks(monkeypatch):
     """On a GPU a step's record says which section set its peak. The device's counter is faked:
     each read returns the next value and the counter restarts at every section's end."""
+    from deca_ds.runtime.allocated import DeviceMemory
     from deca_ds.runtime.trainer import Timer
 
     reads = iter([5, 9, 7, 6, 8, 4, 3, 2])  # outside, forward, backward, step, forward, ...
@@ -724,7 +725,7 @@ def test_step_sections_keep_their_own_allocation_peaks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: next(reads))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1)
-    timer = Timer(torch.device("cuda", 0))
+    timer = Timer(DeviceMemory(torch.device("cuda", 0)))
     for section in ("other", "forward", "backward", "step", "forward"):  # two micro-batches' forwards
         timer.mark(section)
     # the last read (4): the work after the step, "other" with the work before the first forward (5)
@@ -732,7 +733,66 @@ def test_step_sections_keep_their_own_allocation_peaks(monkeypatch):
                               "mem_peak_backward": 7, "mem_peak_step": 6}
     timer.mark("step")
     assert timer.memory() == {"mem_allocated": 1, "mem_peak": 9, "mem_peak_step": 3, "mem_peak_other": 2}
-    assert Timer(torch.device("cpu")).memory().keys() == {"mem_rss"}
+    assert Timer(DeviceMemory(torch.device("cpu"))).memory().keys() == {"mem_rss"}
+
+
+def test_a_cpu_run_that_counts_its_tensor_memory_records_it_as_a_gpu_run_does(monkeypatch):
+    """DECA_COUNT_CPU_MEMORY=1: a CPU rank's sections keep the peaks of the tensor memory
+    operators allocate (runtime.allocated.TensorBytes), in bytes counted by hand."""
+    from deca_ds.runtime.allocated import COUNT_ON_CPU, DeviceMemory, counting, cpu_counter
+    from deca_ds.runtime.trainer import Timer
+
+    cpu = torch.device("cpu")
+    assert cpu_counter(cpu) is None
+    monkeypatch.setenv(COUNT_ON_CPU, "1")
+    counter = cpu_counter(cpu)
+    with counting(counter):
+        kept = torch.zeros(256)  # 1,024 bytes, from before the step
+        timer = Timer(DeviceMemory(cpu, counter))
+        timer.mark()
+        batch = torch.ones(512)  # 2,048
+        timer.mark("forward")
+        grad = batch * 2  # 2,048 more
+        del batch
+        timer.mark("backward")
+        del grad
+        record = timer.memory()
+    # "other": before the forward, and after the backward until the record (the gradient, then freed)
+    assert record == {"mem_allocated": 1024, "mem_peak": 1024 + 2 * 2048, "mem_peak_other": 1024 + 2048,
+                      "mem_peak_forward": 1024 + 2048, "mem_peak_backward": 1024 + 2 * 2048}
+    del kept
+
+
+def test_a_cpu_run_counts_its_steps_as_the_estimator_does(tmp_path, monkeypatch):
+    """DECA_COUNT_CPU_MEMORY=1 on two CPU ranks (one neighbour each; the demo's fp32 tiny Llama,
+    one layer per block, a block a step): between steps the trainer holds the weights and the
+    active block's master, m, v and nothing else, after the last the weights alone, and DeepSpeed's
+    step (DECA's update and mixing) peaks at the estimate's update and mixing phases
+    (deca-train --estimate's, deca_ds.memory), all beside the model's buffers, to 64 bytes of 0-d
+    scalars. Nothing the trainer keeps around the optimizer (the engine, the checks, the records)
+    adds a byte."""
+    from deca_ds.runtime.allocated import COUNT_ON_CPU
+    from deca_ds.runtime.options import estimate_run
+
+    monkeypatch.setenv(COUNT_ON_CPU, "1")
+    out = tmp_path / "run"
+    args = ["--ds_config", PRESET, "--output-dir", str(out), "--rounds", "1", "--steps-per-block", "1",
+            "--micro-batch", "4", "--eval-limit", "8", "--consensus-interval", "0"]
+    assert wait_all(start_ranks(args, 2, tmp_path / "logs"), timeout=300) == [0, 0], \
+        (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
+    run = json.loads((out / "run_config.json").read_text())
+    est = estimate_run(run["options"], out / "consensus", run["ds_config"], n_neighbors=1,
+                       loss_positions=run["loss_positions_max"])
+    buffers = sum(b.nbytes for b in AutoModelForCausalLM.from_pretrained(out / "consensus").buffers())
+    scalars = 64
+    for client in range(2):
+        rows = [json.loads(line) for line in (out / "metrics" / f"client_{client:03d}.jsonl").read_text().splitlines()]
+        assert len(rows) == est.num_blocks
+        for row in rows:
+            held = est.weights + (est.optimizer_state if row is not rows[-1] else 0) + buffers
+            assert 0 <= row["mem_allocated"] - held < scalars, (client, row)
+            step = max(est.phases["update"], est.phases["mixing"]) + buffers
+            assert 0 <= row["mem_peak_step"] - step < scalars, (client, row, est.phases)
 
 
 def test_start_and_end_loss_windows_never_overlap():

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -36,6 +35,7 @@ from ..prefix import FrozenPrefix
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from . import cleanup, outputs
+from .allocated import DeviceMemory, TensorBytes, counting, cpu_counter
 from .consensus import consensus_distance, consensus_weights, export_consensus
 from .dist import (
     ClientGroups,
@@ -115,14 +115,6 @@ def check_output_dir(opts: RunOptions, ds_config: dict, task: Task) -> tuple[Pat
     return out, changes
 
 
-def memory_now(device: torch.device) -> dict:
-    """Device memory in use now and its peak so far (CUDA), or the process's resident set (CPU)."""
-    if device.type == "cuda":
-        return {"mem_allocated": torch.cuda.memory_allocated(device),
-                "mem_peak": torch.cuda.max_memory_allocated(device)}
-    return {"mem_rss": psutil.Process().memory_info().rss}
-
-
 class Laps:
     """Seconds of each phase of the set-up, for the line rank 0 prints: where a slow start goes (an
     8B model drawn on the CPU, layers pinned in host memory)."""
@@ -143,10 +135,11 @@ class Laps:
 
 class Timer:
     """Wall-clock sections of a step; on a GPU the device is synchronized so kernels are counted,
-    and each section's allocation peak is kept, so a run says which phase sets its peak."""
+    and where tensor memory is counted (a GPU, or a CPU run that asked: runtime.allocated) each
+    section's allocation peak is kept, so a run says which phase sets its peak."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.cuda = device, device.type == "cuda"
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.device_memory, self.cuda = memory, memory.cuda
         self.peak = 0  # the allocation peak since setup, over every section
         self._sections: dict[str, int] = {}
 
@@ -158,24 +151,24 @@ class Timer:
     def mark(self, section: str = "other") -> float:
         """now(), ending `section` ("other": the work between the named sections, such as the
         checks after the update) and keeping its allocation peak for this step's record; the
-        device's peak counter restarts here."""
+        peak counter restarts here."""
         t = self.now()
-        if self.cuda:
-            value = torch.cuda.max_memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.device_memory.counted:
+            value = self.device_memory.peak()
+            self.device_memory.reset_peak()
             self.peak = max(self.peak, value)
             self._sections[section] = max(self._sections.get(section, 0), value)
         return t
 
     def memory(self) -> dict:
-        """The step's memory record: on a GPU the allocation now, the peak since setup and each
-        section's peak in this step (mem_peak_forward, …, mem_peak_other), so the step's peak is
-        always one section's; on CPU the resident set."""
-        if not self.cuda:
-            return memory_now(self.device)
+        """The step's memory record: the allocation now, the peak since setup and each section's
+        peak in this step (mem_peak_forward, …, mem_peak_other), so the step's peak is always one
+        section's; where nothing counts tensor memory (CPU), the resident set."""
+        if not self.device_memory.counted:
+            return self.device_memory.now()
         self.mark()
         sections, self._sections = self._sections, {}
-        return {"mem_allocated": torch.cuda.memory_allocated(self.device), "mem_peak": self.peak,
+        return {"mem_allocated": self.device_memory.allocated(), "mem_peak": self.peak,
                 **{f"mem_peak_{name}": value for name, value in sections.items()}}
 
 
@@ -324,17 +317,20 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
 
 def train(opts: RunOptions, ds_config: dict) -> dict | None:
     """The whole run on this rank: the plan (nothing talks or writes before it is checked), the job
-    set up, its steps, then the consensus and the summary."""
-    job = start_job(opts, ds_config, plan_run(opts, ds_config))
-    while not job.optimizer.done:
-        job.step()
-    return job.finish()
+    set up, its steps, then the consensus and the summary. A CPU rank counts its tensor memory
+    from the start when asked (DECA_COUNT_CPU_MEMORY=1, runtime.allocated)."""
+    counter = cpu_counter(local_device(opts.device_map))
+    with counting(counter):
+        job = start_job(opts, ds_config, plan_run(opts, ds_config), counter)
+        while not job.optimizer.done:
+            job.step()
+        return job.finish()
 
 
-def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
+def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorBytes | None = None) -> Job:
     """This rank's part of the run set up: process group, mixer, the resumed state, the model on
     its device (offloaded layers in host memory), the optimizer and DeepSpeed's engine, the run's
-    files claimed and written."""
+    files claimed and written. `counter`: this CPU rank's count of tensor memory, if it keeps one."""
     model, partition, out, laps = plan.model, plan.partition, plan.out, plan.laps
     laps("checks")
     rank, world_size, device, store = init_process_group(opts.timeout, plan.placement["transport"], opts.device_map)
@@ -412,13 +408,13 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan) -> Job:
 
     # The setup's peak (the first evaluation's batch, say) is logged apart (first record), not as
     # the training step's.
-    setup = memory_now(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    memory = DeviceMemory(device, counter)
+    setup = memory.now()
+    memory.reset_peak()
     laps("outputs")
     if rank == 0:
         print(laps, flush=True)
-    timer = Timer(device)
+    timer = Timer(memory)
     optimizer.clock = mixer.clock = timer.now
     bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
                dynamic_ncols=True, desc=opts.method)
