@@ -3,8 +3,9 @@ runs, next to the estimator's figure for the same run.
 
 For each --layers-per-block × --offload this runs launch/train.py with --ranks ranks (started like
 torchrun starts them), reads every client's metrics, and reports the training peak and the average
-over steps of device memory (torch.cuda max_memory_allocated / memory_allocated on a GPU) or of the
-process's resident set (psutil RSS, on CPU ranks), the setup's own peak (the whole model is on the
+over steps of device memory (torch.cuda max_memory_allocated / memory_allocated on a GPU; on CPU
+ranks started with DECA_COUNT_CPU_MEMORY=1 their count of tensor memory) or of the process's
+resident set (psutil RSS, on other CPU ranks), the setup's own peak (the whole model is on the
 device once before offloading frees the frozen layers), the median step time, and - for a model
 given by its config - deca_ds.memory's estimate of the peak for exactly that run (same dtypes,
 graph degree, micro-batch, sequence length, checkpointing, offload). With --card
@@ -92,7 +93,8 @@ def measure(out: Path, warmup: int) -> dict:
     # on a GPU, the peak of each section of a step (the largest over the steps), beside the estimator's phases
     sections = {name: max(r.get(f"mem_peak_{name}", 0) for r in rows) / GiB for name in SECTIONS}
     return {
-        "kind": "device memory (torch.cuda)" if key_now == "mem_allocated" else "process RSS (CPU)",
+        "kind": "process RSS (CPU)" if key_now == "mem_rss" else "device memory (torch.cuda)"
+                if torch.cuda.is_available() else "tensor memory (counted on CPU, DECA_COUNT_CPU_MEMORY)",
         "micro_batch": run_config["options"]["micro_batch"],
         "seq_len": run_config["options"]["max_seq_len"],
         "blocks": len(run_config["blocks"]),

@@ -771,6 +771,7 @@ def test_a_cpu_run_counts_its_steps_as_the_estimator_does(tmp_path, monkeypatch)
     (deca-train --estimate's, deca_ds.memory), all beside the model's buffers, to 64 bytes of 0-d
     scalars. Nothing the trainer keeps around the optimizer (the engine, the checks, the records)
     adds a byte."""
+    from deca_ds.memory import GiB
     from deca_ds.runtime.allocated import COUNT_ON_CPU
     from deca_ds.runtime.options import estimate_run
 
@@ -793,6 +794,12 @@ def test_a_cpu_run_counts_its_steps_as_the_estimator_does(tmp_path, monkeypatch)
             assert 0 <= row["mem_allocated"] - held < scalars, (client, row)
             step = max(est.phases["update"], est.phases["mixing"]) + buffers
             assert 0 <= row["mem_peak_step"] - step < scalars, (client, row, est.phases)
+    import profile_memory  # its report of such a run says what it read
+    import runs
+
+    measured = profile_memory.measure(out, warmup=0)
+    assert measured["kind"] == "tensor memory (counted on CPU, DECA_COUNT_CPU_MEMORY)"
+    assert measured["peak_gib"] == max(r["mem_peak"] for client in runs.metrics(out) for r in client) / GiB
 
 
 def test_start_and_end_loss_windows_never_overlap():
