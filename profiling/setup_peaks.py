@@ -11,7 +11,7 @@ peaks.PhasePeaks, and the increment each one adds is compared with the term that
 DeepSpeed's engine setup is not run here: at stage 0 it wraps the module without copying it
 (the estimator counts nothing for it; a GPU run through launch/train.py measures it). A phase's
 number is the tensor memory allocated: on a GPU (`--device cuda`) torch.cuda's allocated peak, on
-CPU its counterpart, a peaks.TensorBytes counter of what operators allocate (exact: memory from
+CPU its counterpart, a deca_ds.runtime.allocated.TensorBytes counter of what operators allocate (exact: memory from
 before a phase that is freed inside it is not netted out, as in a resident set). Each row also says
 what the phase still holds at its end (`held_bytes`), and on CPU the resident set's high-water
 mark above its start (`rss_peak_bytes`, VmHWM, every tensor in pages of its own by
@@ -29,7 +29,6 @@ rather than init's; the resident setup peak (`setup_peak_rss`) compares the two 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import sys
 import tempfile
@@ -40,7 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "profiling"))
 
-from peaks import PhasePeaks, TensorBytes, map_each_allocation, rss  # noqa: E402
+from deca_ds.runtime.allocated import TensorBytes, counting  # noqa: E402
+from peaks import PhasePeaks, map_each_allocation, rss  # noqa: E402
 from report import emit, provenance  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -108,7 +108,7 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
     labels = torch.full_like(ids, -100)
     labels[:, -1] = ids[:, -1]
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    with tempfile.TemporaryDirectory(prefix="setup_peaks_") as tmp, tensors or contextlib.nullcontext():
+    with tempfile.TemporaryDirectory(prefix="setup_peaks_") as tmp, counting(tensors):
         if load == "checkpoint":
             save_checkpoint(warm, dtype=dtype, device=dev, checkpoint=Path(tmp, "warm"))
             save_checkpoint(config, dtype=dtype, device=dev, checkpoint=Path(tmp, "model"))

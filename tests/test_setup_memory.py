@@ -4,7 +4,7 @@ checkpoint, no KV cache in the scoring forward, and the estimator's setup terms.
 The memory claims are measured: each path runs in a process of its own (forked after the imports),
 every tensor in pages of its own, its resident peak above the resident set before it (VmHWM reset
 through /proc/self/clear_refs), old and new side by side. The setup phases against the estimator
-are counted exactly, by the tensor memory operators allocate (profiling/peaks.TensorBytes)."""
+are counted exactly, by the tensor memory operators allocate (deca_ds.runtime.allocated)."""
 
 from __future__ import annotations
 
@@ -279,11 +279,10 @@ def test_the_evaluation_before_training_runs_before_the_first_block_state_exists
 
 
 def test_tensor_bytes_counts_what_operators_allocate():
-    """peaks.TensorBytes, the CPU counterpart of torch.cuda's allocated counter, against sizes by
+    """TensorBytes (deca_ds.runtime.allocated), the CPU counterpart of torch.cuda's allocated counter, against sizes by
     hand: a new result counts until it is freed; a view, an in-place result, a tensor on another
     device and memory from before the count do not, and freeing the last lowers nothing."""
-    sys.path.insert(0, str(ROOT / "profiling"))
-    from peaks import TensorBytes
+    from deca_ds.runtime.allocated import TensorBytes
 
     earlier = torch.zeros(1000)
     counter = TensorBytes()
@@ -307,7 +306,7 @@ def test_tensor_bytes_counts_what_operators_allocate():
 @linux_peak
 def test_setup_peaks_against_the_estimator():
     """profiling/setup_peaks.py on CPU (bf16, 27 M parameters), each phase counted by a
-    peaks.TensorBytes counter (what operators allocate, as torch.cuda counts on a GPU). Drawn from
+    TensorBytes counter (deca_ds.runtime.allocated: what operators allocate, as torch.cuda counts on a GPU). Drawn from
     its config: init holds exactly the model's weights and buffers and peaks at most at its term
     (which adds one largest tensor, for a checkpoint's copy); the scoring forward holds nothing once
     it is done (no KV cache) and peaks at its term to 5 %; the first block's fp32 master, m, v are

@@ -1,7 +1,7 @@
 """One training step's update and mixing, counted on CPU ranks against the estimator.
 
 Each rank is one client of a ring (two neighbours each) or a client alone, exchanging through the
-runtime's DistributedMixer over gloo. A profiling/peaks.TensorBytes counter (the tensor memory
+runtime's DistributedMixer over gloo. A deca_ds.runtime.allocated.TensorBytes counter (the tensor memory
 operators allocate: on CPU what torch.cuda's allocated counter is on a GPU) runs from before the
 model exists, so after backward it holds exactly the weights, the optimizer state and the
 gradient, and the peak of `optimizer.step()` is what the update and the mixing hold at once: the
@@ -12,8 +12,6 @@ code allocates out of sight of a dispatch mode (and refuses to compile under one
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,11 +24,11 @@ from deca_ds.memory import estimate_block
 from deca_ds.methods import AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA
 from deca_ds.mixing import mixing_order
 from deca_ds.models import causal_lm_loss, draw_from_config
+from deca_ds.runtime.allocated import TensorBytes
 from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
 from helpers import free_port
 from ranks import run_on_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
 SEQ = 16
@@ -51,9 +49,6 @@ def build(method: str, variant: str, bits: int = 32):
 
 def step_peaks(rank: int, port: int, world: int, method: str, variant: str, transfer: str, bits: int = 32) -> list[int]:
     """Counted on this rank: each step's peak above the weights, state and gradient it starts from."""
-    sys.path.insert(0, str(ROOT / "profiling"))
-    from peaks import TensorBytes
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         W = make_topology("ring", world).W
