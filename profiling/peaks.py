@@ -4,7 +4,7 @@ device memory in use (the CUDA context and other processes included); on CPU, wi
 counter on (deca_ds.runtime.allocated), the bytes of tensors allocated, the counterpart of
 torch.cuda's allocated counter.
 
-    peaks = PhasePeaks(device)  # or PhasePeaks("cpu", TensorBytes()), inside `with` that counter
+    peaks = PhasePeaks(DeviceMemory(device))  # on CPU DeviceMemory(cpu, counter), inside `with` the counter
     peaks.mark("load")   # closes the phase before it (named at the previous mark), opens "load"
     ...
     peaks.mark("train")  # the rows so far: [{"phase": "start", ...}, {"phase": "load", ...}]
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from deca_ds.runtime.allocated import TensorBytes
+from deca_ds.runtime.allocated import DeviceMemory
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -71,32 +71,30 @@ def map_each_allocation(threshold: int = 64 * 1024) -> str:
 
 class PhasePeaks:
     """Consecutive phases of one process, each with its own peak. The first phase, "start", runs
-    from process start (VmHWM is not reset before it) to the first mark. With a TensorBytes
-    counter (on CPU), each row also has its peak and its count at the phase's end."""
+    from process start (VmHWM is not reset before it) to the first mark. Where `memory` counts
+    tensor memory (a GPU, or a CPU counter), each row also has its allocated peak and its count at
+    the phase's end (`cuda_…` or `cpu_…`)."""
 
-    def __init__(self, device: torch.device | str = "cpu", tensors: TensorBytes | None = None) -> None:
-        self.device = torch.device(device)
-        self.tensors = tensors
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.memory, self.device = memory, memory.device
         self.rows: list[dict] = []
         self.phase = "start"
 
     def _cuda(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_initialized()
+        return self.memory.cuda and torch.cuda.is_initialized()
 
     def mark(self, next_phase: str) -> dict:
         """End the current phase (its row: peak and memory now), reset the peaks, start `next_phase`."""
         row = {"phase": self.phase, "rss_peak": rss_peak(), "rss_end": rss()}
-        if self._cuda():
+        if self._cuda():  # also what torch reserved, and the device's memory in use (the CUDA context included)
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            row.update(cuda_allocated_peak=torch.cuda.max_memory_allocated(self.device),
-                       cuda_reserved_peak=torch.cuda.max_memory_reserved(self.device),
-                       cuda_allocated_end=torch.cuda.memory_allocated(self.device),
+            row.update(cuda_reserved_peak=torch.cuda.max_memory_reserved(self.device),
                        cuda_device_used_end=total - free)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        if self.tensors is not None:
-            row.update(cpu_allocated_peak=self.tensors.peak, cpu_allocated_end=self.tensors.live)
-            self.tensors.reset_peak()
+        if self._cuda() or self.memory.counter is not None:
+            row.update({f"{self.device.type}_allocated_peak": self.memory.peak(),
+                        f"{self.device.type}_allocated_end": self.memory.allocated()})
+            self.memory.reset_peak()
         self.rows.append(row)
         reset_rss_peak()
         self.phase = next_phase

@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "profiling"))
 
-from deca_ds.runtime.allocated import TensorBytes, counting  # noqa: E402
+from deca_ds.runtime.allocated import DeviceMemory, TensorBytes, counting  # noqa: E402
 from peaks import PhasePeaks, map_each_allocation, rss  # noqa: E402
 from report import emit, provenance  # noqa: E402
 
@@ -90,13 +90,10 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
-    tensors = None if cuda else TensorBytes(dev)
-
-    def allocated() -> int:
-        return torch.cuda.memory_allocated(dev) if cuda else tensors.live
+    memory = DeviceMemory(dev, None if cuda else TensorBytes(dev))
 
     def mark(phase: str) -> None:
-        before[phase], rss_before[phase] = allocated(), rss()
+        before[phase], rss_before[phase] = memory.allocated(), rss()
         peaks.mark(phase)
 
     # one-time costs (transformers' lazy imports and loading code, kernels' first-call buffers) are
@@ -108,7 +105,7 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
     labels = torch.full_like(ids, -100)
     labels[:, -1] = ids[:, -1]
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    with tempfile.TemporaryDirectory(prefix="setup_peaks_") as tmp, counting(tensors):
+    with tempfile.TemporaryDirectory(prefix="setup_peaks_") as tmp, counting(memory.counter):
         if load == "checkpoint":
             save_checkpoint(warm, dtype=dtype, device=dev, checkpoint=Path(tmp, "warm"))
             save_checkpoint(config, dtype=dtype, device=dev, checkpoint=Path(tmp, "model"))
@@ -118,7 +115,7 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
                                     "attention_mask": torch.ones(1, 8, dtype=torch.long, device=dev),
                                     "labels": torch.zeros(1, 8, dtype=torch.long, device=dev)})
         del small
-        peaks = PhasePeaks(dev, tensors)
+        peaks = PhasePeaks(memory)
         gc.collect()
         before, rss_before = {}, {}
         mark("init")
