@@ -17,17 +17,18 @@
 #   offload  Llama-3.1-8B, 4 clients with --offload frozen (an H200's memory)              4 min
 # Issue 17, one client (profiling/README.md, "GPU measurements that remain"):
 #   setup    setup + training peaks, resident and offloaded, Llama-3.1-8B (target 1)       6 min
-#            (2026-11-27, H200: the resident run took about 1 min; the offloaded one had not ended
-#            after 6; a step stopped by its limit now shows where each rank was)
+#            (H200, 743e68b: setup and aggshare together 325 s measured)
 #   terms    the estimator's setup terms against torch.cuda, drawn and from a checkpoint   20 s measured
 #   ckpt     as setup, the 8B model loaded from a bf16 safetensors checkpoint of it       7 min
-#   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)               3 x 3 min
+#   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)   H200: 16 s a run measured
 #   update   the fused update on the device (target 3)                                     50 s measured
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
 #   fused4   the same with neighbours: DECA eager and fused, table9's 4 clients (target 3) 3-5 min
+#            (H200: fused4, update and terms together 247 s measured)
 #            (the fused run compiles its kernels in its warm-up steps, 4 ranks at once)
 #   fits     each preset trained under its card's memory (--card; target 4); an H100 refuses
 #            the RTX PRO 6000 ones at once (their cap is above its memory): an H200's     4 x 2 min
+#            (H200: about 55 s a preset measured)
 # Issue 19, the scaled accuracy grid (reproduce/gpu_ag_news.yaml; data/ag_news carried):
 #   reproduce  pretrain the 88M Llama (once per machine), then the grid's cells within the
 #            budget, seed 0 of every method first, and the tables of the finished cells; a
