@@ -109,6 +109,8 @@ def main(argv=None) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if device.type == "cuda" and device.index is None:  # the allocator's cap takes an indexed device only
+        device = torch.device("cuda", torch.cuda.current_device())
     config = AutoConfig.from_pretrained(args.config)
     if args.layers:
         config.num_hidden_layers = args.layers

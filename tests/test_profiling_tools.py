@@ -75,6 +75,25 @@ def test_matmul_efficiency_runs_on_cpu(tmp_path):
         matmul_efficiency.main(["--config", str(tmp_path / "tiny"), "--device", "cpu", "--card-gb", "32"])
 
 
+def test_matmul_efficiency_caps_the_current_gpu(tmp_path, monkeypatch):
+    """--card-gb on `--device cuda` (faked: this machine has none) caps the current GPU, named by
+    its index as torch.cuda.set_per_process_memory_fraction requires (an H200 run failed on `cuda`)."""
+    class Capped(Exception):
+        pass
+
+    def set_fraction(fraction, device):
+        assert isinstance(device, int) or device.index is not None, device  # torch raises otherwise
+        raise Capped(fraction, device)
+
+    TINY.save_pretrained(tmp_path / "tiny")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 64e9}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    with pytest.raises(Capped) as capped:
+        matmul_efficiency.main(["--config", str(tmp_path / "tiny"), "--device", "cuda", "--card-gb", "32"])
+    assert capped.value.args == (0.5, torch.device("cuda", 1))
+
+
 def test_offload_sweep_ratios_from_measured_times(tmp_path, profiling_runs):
     """One resident and one offloaded run (keep 1) of the built-in tiny model on one CPU rank at R = 2."""
     out = tmp_path / "sweep.json"

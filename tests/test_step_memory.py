@@ -25,6 +25,7 @@ from deca_ds.methods import AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA
 from deca_ds.mixing import mixing_order
 from deca_ds.models import causal_lm_loss, draw_from_config
 from deca_ds.runtime.allocated import TensorBytes
+from deca_ds.runtime.consensus import consensus_distance
 from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
 from helpers import free_port
 from ranks import run_on_ranks
@@ -124,3 +125,29 @@ def test_8bit_moments_step_stays_within_the_estimate(world):
             want = expected_peak(est, "deca", rank, world)
             for peak in peaks:
                 assert 0 <= want - peak < largest, (variant, rank, peak, want, est.phases)
+
+
+def distance_and_peak(rank: int, port: int, chunk: int) -> tuple[float, int]:
+    """consensus_distance of this rank's vector, and the tensor memory it allocated at its peak."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+        counter = TensorBytes()
+        with counter:
+            distance = consensus_distance(x, chunk=chunk)
+        return distance, counter.peak
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_consensus_distance_holds_one_chunk_of_the_block():
+    """‖x_i − x̄‖ (the trainer's consensus_interval) goes through the vector a chunk at a time: it
+    allocates one chunk (the reduced copy) and the norms' scalars, where a clone of the block and
+    a difference were two block-sized copies, the peak of a GPU run that asked for it
+    (profiling/results/gpu_h200/README.md, `fits`). The value is the float64 distance's."""
+    xs = [torch.randn(1000, generator=torch.Generator().manual_seed(r), dtype=torch.float32).double() for r in range(2)]
+    mean = (xs[0] + xs[1]) / 2
+    for chunk in (256, 2**25):
+        for rank, (distance, peak) in enumerate(run_on_ranks(distance_and_peak, 2, free_port(), chunk)):
+            assert distance == pytest.approx(torch.linalg.vector_norm(xs[rank] - mean).item(), rel=1e-6)
+            assert 4 * min(chunk, 1000) <= peak < 4 * min(chunk, 1000) + SCALARS, (chunk, peak)

@@ -10,16 +10,20 @@ from pathlib import Path
 import torch
 
 from ..methods import Method
-from ..mixing import ClientView
+from ..mixing import MIX_CHUNK, ClientView
 from . import checkpoint as ckpt
 from .dist import ClientLayout, all_gather_, all_mean_
 from .options import RunOptions
 
 
-def consensus_distance(x: torch.Tensor) -> float:
-    """‖x_i − x̄‖ of this client's flat vector x (one all-reduce)."""
-    mean = all_mean_(x.detach().clone())
-    return torch.linalg.vector_norm(x - mean).item()
+def consensus_distance(x: torch.Tensor, chunk: int = MIX_CHUNK) -> float:
+    """‖x_i − x̄‖ of this client's flat vector x, `chunk` elements at a time (an all-reduce each):
+    one chunk-sized buffer, as mixing's, where a copy of the vector and a difference would be two
+    copies of the block (the peak of a run that asks for the distance, measured on a GPU)."""
+    sq = 0.0
+    for piece in x.detach().split(chunk):  # one expression: no name keeps a chunk's mean alive into the next
+        sq += torch.linalg.vector_norm(all_mean_(piece.clone()).sub_(piece)).item() ** 2
+    return math.sqrt(sq)
 
 
 def to_consensus_(model, device: torch.device | None = None) -> float:
