@@ -94,6 +94,28 @@ def test_deepspeed_is_given_the_ranks_own_gpu_not_local_rank(monkeypatch):
     assert seen[1] is None  # CPU ranks: DeepSpeed's own choice
 
 
+def test_the_engine_clears_gradients_through_the_optimizer(monkeypatch):
+    """DeepSpeed's step ends with engine.zero_grad(), a walk over every module's parameters; the
+    engine calls the optimizer's instead, which clears every gradient a step can have made."""
+    import deepspeed
+
+    from deca_ds.runtime.ds_engine import ClientMPU, initialize
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].requires_grad_(False)  # a frozen layer: never a gradient
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    monkeypatch.setattr(deepspeed, "initialize", lambda args=None, model=None, optimizer=None, config=None,
+                        mpu=None: (deepspeed.DeepSpeedEngine.__new__(deepspeed.DeepSpeedEngine), optimizer, None, None))
+    engine = initialize(model, optimizer, {}, ClientMPU(None, [0], None), torch.device("cpu"))
+    model(torch.ones(1, 2)).sum().backward()
+    params = list(model.parameters())
+    assert [p.grad is None for p in params] == [True, True, False, False]
+    with monkeypatch.context() as walk:
+        walk.setattr(torch.nn.Module, "named_parameters", lambda *a, **k: pytest.fail("walked the modules"))
+        engine.zero_grad()
+    assert [p.grad for p in params] == [None] * 4
+
+
 def test_clients_sharing_a_gpu_need_gloo_and_are_counted():
     places = node_places(0, 0, 8, 1, None)  # 8 clients on one GPU
     with pytest.raises(ValueError, match="8 ranks share GPU 0 of node 0, which NCCL refuses; run them with "

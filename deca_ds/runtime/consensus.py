@@ -20,9 +20,13 @@ def consensus_distance(x: torch.Tensor, chunk: int = MIX_CHUNK) -> float:
     """‖x_i − x̄‖ of this client's flat vector x, `chunk` elements at a time (an all-reduce each):
     one chunk-sized buffer, as mixing's, where a copy of the vector and a difference would be two
     copies of the block (the peak of a run that asks for the distance, measured on a GPU)."""
-    sq = 0.0
-    for piece in x.detach().split(chunk):  # one expression: no name keeps a chunk's mean alive into the next
-        sq += torch.linalg.vector_norm(all_mean_(piece.clone()).sub_(piece)).item() ** 2
+    x, sq = x.detach(), 0.0
+    # One buffer for every chunk: a collective may let go of its tensor after it returns (gloo's
+    # work object), so a fresh chunk each time could meet the last one's.
+    buffer = torch.empty(min(chunk, x.numel()), dtype=x.dtype, device=x.device)
+    for piece in x.split(chunk):
+        mean = all_mean_(buffer[: piece.numel()].copy_(piece))
+        sq += torch.linalg.vector_norm(mean.sub_(piece)).item() ** 2
     return math.sqrt(sq)
 
 

@@ -54,6 +54,10 @@ def initialize(model, optimizer, ds_config: dict, mpu: ClientMPU, device: torch.
     # With one rank per client the all-reduce is an identity that still copies the active
     # block's gradient into flat bf16 and fp32 buffers; skip it.
     engine.enable_backward_allreduce = mpu.get_data_parallel_world_size() > 1
+    # After each step the engine clears gradients by walking every parameter of every module
+    # (DeepSpeedEngine.zero_grad), host time that grows with the model's modules and counts in Agg &
+    # Up beside an update that takes milliseconds; only the optimizer's parameters can have one.
+    engine.zero_grad = lambda: optimizer.zero_grad(set_to_none=True)
     if engine_optimizer is not optimizer:
         raise RuntimeError("DeepSpeed wrapped the DECA optimizer; check the config for precision/ZeRO keys")
     return engine
