@@ -22,7 +22,8 @@
 #   ckpt     as setup, the 8B model loaded from a bf16 safetensors checkpoint of it       7 min
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)   H200: 16 s a run measured
 #   update   the fused update on the device (target 3)                                     50 s measured
-#   aggshare DECA's Agg & Up share with the eager and the fused update (target 3)          3 min
+#   aggshare DECA's Agg & Up share with the eager and the fused update (target 3), at 1 x 512
+#            and at the rtxpro6000 preset's 4 x 512, 2 layers per block                   3 + 4 min
 #   fused4   the same with neighbours: DECA eager and fused, table9's 4 clients (target 3) 3-5 min
 #            (H200: fused4, update and terms together 247 s measured)
 #            (the fused run compiles its kernels in its warm-up steps, 4 ranks at once)
@@ -110,7 +111,12 @@ for what in "$@"; do
               --out "$RES" ;;
     aggshare) step 200 aggshare python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
                 --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b \
-                --train-args "${LLAMA[@]}" --layers-per-block 1 ;;
+                --train-args "${LLAMA[@]}" --layers-per-block 1
+              # the same at the preset's micro-batch (4 x 512) and granularity (2 layers per block)
+              step 240 "aggshare preset" python3 profiling/profile_resources.py \
+                --ds-config ds_configs/rtxpro6000_llama-3.1-8b.json --out "$RES" --ranks 1 --methods deca \
+                --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b_preset \
+                --train-args "${LLAMA[@]}" --dataset synthetic --synthetic-words 600 ;;
     fused4) step 300 fused4 python3 profiling/profile_resources.py "${BF16[@]}" --ranks 4 --methods deca \
               --updates eager fused --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b_fused \
               --train-args "${QWEN[@]}" ;;
