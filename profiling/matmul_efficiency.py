@@ -31,9 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "profiling"))
 
+from deca_ds.config import DTYPES  # noqa: E402
 from report import emit, provenance  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def model_flops(config, batch: int, seq_len: int, positions: int = 1) -> int:
@@ -95,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, help="keep this many decoder layers (the FLOP rate is per layer)")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gemm-size", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=10)
