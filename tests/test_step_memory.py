@@ -25,7 +25,7 @@ from deca_ds.methods import AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA
 from deca_ds.mixing import mixing_order
 from deca_ds.models import causal_lm_loss, draw_from_config
 from deca_ds.runtime.allocated import TensorBytes
-from deca_ds.runtime.consensus import consensus_distance
+from deca_ds.runtime.consensus import consensus_distance, to_consensus_
 from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
 from helpers import free_port
 from ranks import run_on_ranks
@@ -151,3 +151,31 @@ def test_the_consensus_distance_holds_one_chunk_of_the_block():
         for rank, (distance, peak) in enumerate(run_on_ranks(distance_and_peak, 2, free_port(), chunk)):
             assert distance == pytest.approx(torch.linalg.vector_norm(xs[rank] - mean).item(), rel=1e-6)
             assert 4 * min(chunk, 1000) <= peak < 4 * min(chunk, 1000) + SCALARS, (chunk, peak)
+
+
+def consensus_model(rank: int, port: int, chunk: int) -> tuple[list[torch.Tensor], float, int]:
+    """This rank's weights after to_consensus_, its distance, and the tensor memory allocated at the peak."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = draw_from_config(CONFIG, dtype=torch.bfloat16, seed=rank, device="cpu")
+        counter = TensorBytes()
+        with counter:
+            distance = to_consensus_(model, chunk=chunk)
+        return [p.detach().clone() for p in model.parameters()], distance, counter.peak
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_consensus_model_is_formed_through_two_chunks():
+    """x̄ of the weights at the end of a run (and for an evaluation during it) goes through a mean
+    and a difference buffer of one chunk each, in fp32, whatever the size of the largest tensor (a
+    copy of it and its mean were 8 bytes per element of the embedding). Both clients end with the
+    fp32 mean of their bf16 weights, rounded to bf16, and each its distance from it."""
+    own = [list(draw_from_config(CONFIG, dtype=torch.bfloat16, seed=r, device="cpu").parameters()) for r in range(2)]
+    means = [(a.float() + b.float()) / 2 for a, b in zip(*own)]  # gloo's sum of two, in fp32
+    chunk = 1000  # below the largest tensor (the embedding and the head: 6,400 elements), above others
+    for rank, (weights, distance, peak) in enumerate(run_on_ranks(consensus_model, 2, free_port(), chunk)):
+        assert all(torch.equal(w, m.to(torch.bfloat16)) for w, m in zip(weights, means))
+        expected = sum(((x.double() - m.double()) ** 2).sum().item() for x, m in zip(own[rank], means)) ** 0.5
+        assert distance == pytest.approx(expected, rel=1e-6)
+        assert 2 * 4 * chunk <= peak < 2 * 4 * chunk + SCALARS, peak
