@@ -92,6 +92,9 @@ def measure(out: Path, warmup: int) -> dict:
     est = None if model is None else model.peak / GiB
     # on a GPU, the peak of each section of a step (the largest over the steps), beside the estimator's phases
     sections = {name: max(r.get(f"mem_peak_{name}", 0) for r in rows) / GiB for name in SECTIONS}
+    # after the last step: the finite check, x̄ (export) and rank 0's evaluation of it (the trainer's summary)
+    ends = json.loads((out / "summary.json").read_text()).get("mem_end_peak") or []
+    end = max((peak for peak in ends if peak is not None), default=None)
     return {
         "kind": "process RSS (CPU)" if key_now == "mem_rss" else "device memory (torch.cuda)"
                 if torch.cuda.is_available() else "tensor memory (counted on CPU, DECA_COUNT_CPU_MEMORY)",
@@ -103,6 +106,7 @@ def measure(out: Path, warmup: int) -> dict:
         "peak_gb": peak * GiB / 1e9,
         "mean_gib": statistics.fmean(r[key_now] for r in rows) / GiB,
         "setup_peak_gib": max(r["mem_setup_peak"] for r in rows if "mem_setup_peak" in r) / GiB,
+        "end_peak_gib": None if end is None else end / GiB,
         # offloaded: the layers below each block run once for all its steps, at its first step (t_prefix);
         # their time is spread over the steps
         "prefix_ms": 1e3 * statistics.fmean(r.get("t_prefix", 0.0) for r in steps),
@@ -185,12 +189,14 @@ def write(summary: dict, out: Path, name: str) -> None:
     if any(r["peak_forward_gib"] for r in rows):
         md += ["", "Where the peak is set: each section's allocation peak on the GPU (the largest over the steps; "
                "the step is the update and the mixing; other, the work between them, such as the checks after the "
-               "update), beside the estimator's phases (GiB).", "",
-               "| layers per block | offload | prefix | forward | backward | step | other | estimated: prefix "
-               "| backward | update | mixing |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-               "| ---: |"]
+               "update; after training: the check that the weights are finite, forming x̄ and rank 0's evaluation "
+               "of it), beside the estimator's phases (GiB).", "",
+               "| layers per block | offload | prefix | forward | backward | step | other | after training "
+               "| estimated: prefix | backward | update | mixing |",
+               "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         md += [f"| {r['layers_per_block']} | {setting(r)} | "
-               + " | ".join(_f(r[f"peak_{k}_gib"], ".2f") for k in SECTIONS) + " | "
+               + " | ".join(_f(r[f"peak_{k}_gib"], ".2f") for k in SECTIONS)
+               + f" | {_f(r.get('end_peak_gib'), '.2f')} | "
                + " | ".join(_f(r[f"estimate_{k}_gib"], ".2f") for k in PHASES) + " |" for r in rows]
     write_results(out, name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
 

@@ -545,13 +545,14 @@ def test_profile_memory_tool(tmp_path, profiling_runs, monkeypatch):
     assert [r["first_loss"] for r in rows][::2] == [r["first_loss"] for r in rows][1::2]  # the same start
     assert (tmp_path / "out" / "profile_memory.png").stat().st_size > 1000
     # section peaks come from GPU ranks only; given them, the table says where each run peaks
-    assert all(r[f"peak_{k}_gib"] is None for r in rows for k in profile_memory.SECTIONS)
+    assert all(r[f"peak_{k}_gib"] is None and r["end_peak_gib"] is None for r in rows for k in profile_memory.SECTIONS)
     gpu = [{**rows[0], "peak_prefix_gib": None, "peak_forward_gib": 1.5, "peak_backward_gib": 2.25,
-            "peak_step_gib": 2.5, "peak_other_gib": 1.25, **{f"estimate_{k}_gib": 2.0 for k in profile_memory.PHASES}}]
+            "peak_step_gib": 2.5, "peak_other_gib": 1.25, "end_peak_gib": 1.75,
+            **{f"estimate_{k}_gib": 2.0 for k in profile_memory.PHASES}}]
     profile_memory.write({**summary, "results": gpu, "card": "RTX 5090",
                           "gpu_memory_gb": profile_memory.card_cap_gb("RTX 5090")}, tmp_path / "gpu", "pm")
     table = (tmp_path / "gpu" / "pm.md").read_text()
-    assert "| 2 | none | — | 1.50 | 2.25 | 2.50 | 1.25 | 2.00 | 2.00 | 2.00 | 2.00 |" in table
+    assert "| 2 | none | — | 1.50 | 2.25 | 2.50 | 1.25 | 1.75 | 2.00 | 2.00 | 2.00 | 2.00 |" in table
     # --card: the runs capped at the card's 32607 MiB less 1 GiB; without a GPU, refused before any run
     assert "Run as on an RTX 5090: every rank's allocator capped at 33.12 GB" in table
     assert summary["card"] is None
@@ -763,14 +764,14 @@ def test_a_cpu_run_that_counts_its_tensor_memory_records_it_as_a_gpu_run_does(mo
     del kept
 
 
-def test_a_cpu_run_counts_its_steps_as_the_estimator_does(tmp_path, monkeypatch):
+def test_a_cpu_run_counts_its_steps_as_the_estimator_does(tmp_path, monkeypatch, profiling_runs):
     """DECA_COUNT_CPU_MEMORY=1 on two CPU ranks (one neighbour each; the demo's fp32 tiny Llama,
     one layer per block, a block a step): between steps the trainer holds the weights and the
     active block's master, m, v and nothing else, after the last the weights alone, and DeepSpeed's
     step (DECA's update and mixing) peaks at the estimate's update and mixing phases
     (deca-train --estimate's, deca_ds.memory), all beside the model's buffers, to 64 bytes of 0-d
     scalars. Nothing the trainer keeps around the optimizer (the engine, the checks, the records)
-    adds a byte."""
+    adds a byte. The summary has each client's peak after training (mem_end_peak)."""
     from deca_ds.memory import GiB
     from deca_ds.runtime.allocated import COUNT_ON_CPU
     from deca_ds.runtime.options import estimate_run
@@ -794,12 +795,18 @@ def test_a_cpu_run_counts_its_steps_as_the_estimator_does(tmp_path, monkeypatch)
             assert 0 <= row["mem_allocated"] - held < scalars, (client, row)
             step = max(est.phases["update"], est.phases["mixing"]) + buffers
             assert 0 <= row["mem_peak_step"] - step < scalars, (client, row, est.phases)
-    import profile_memory  # its report of such a run says what it read
-    import runs
+    # After the last step client 1 holds the weights and forms x̄ through two fp32 chunk buffers (its
+    # largest tensor here); client 0 also exports x̄ and evaluates it.
+    largest = max(p.numel() for p in AutoModelForCausalLM.from_pretrained(out / "consensus").parameters())
+    ends = json.loads((out / "summary.json").read_text())["mem_end_peak"]
+    assert 0 <= ends[1] - (est.weights + buffers + 2 * 4 * largest) < scalars, ends
+    assert ends[0] >= ends[1]
+    import profile_memory  # its report of such a run says what it read (profiling/ is on sys.path)
 
     measured = profile_memory.measure(out, warmup=0)
     assert measured["kind"] == "tensor memory (counted on CPU, DECA_COUNT_CPU_MEMORY)"
-    assert measured["peak_gib"] == max(r["mem_peak"] for client in runs.metrics(out) for r in client) / GiB
+    assert measured["peak_gib"] == max(r["mem_peak"] for client in profiling_runs.metrics(out) for r in client) / GiB
+    assert measured["end_peak_gib"] == max(ends) / GiB
 
 
 def test_start_and_end_loss_windows_never_overlap():

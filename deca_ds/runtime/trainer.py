@@ -572,23 +572,25 @@ class Job:
     def finish(self) -> dict | None:
         """After the last step: refuse non-finite weights, export the consensus model, and on rank 0
         the summary of every client's metrics (returned; None on other ranks)."""
-        layout, offload, engine = self.layout, self.offload, self.engine
+        layout, offload, engine, memory = self.layout, self.offload, self.engine, self.timer.device_memory
         self.bar.close()
         if self.metrics:
             self.metrics.close()
+        memory.reset_peak()  # the whole process's peak is the setup's, the steps' or this phase's
         with offload.host_weights():
             weights_finite = all(finite(p) for p in engine.module.parameters())
         stop_if_nonfinite(0 if weights_finite else 3, layout, self.device, "after the last step")
         with offload.host_weights():  # offloaded layers are averaged and exported from host memory
             distance, final_model = export_consensus(engine.module, self.optimizer, self.method, self.out,
                                                      self.task.tokenizer, layout, self.opts, self.device)
-        distances = [None] * layout.world_size
-        dist.all_gather_object(distances, distance)
+        ends = [None] * layout.world_size  # each rank's distance and, where counted, this phase's peak
+        dist.all_gather_object(ends, (distance, memory.peak() if memory.counted else None))
         records = gather_metrics(self.out, layout)
         result = None
         if layout.rank == 0:
-            result = final_report(self.out, final_model, self.task, self.opts, records,
-                                  distances[::layout.ranks_per_client], self.placement)
+            clients = ends[::layout.ranks_per_client]
+            result = final_report(self.out, final_model, self.task, self.opts, records, [d for d, _ in clients],
+                                  self.placement, [peak for _, peak in clients], memory)
         dist.barrier()
         dist.destroy_process_group()
         return result
@@ -641,10 +643,16 @@ def gather_metrics(out: Path, layout: ClientLayout) -> list[list[dict]] | None:
 
 
 def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[list[dict]],
-                 distances: list[float], placement: dict) -> dict:
+                 distances: list[float], placement: dict, end_peaks: list[int | None],
+                 memory: DeviceMemory) -> dict:
+    """The run's summary (summary.json, .md, the loss curve), after x̄'s evaluation. `end_peaks`:
+    each client's tensor memory peak after its last step (None where not counted), rank 0's here
+    with the evaluation it runs."""
     summary = summarize(records)
     evaluation = task.evaluate(model, opts.eval_limit or None)
-    summary.update(consensus_eval=evaluation, final_consensus_distance=distances,
+    if memory.counted:
+        end_peaks = [memory.peak(), *end_peaks[1:]]
+    summary.update(consensus_eval=evaluation, final_consensus_distance=distances, mem_end_peak=end_peaks,
                    nonfinite_skipped=max((r.get("nonfinite_skipped", 0) for c in records for r in c), default=0),
                    bytes_sent_total=sum(c["bytes_sent"] for c in summary["clients"]), **placement)
     plot_losses(records, out / "loss_curve.png", title=opts.method)
