@@ -53,8 +53,8 @@ streaming buffers; `offload_stream` is what a step copies from host memory. One 
                    micro-batches of the block, layer by layer, with their hidden states on the device,
                    then keeps them in host memory; one layer's recomputation bounds a no-grad forward)
 
-Setup, before the first step (`setup_phases`; the process's peak is `process_peak`, the larger of
-`setup_peak` and the training `peak`), in the runtime's order (deca_ds.runtime.trainer.start_job):
+Setup, before the first step (`setup_phases`; the process's peak is `process_peak`, the largest of
+`setup_peak`, the training `peak` and `end`), in the runtime's order (deca_ds.runtime.trainer.start_job):
 
     init           weights + offload_buffers + init_transient
                    (the model drawn in the working dtype on the device - kept in host memory with
@@ -66,6 +66,10 @@ Setup, before the first step (`setup_phases`; the process's peak is `process_pea
                    before the optimizer exists; eval_batch 0: none)
     optimizer      weights + offload_buffers + optimizer_state
                    (the first block's master, m, v; DeepSpeed's stage-0 engine adds no copy)
+
+After the last step (`end`; the state is freed): weights + offload_buffers + consensus_buffers,
+x̄ formed MIX_CHUNK elements at a time through a mean and a difference buffer in at least fp32
+(runtime.consensus.to_consensus_); rank 0's evaluation of x̄ is the setup's `evaluate` again.
 
 Not modelled: the CUDA context, cuBLAS workspaces and NCCL buffers (covered by the `reserve` of
 `fits`), allocator fragmentation, per-tensor temporaries (a single parameter tensor's worth,
@@ -309,6 +313,7 @@ def setup_terms(spec: ModelSpec, working_bytes: int, *, offload: str, seq_len: i
                  eval_positions: int, eval_kv_cache: bool) -> dict:
     """MemoryEstimate's setup fields (module docstring, setup phases)."""
     return {"init_transient": 0 if offload == "frozen" else spec.largest_param * working_bytes,
+            "consensus_buffers": 2 * min(spec.largest_param, MIX_CHUNK) * max(working_bytes, 4),
             "eval_batch": eval_batch,
             "eval_forward": eval_forward_bytes(spec, eval_batch, seq_len, working_bytes, positions=eval_positions,
                                                kv_cache=eval_kv_cache) if eval_batch else 0}
@@ -400,6 +405,7 @@ class MemoryEstimate:
     init_transient: int = 0  # APPROXIMATE: the largest tensor once more while the model is drawn or loaded
     eval_batch: int = 0  # sequences per forward of the evaluation before training (0: none)
     eval_forward: int = 0  # APPROXIMATE: eval_forward_bytes at eval_batch × seq_len
+    consensus_buffers: int = 0  # after the last step: x̄'s mean and difference chunks (fp32 at least)
 
     # ---- DeCAF (deca_ds.baseline_memory), exact (bytes)
     refactor: int = 0  # one LoRA pair's re-factorization at a time (methods.lora.refactor_pair), the largest
@@ -449,9 +455,14 @@ class MemoryEstimate:
         return max(self.setup_phases.values())
 
     @property
+    def end(self) -> int:
+        """What the device holds after the last step, forming x̄ (module docstring)."""
+        return self.weights + self.offload_buffers + self.consensus_buffers
+
+    @property
     def process_peak(self) -> int:
-        """The whole process's peak: setup or training, whichever is larger."""
-        return max(self.setup_peak, self.peak)
+        """The whole process's peak: setup, training or after it, whichever is largest."""
+        return max(self.setup_peak, self.peak, self.end)
 
     @property
     def peak_phase(self) -> str:
@@ -475,7 +486,7 @@ class MemoryEstimate:
         out.update(optimizer_state=self.optimizer_state, activations=self.activations,
                    peak=self.peak, peak_phase=self.peak_phase,
                    **{f"phase_{k}": v for k, v in self.phases.items()},
-                   setup_peak=self.setup_peak, process_peak=self.process_peak,
+                   setup_peak=self.setup_peak, end=self.end, process_peak=self.process_peak,
                    **{f"setup_{k}": v for k, v in self.setup_phases.items()})
         return out
 

@@ -795,11 +795,12 @@ def test_a_cpu_run_counts_its_steps_as_the_estimator_does(tmp_path, monkeypatch,
             assert 0 <= row["mem_allocated"] - held < scalars, (client, row)
             step = max(est.phases["update"], est.phases["mixing"]) + buffers
             assert 0 <= row["mem_peak_step"] - step < scalars, (client, row, est.phases)
-    # After the last step client 1 holds the weights and forms x̄ through two fp32 chunk buffers (its
-    # largest tensor here); client 0 also exports x̄ and evaluates it.
-    largest = max(p.numel() for p in AutoModelForCausalLM.from_pretrained(out / "consensus").parameters())
+    # After the last step client 1 holds the weights and forms x̄ through two fp32 chunk buffers (the
+    # estimate's end: its largest tensor here); client 0 also exports x̄ and evaluates it.
     ends = json.loads((out / "summary.json").read_text())["mem_end_peak"]
-    assert 0 <= ends[1] - (est.weights + buffers + 2 * 4 * largest) < scalars, ends
+    largest = max(p.numel() for p in AutoModelForCausalLM.from_pretrained(out / "consensus").parameters())
+    assert est.end == est.weights + 2 * 4 * largest
+    assert 0 <= ends[1] - (est.end + buffers) < scalars, ends
     assert ends[0] >= ends[1]
     import profile_memory  # its report of such a run says what it read (profiling/ is on sys.path)
 
