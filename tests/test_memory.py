@@ -395,7 +395,8 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     assert expected.setup_phases["evaluate"] > expected.setup_phases["init"]
     assert "4 client(s), at most 2 neighbour(s) each; micro-batch 4 × 512 tokens, the LM head at 8 position(s)" in text
     for line, value in (("peak of the process", expected.process_peak),
-                        ("phase setup: evaluate", expected.setup_phases["evaluate"])):
+                        ("phase setup: evaluate", expected.setup_phases["evaluate"]),
+                        ("phase end: consensus", expected.end)):
         assert float(re.search(line + r"\s+([\d.]+) GiB", text).group(1)) == round(value / GiB, 3), line
     assert f"the peak block: {expected.block}" in text
     # resident, one rank per client: no FrozenPrefix, no DeepSpeed all-reduce

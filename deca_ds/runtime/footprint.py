@@ -88,7 +88,7 @@ def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
     absent = {name for name, runs in (("prefix", est.offload == "frozen"), ("grad_allreduce", est.grad_allreduce))
               if not runs}
     phases = [*(("setup: " + k, v) for k, v in est.setup_phases.items()),
-              *((k, v) for k, v in est.phases.items() if k not in absent)]
+              *((k, v) for k, v in est.phases.items() if k not in absent), ("end: consensus", est.end)]
     k = setting["clients_per_gpu"]
     fits = "; ".join(f"{name} ({capacity / GiB:.1f} GiB): {'yes' if fit else 'no'}"
                      for name, (capacity, fit) in card_fits(opts, est, k).items())
