@@ -13,6 +13,7 @@ scripts) start real processes in the tests that are about them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from helpers import exit_status
 
@@ -119,6 +121,16 @@ def _call(fn: Callable, rank: int, args: tuple, path: str) -> None:
     except BaseException:
         result = ("raised", traceback.format_exc())
     torch.save(result, path)
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, port: int, world: int):
+    """The body as `rank` of a gloo process group of `world` forked ranks meeting at `port`."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def run_on_ranks(fn: Callable[..., Any], world: int, *args, timeout: float = 120.0) -> list:

@@ -3,14 +3,13 @@
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from deca_ds import make_topology
 from deca_ds.mixing import InProcessMixer, weighted_sum
 from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
 from deca_ds.runtime.transport import HostStaging
 from helpers import free_port
-from ranks import run_on_ranks
+from ranks import gloo_group, run_on_ranks
 
 N, SIZE = 4, 23
 
@@ -22,8 +21,7 @@ def payload(i: int, dtype=torch.float32) -> torch.Tensor:
 def worker(rank: int, port: int, W: np.ndarray, chunk: int, transfer=None, staged: bool = False) -> dict:
     """Rank `rank` of N mixes payload(rank), then exchanges it (DeCAF's path: every neighbor's
     vector), directly or staged through host buffers (test_transport)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=N)
-    try:
+    with gloo_group(rank, port, N):
         layout = ClientLayout(rank, N, 1)
         mixer = DistributedMixer(W, layout, ClientGroups(layout, W, 30.0), timeout_s=30.0, transfer_dtype=transfer,
                                  chunk=chunk, staging=HostStaging(torch.device("cpu")) if staged else None)
@@ -33,8 +31,6 @@ def worker(rank: int, port: int, W: np.ndarray, chunk: int, transfer=None, stage
                  "mix_bytes": mixer.total_bytes_sent}
         terms = mixer.exchange(payload(rank))
         return {**mixed, "terms": [(w, t.clone()) for w, t in terms], "bytes": mixer.total_bytes_sent}
-    finally:
-        dist.destroy_process_group()
 
 
 def run_ranks(W, chunk, transfer=None, staged=False) -> list[dict]:

@@ -15,7 +15,6 @@ import importlib.util
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import LlamaConfig
 
 from deca_ds import DecaConfig, make_topology
@@ -28,7 +27,7 @@ from deca_ds.runtime.allocated import TensorBytes
 from deca_ds.runtime.consensus import consensus_distance, to_consensus_
 from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
 from helpers import free_port
-from ranks import run_on_ranks
+from ranks import gloo_group, run_on_ranks
 
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
@@ -50,8 +49,7 @@ def build(method: str, variant: str, bits: int = 32):
 
 def step_peaks(rank: int, port: int, world: int, method: str, variant: str, transfer: str, bits: int = 32) -> list[int]:
     """Counted on this rank: each step's peak above the weights, state and gradient it starts from."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, port, world):
         W = make_topology("ring", world).W
         layout = ClientLayout(rank, world, 1)
         ids = torch.randint(0, CONFIG.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(rank))
@@ -71,8 +69,6 @@ def step_peaks(rank: int, port: int, world: int, method: str, variant: str, tran
                 optimizer.zero_grad(set_to_none=True)
                 peaks.append(counter.peak - buffers)
         return peaks
-    finally:
-        dist.destroy_process_group()
 
 
 def estimate(method: str, variant: str, transfer: str, neighbors: int, bits: int = 32):
@@ -129,15 +125,12 @@ def test_8bit_moments_step_stays_within_the_estimate(world):
 
 def distance_and_peak(rank: int, port: int, chunk: int) -> tuple[float, int]:
     """consensus_distance of this rank's vector, and the tensor memory it allocated at its peak."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port, 2):
         x = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
         counter = TensorBytes()
         with counter:
             distance = consensus_distance(x, chunk=chunk)
         return distance, counter.peak
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_consensus_distance_holds_one_chunk_of_the_block():
@@ -155,15 +148,12 @@ def test_the_consensus_distance_holds_one_chunk_of_the_block():
 
 def consensus_model(rank: int, port: int, chunk: int) -> tuple[list[torch.Tensor], float, int]:
     """This rank's weights after to_consensus_, its distance, and the tensor memory allocated at the peak."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port, 2):
         model = draw_from_config(CONFIG, dtype=torch.bfloat16, seed=rank, device="cpu")
         counter = TensorBytes()
         with counter:
             distance = to_consensus_(model, chunk=chunk)
         return [p.detach().clone() for p in model.parameters()], distance, counter.peak
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_consensus_model_is_formed_through_two_chunks():
