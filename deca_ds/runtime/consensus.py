@@ -16,18 +16,22 @@ from .dist import ClientLayout, all_gather_, all_mean_
 from .options import RunOptions
 
 
+def _chunk_means(x: torch.Tensor, buffer: torch.Tensor, chunk: int):
+    """(piece, x̄ of it) for each `chunk` elements of the flat x, the mean formed in `buffer` (one
+    buffer for every chunk: a collective may let go of its tensor after it returns, gloo's work
+    object, so a fresh chunk each time could meet the last one's)."""
+    for piece in x.split(chunk):
+        yield piece, all_mean_(buffer[: piece.numel()].copy_(piece))
+
+
 def consensus_distance(x: torch.Tensor, chunk: int = MIX_CHUNK) -> float:
     """‖x_i − x̄‖ of this client's flat vector x, `chunk` elements at a time (an all-reduce each):
     one chunk-sized buffer, as mixing's, where a copy of the vector and a difference would be two
     copies of the block (the peak of a run that asks for the distance, measured on a GPU)."""
-    x, sq = x.detach(), 0.0
-    # One buffer for every chunk: a collective may let go of its tensor after it returns (gloo's
-    # work object), so a fresh chunk each time could meet the last one's.
+    x = x.detach()
     buffer = torch.empty(min(chunk, x.numel()), dtype=x.dtype, device=x.device)
-    for piece in x.split(chunk):
-        mean = all_mean_(buffer[: piece.numel()].copy_(piece))
-        sq += torch.linalg.vector_norm(mean.sub_(piece)).item() ** 2
-    return math.sqrt(sq)
+    return math.sqrt(sum(torch.linalg.vector_norm(mean.sub_(piece)).item() ** 2
+                         for piece, mean in _chunk_means(x, buffer, chunk)))
 
 
 def to_consensus_(model, device: torch.device | None = None, chunk: int = MIX_CHUNK) -> float:
@@ -37,18 +41,16 @@ def to_consensus_(model, device: torch.device | None = None, chunk: int = MIX_CH
     those, where a tensor's fp32 copy and its mean were 8 bytes per element of the largest tensor (the
     embedding: 4.2 GB for Llama-3.1-8B, above its training peak). Returns ‖x_i − x̄‖ of this client."""
     sq, buffers = 0.0, {}
+    size = min(chunk, max(p.numel() for p in model.parameters()))
     with torch.no_grad():
         for p in model.parameters():
             dtype, where = torch.promote_types(p.dtype, torch.float32), device or p.device
             if (dtype, where) not in buffers:
-                size = min(chunk, max(q.numel() for q in model.parameters()))
                 buffers[dtype, where] = [torch.empty(size, dtype=dtype, device=where) for _ in range(2)]
-            mean, diff = buffers[dtype, where]
-            for piece in p.detach().view(-1).split(chunk):
-                n = piece.numel()
-                all_mean_(mean[:n].copy_(piece))
-                sq += torch.linalg.vector_norm(diff[:n].copy_(piece).sub_(mean[:n])).item() ** 2
-                piece.copy_(mean[:n])
+            mean_buffer, diff = buffers[dtype, where]
+            for piece, mean in _chunk_means(p.detach().view(-1), mean_buffer, chunk):
+                sq += torch.linalg.vector_norm(diff[: piece.numel()].copy_(piece).sub_(mean)).item() ** 2
+                piece.copy_(mean)
     return math.sqrt(sq)
 
 
