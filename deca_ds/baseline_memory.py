@@ -32,12 +32,11 @@ from .config import dtype_name
 from .memory import (
     MemoryEstimate,
     ModelSpec,
+    Workload,
     attention_saved_bytes,
-    check_setting,
     largest_bucket,
     layer_activation_bytes,
     layer_backward_transient_bytes,
-    logits_bytes,
     meta_model,
     setup_terms,
 )
@@ -87,35 +86,26 @@ def _trains_in_attention(layer: nn.Module, trainable: set[int]) -> bool:
     return any(id(p) in trainable for name, p in attention.named_parameters() if not name.startswith("adapter."))
 
 
-def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtype: str = "master",
-                    n_neighbors: int = 2, micro_batch: int = 1, seq_len: int = 512, checkpointing: bool = True,
-                    attn_implementation: str = "sdpa", deepspeed_allreduce: bool = False,
-                    loss_positions: int | None = None, loss_chunk: int = 0, eval_batch: int = 0,
-                    eval_positions: int = 2) -> MemoryEstimate:
+def estimate_method(spec, method: Method, workload: Workload = Workload()) -> MemoryEstimate:
     """One client's estimate for baseline `method` (its AdamConfig gives the master dtype and the
-    update path); the options as deca_ds.memory.estimate_block's."""
+    update path) running `workload`."""
     if method.name == "deca":
         raise ValueError("DECA's estimate is deca_ds.memory.estimate_memory's")
     spec = ModelSpec.from_config(spec)
-    working = check_setting(working_dtype, transfer_dtype, attn_implementation, n_neighbors=(n_neighbors, 0),
-                            loss_chunk=(loss_chunk, 0), micro_batch=(micro_batch, 1), seq_len=(seq_len, 1),
-                            eval_batch=(eval_batch, 0), eval_positions=(eval_positions, 1),
-                            loss_positions=(loss_positions or 1, 1))
-
-    model = method.prepare(meta_model(spec.config).to(working))  # a model of its own: prepare adds to it
+    model = method.prepare(meta_model(spec.config).to(workload.working_dtype))  # a model of its own: prepare adds to it
     optimizer = method.optimizer(model)
     trainable = {id(p) for p in optimizer.params}
     n, mb = optimizer.master.numel(), optimizer.master.element_size()
-    w = working.itemsize
-    cast = transfer_dtype == "working" and working != optimizer.master.dtype
+    w, n_neighbors = workload.working_bytes, workload.n_neighbors
+    cast = workload.transfer(optimizer.master.dtype) != optimizer.master.dtype
     tb = w if cast else mb
     grad = sum(p.numel() * p.element_size() for p in optimizer.params)
     gb = optimizer.params[0].element_size()  # DeepSpeed's all-reduce bucket: flat copy, then an fp32 one
     bucket = largest_bucket([p.numel() for p in optimizer.params]) * (gb + (4 if gb != 4 else 0))
 
-    b, s, h = micro_batch, seq_len, spec.hidden
-    full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn_implementation)
-    flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn_implementation)
+    b, s, h, attn = workload.micro_batch, workload.seq_len, spec.hidden, workload.attn_implementation
+    full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn)
+    flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn)
     saved = []  # per layer from the lowest that trains up: what it saves without checkpointing
     for layer in find_decoder_layers(model)[1]:
         trains = any(id(p) in trainable for p in layer.parameters())
@@ -126,11 +116,11 @@ def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtyp
         if not saved:  # the lowest: its input, the embeddings' output, needs no gradient
             layer_saved -= b * s * 4 * h  # so its input norm keeps no fp32 copy of it
             if not _trains_in_attention(layer, trainable):  # Dec-Adapter: the graph starts after attention
-                layer_saved -= b * s * attention_saved_bytes(spec, s, w, attn_implementation)
+                layer_saved -= b * s * attention_saved_bytes(spec, s, w, attn)
         saved.append(layer_saved)
     transient = layer_backward_transient_bytes(spec, b, s, w)
     final_norm = b * s * h * 4
-    if checkpointing:
+    if workload.checkpointing:
         act_saved, act_recompute = len(saved) * b * s * h * w + final_norm, max(saved, default=0) + transient
     else:
         act_saved, act_recompute = sum(saved) + final_norm, transient
@@ -147,25 +137,21 @@ def estimate_method(spec, method: Method, *, working_dtype="bf16", transfer_dtyp
     return MemoryEstimate(
         model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,
         num_layers=spec.num_layers, layers_per_block=spec.num_layers, num_blocks=1, block=0, block_params=n,
-        working_dtype=dtype_name(working), master_dtype=dtype_name(optimizer.master.dtype),
-        transfer_dtype=transfer_dtype, n_neighbors=n_neighbors, micro_batch=b, seq_len=s,
-        checkpointing=checkpointing, offload="none", variant="n/a", state_bits=32,
-        fused_update=optimizer.config.fused_update, attn_implementation=attn_implementation,
-        inputs_require_grad=False, steps_per_block=1,
+        **workload.recorded(), master_dtype=dtype_name(optimizer.master.dtype), offload="none", variant="n/a",
+        state_bits=32, fused_update=optimizer.config.fused_update, inputs_require_grad=False, steps_per_block=1,
         weights=sum(p.numel() * p.element_size() for p in model.parameters()),
         master=n * mb, m=n * mb, v=n * mb, grad=grad,
-        grad_allreduce=bucket if deepspeed_allreduce else 0,
+        grad_allreduce=bucket if workload.deepspeed_allreduce else 0,
         x_half=n * mb, send_copy=chunk * tb if cast and n_neighbors else 0, recv=n_neighbors * chunk * tb,
         x_plus=x_plus,
         grad_kept=0, trivial_bma_extra=0, quant_transient=0, offload_buffers=0, offload_keep=0,
         offload_stream_block=0, offload_stream=0, prefix_cache=0, host_weights=0,
         act_saved=act_saved, act_recompute=act_recompute,
-        act_logits=logits_bytes(spec, b, min(s, loss_positions or s, loss_chunk or s), w),
+        act_logits=workload.logits_bytes(spec),
         comm_per_step=n_neighbors * n * tb, comm_per_round=n_neighbors * n * tb,
         paper_deca=0, paper_dadam_9m=9 * M, paper_dadam_11m=11 * M,
         dadam_runtime=d * w + spec.decoder_params * (3 * mb + w),
         refactor=refactor,
         method=method.name,
-        **setup_terms(spec, w, offload="none", seq_len=s, eval_batch=eval_batch, eval_positions=eval_positions,
-                       eval_kv_cache=False),
+        **setup_terms(spec, workload, offload="none", eval_kv_cache=False),
     )

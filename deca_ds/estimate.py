@@ -103,14 +103,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     """DECA's rows (model × granularity × offload), then the baselines' (model × method)."""
     from .baseline_memory import estimate_method
     from .config import parse_dtype
-    from .memory import ModelSpec, estimate_blocks
+    from .memory import ModelSpec, Workload, estimate_blocks
     from .methods import METHODS, AdamConfig
 
     specs = sorted((ModelSpec.from_config(c) for c in args.config), key=lambda s: s.total_params)
-    common = dict(working_dtype=args.working_dtype, transfer_dtype=args.transfer_dtype, n_neighbors=args.neighbors,
-                  micro_batch=args.micro_batch, seq_len=args.seq_len, loss_positions=args.loss_positions,
-                  loss_chunk=args.loss_chunk, checkpointing=args.checkpointing, attn_implementation=args.attn,
-                  deepspeed_allreduce=args.deepspeed_allreduce)
+    workload = Workload(working_dtype=args.working_dtype, transfer_dtype=args.transfer_dtype,
+                        n_neighbors=args.neighbors, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                        loss_positions=args.loss_positions, loss_chunk=args.loss_chunk,
+                        checkpointing=args.checkpointing, attn_implementation=args.attn,
+                        deepspeed_allreduce=args.deepspeed_allreduce)
     rows = []
     for spec in specs:
         for lpb in args.layers_per_block:
@@ -118,9 +119,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 raise SystemExit(f"--layers-per-block {lpb}: {spec.name} has {spec.num_layers} decoder layers")
             for offload, keep in [(o, k) for o in args.offload for k in (args.offload_keep if o == "frozen" else [0])]:
                 blocks = estimate_blocks(
-                    spec, lpb, master_dtype=args.master_dtype, grad_accum=args.grad_accum, offload=offload,
+                    spec, lpb, workload, master_dtype=args.master_dtype, grad_accum=args.grad_accum, offload=offload,
                     variant=args.variant, state_bits=args.state_bits, offload_keep=keep,
-                    fused_update=args.fused_update, steps_per_block=args.steps_per_block, **common)
+                    fused_update=args.fused_update, steps_per_block=args.steps_per_block)
                 est = max(blocks, key=lambda e: (e.peak, -e.block))  # estimate_memory: the round's peak
                 # what a step copies from host memory, on average over a round (every block R steps)
                 streamed = sum(e.offload_stream_block for e in blocks) / (len(blocks) * args.steps_per_block)
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     adam = AdamConfig(steps=1, master_dtype=parse_dtype(args.master_dtype), fused_update=args.fused_update)
     for spec in specs:
         for name in args.baselines:
-            rows.append(_row(estimate_method(spec, METHODS[name](adam), **common), 0, args))
+            rows.append(_row(estimate_method(spec, METHODS[name](adam), workload), 0, args))
     return rows
 
 
@@ -292,9 +293,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = None, out: str = "estimate") -> int:
     """Run the command; `prog`, `configs` and `out` as in parse_args."""
     args = parse_args(argv, prog=prog, configs=configs, out=out)
+    try:
+        rows = run(args)
+    except ValueError as err:  # a setting the estimator refuses, named: before anything is written
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = run(args)
     command = prog + (" " + shlex.join(sys.argv[1:] if argv is None else argv)
                                                  if (sys.argv[1:] if argv is None else argv) else "")
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

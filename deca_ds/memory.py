@@ -6,7 +6,7 @@ term below is in bytes and mirrors what the implementation holds (DecaOptimizer,
 the DeepSpeed stage-0 engine); only `activations` is an approximation, and is labelled so.
 
     spec = ModelSpec.from_config("profiling/configs/llama-3.1-8b-instruct.json")
-    est = estimate_memory(spec, layers_per_block=1, offload="none")
+    est = estimate_memory(spec, layers_per_block=1, workload=Workload(micro_batch=4), offload="frozen")
     est.peak, est.peak_phase, est.optimizer_state, est.fits("RTX 5090")
 
 Units: functions return bytes. Reports use GiB (2^30 B) for memory, because NVIDIA's "32 GB",
@@ -309,14 +309,14 @@ def eval_forward_bytes(spec: ModelSpec, batch: int, seq_len: int, working_bytes:
     return cache + max(layer, head)
 
 
-def setup_terms(spec: ModelSpec, working_bytes: int, *, offload: str, seq_len: int, eval_batch: int,
-                 eval_positions: int, eval_kv_cache: bool) -> dict:
+def setup_terms(spec: ModelSpec, workload: Workload, *, offload: str, eval_kv_cache: bool) -> dict:
     """MemoryEstimate's setup fields (module docstring, setup phases)."""
-    return {"init_transient": 0 if offload == "frozen" else spec.largest_param * working_bytes,
-            "consensus_buffers": 2 * min(spec.largest_param, MIX_CHUNK) * max(working_bytes, 4),
-            "eval_batch": eval_batch,
-            "eval_forward": eval_forward_bytes(spec, eval_batch, seq_len, working_bytes, positions=eval_positions,
-                                               kv_cache=eval_kv_cache) if eval_batch else 0}
+    w, batch = workload.working_bytes, workload.eval_batch
+    return {"init_transient": 0 if offload == "frozen" else spec.largest_param * w,
+            "consensus_buffers": 2 * min(spec.largest_param, MIX_CHUNK) * max(w, 4),
+            "eval_batch": batch,
+            "eval_forward": eval_forward_bytes(spec, batch, workload.seq_len, w, positions=workload.eval_positions,
+                                               kv_cache=eval_kv_cache) if batch else 0}
 
 
 # ---- the estimate ---------------------------------------------------------------------------------
@@ -543,30 +543,12 @@ def offload_block_stream(below: list[int], above: list[int], steps: int, prefix:
     return copied
 
 
-def check_setting(working_dtype, transfer_dtype: str, attn_implementation: str,
-                  **at_least: tuple[int, int]) -> torch.dtype:
-    """The working dtype, once the settings every estimate shares are checked: the dtypes and
-    attention it knows, and each count `name=(value, least)` at least its least value."""
-    working = parse_dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
-    if transfer_dtype not in TRANSFER_DTYPES:
-        raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got {transfer_dtype!r}")
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
-    for name, (value, least) in at_least.items():
-        if value < least:
-            raise ValueError(f"{name} must be >= {least}, got {value}")
-    return working
-
-
-def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_dtype="bf16", master_dtype="fp32",
-                   transfer_dtype: str = "master", n_neighbors: int = 2, micro_batch: int = 1, seq_len: int = 512,
-                   checkpointing: bool = True, offload: str = "none", variant: str = "deca",
-                   attn_implementation: str = "sdpa", steps_per_block: int = PAPER_STEPS_PER_BLOCK,
-                   deepspeed_allreduce: bool = False, inputs_require_grad: bool = False,
-                   loss_positions: int | None = None, state_bits: int = 32, offload_keep: int = 0,
-                   grad_accum: int = 1, fused_update: bool = False, loss_chunk: int = 0, eval_batch: int = 0,
-                   eval_positions: int = 2, eval_kv_cache: bool = False) -> MemoryEstimate:
-    """The estimate while block `block` of the default partition is active (see MemoryEstimate).
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one client runs, whatever method trains it: the batch and its loss, the dtype of the
+    weights and of what it sends its `n_neighbors`, activation checkpointing and attention, and the
+    evaluation before training. Checked once, here; DECA's estimate (estimate_block) and the
+    baselines' (deca_ds.baseline_memory.estimate_method) take it whole.
 
     deepspeed_allreduce: count DeepSpeed's stage-0 gradient all-reduce buckets; the runtime runs
     that all-reduce only with more than one rank per client.
@@ -574,19 +556,79 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     the union of those predicting a labelled token); default seq_len, every position (language
     modelling; a classification answer needs one or two). loss_chunk > 0: the head and the loss
     run over that many of them at a time (models.causal_lm_loss), so one chunk's logits are held.
+    eval_batch > 0: the evaluation before training scores eval_batch sequences of seq_len tokens
+    per forward, the LM head at eval_positions of them (eval_forward_bytes).
+    """
+
+    working_dtype: str | torch.dtype = "bf16"  # held as the torch dtype
+    transfer_dtype: str = "master"
+    n_neighbors: int = 2
+    micro_batch: int = 1
+    seq_len: int = 512
+    checkpointing: bool = True
+    attn_implementation: str = "sdpa"
+    deepspeed_allreduce: bool = False
+    loss_positions: int | None = None
+    loss_chunk: int = 0
+    eval_batch: int = 0
+    eval_positions: int = 2
+
+    def __post_init__(self) -> None:
+        working = parse_dtype(self.working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
+        object.__setattr__(self, "working_dtype", working)
+        if self.transfer_dtype not in TRANSFER_DTYPES:
+            raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}, got {self.transfer_dtype!r}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
+                             f"got {self.attn_implementation!r}")
+        for name, least in (("n_neighbors", 0), ("micro_batch", 1), ("seq_len", 1), ("loss_chunk", 0),
+                            ("eval_batch", 0), ("eval_positions", 1), ("loss_positions", 1)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
+
+    @property
+    def working_bytes(self) -> int:
+        return _size(self.working_dtype)
+
+    def transfer(self, master: torch.dtype) -> torch.dtype:
+        """The dtype a client sends its neighbours, given its master's."""
+        return master if self.transfer_dtype == "master" else self.working_dtype
+
+    def logits_bytes(self, spec: ModelSpec) -> int:
+        """The LM head's logits of one micro-batch (logits_bytes), at the positions it runs at, a
+        chunk of them at a time."""
+        s = self.seq_len
+        return logits_bytes(spec, self.micro_batch, min(s, self.loss_positions or s, self.loss_chunk or s),
+                            self.working_bytes)
+
+    def recorded(self) -> dict:
+        """MemoryEstimate's fields that record this workload."""
+        return dict(working_dtype=dtype_name(self.working_dtype), transfer_dtype=self.transfer_dtype,
+                    n_neighbors=self.n_neighbors, micro_batch=self.micro_batch, seq_len=self.seq_len,
+                    checkpointing=self.checkpointing, attn_implementation=self.attn_implementation)
+
+
+def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Workload = Workload(), *,
+                   master_dtype="fp32", offload: str = "none", offload_keep: int = 0, variant: str = "deca",
+                   state_bits: int = 32, fused_update: bool = False, steps_per_block: int = PAPER_STEPS_PER_BLOCK,
+                   grad_accum: int = 1, inputs_require_grad: bool = False,
+                   eval_kv_cache: bool = False) -> MemoryEstimate:
+    """The estimate while block `block` of the default partition is active (see MemoryEstimate), for
+    one client running `workload` with DECA's settings (DecaConfig's names).
+
     inputs_require_grad: whether the embedding output requires grad. transformers >= 5's
     checkpointing switch turns it on for every input_ids model; then the layers BELOW the active
     block also keep their checkpointed inputs and backward recomputes them, down to the embeddings.
     The runtime undoes it (models.enable_activation_checkpointing), hence the default False.
-    eval_batch > 0: the evaluation before training scores eval_batch sequences of seq_len tokens
-    per forward, the LM head at eval_positions of them (eval_forward_bytes; eval_kv_cache: with
-    the KV cache the scoring forward kept before use_cache=False).
+    grad_accum: micro-batches per step (FrozenPrefix caches what enters the block for all of them).
+    eval_kv_cache: the evaluation before training (workload.eval_batch) with the KV cache the
+    scoring forward kept before use_cache=False (eval_forward_bytes).
     """
     spec = ModelSpec.from_config(spec)
-    working = check_setting(working_dtype, transfer_dtype, attn_implementation, n_neighbors=(n_neighbors, 0),
-                            loss_chunk=(loss_chunk, 0), micro_batch=(micro_batch, 1), seq_len=(seq_len, 1),
-                            grad_accum=(grad_accum, 1), eval_batch=(eval_batch, 0), eval_positions=(eval_positions, 1),
-                            steps_per_block=(steps_per_block, 1), loss_positions=(loss_positions or 1, 1))
+    for name, value in (("steps_per_block", steps_per_block), ("grad_accum", grad_accum)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     master = parse_dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
@@ -602,9 +644,10 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     if not 0 <= block < B:
         raise ValueError(f"block must be in [0, {B}), got {block}")
     n = partition.blocks[block].numel
-    w, mb = _size(working), _size(master)
-    transfer = master if transfer_dtype == "master" else working
+    w, mb = workload.working_bytes, _size(master)
+    transfer = workload.transfer(master)
     tb, cast = _size(transfer), transfer != master
+    n_neighbors = workload.n_neighbors
     chunk = min(n, MIX_CHUNK)  # DistributedMixer.mix exchanges the block in chunks
     numels = spec.tensor_numels(partition, block)
     # 8-bit moments: one code per element and one fp32 absmax per quantization block of each tensor
@@ -614,12 +657,12 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     in_block = min(layers_per_block, spec.num_layers - first)
     above = spec.num_layers - first - in_block
     below = first if inputs_require_grad else 0  # layers below the active block that build a graph
-    b, s, h = micro_batch, seq_len, spec.hidden
-    full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn_implementation)
-    flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn_implementation)
+    b, s, h, attn = workload.micro_batch, workload.seq_len, spec.hidden, workload.attn_implementation
+    full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn)
+    flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn)
     transient = layer_backward_transient_bytes(spec, b, s, w)
     final_norm = b * s * h * 4
-    if checkpointing:
+    if workload.checkpointing:
         act_saved = (below + in_block + above) * b * s * h * w + final_norm
         act_recompute = full + transient
     else:
@@ -643,7 +686,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
             prefix_cache = steps_per_block * grad_accum * b * s * h * w
 
     grad_allreduce = 0
-    if deepspeed_allreduce:
+    if workload.deepspeed_allreduce:
         grad_allreduce = largest_bucket(spec.tensor_numels(partition, block)) * (w + (4 if w != 4 else 0))
 
     d, M = spec.total_params, 2 * spec.total_params
@@ -651,10 +694,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
     return MemoryEstimate(
         model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,
         num_layers=spec.num_layers, layers_per_block=layers_per_block, num_blocks=B, block=block, block_params=n,
-        working_dtype=dtype_name(working), master_dtype=dtype_name(master), transfer_dtype=transfer_dtype,
-        n_neighbors=n_neighbors, micro_batch=b, seq_len=s, checkpointing=checkpointing, offload=offload,
-        variant=variant, state_bits=state_bits, fused_update=fused_update, attn_implementation=attn_implementation,
-        inputs_require_grad=inputs_require_grad,
+        **workload.recorded(), master_dtype=dtype_name(master), offload=offload, variant=variant,
+        state_bits=state_bits, fused_update=fused_update, inputs_require_grad=inputs_require_grad,
         steps_per_block=steps_per_block,
         weights=weights, master=n * mb, m=moment, v=moment, grad=n * w, grad_allreduce=grad_allreduce,
         x_half=0 if in_place else n * mb, send_copy=chunk * tb if cast and n_neighbors else 0,
@@ -666,38 +707,37 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, *, working_d
         offload_stream_block=stream_block, offload_stream=round(stream_block / steps_per_block),
         prefix_cache=prefix_cache,
         act_saved=act_saved, act_recompute=act_recompute,
-        act_logits=logits_bytes(spec, b, min(s, loss_positions or s, loss_chunk or s), w),
+        act_logits=workload.logits_bytes(spec),
         comm_per_step=n_neighbors * n * tb,
         comm_per_round=sum(steps_per_block * n_neighbors * blk.numel * tb for blk in partition.blocks),
         paper_deca=M + 10 * M // B if (10 * M) % B == 0 else round(M + 10 * M / B),
         paper_dadam_9m=9 * M, paper_dadam_11m=11 * M,
         dadam_runtime=d * w + spec.decoder_params * (3 * mb + w),
-        **setup_terms(spec, w, offload=offload, seq_len=s, eval_batch=eval_batch, eval_positions=eval_positions,
-                       eval_kv_cache=eval_kv_cache),
+        **setup_terms(spec, workload, offload=offload, eval_kv_cache=eval_kv_cache),
     )
 
 
-def estimate_blocks(spec, layers_per_block: int = 1, **options) -> list[MemoryEstimate]:
+def estimate_blocks(spec, layers_per_block: int = 1, workload: Workload = Workload(),
+                    **options) -> list[MemoryEstimate]:
     """One estimate per block of the partition."""
     spec = ModelSpec.from_config(spec)
-    return [estimate_block(spec, layers_per_block, k, **options)
+    return [estimate_block(spec, layers_per_block, k, workload, **options)
             for k in range(spec.partition(layers_per_block).num_blocks)]
 
 
-def estimate_memory(spec, layers_per_block: int = 1, **options) -> MemoryEstimate:
+def estimate_memory(spec, layers_per_block: int = 1, workload: Workload = Workload(), **options) -> MemoryEstimate:
     """The estimate for the block with the largest peak (ties: the lowest index), i.e. the peak of
     a whole round. Options as estimate_block."""
-    return max(estimate_blocks(spec, layers_per_block, **options), key=lambda e: (e.peak, -e.block))
+    return max(estimate_blocks(spec, layers_per_block, workload, **options), key=lambda e: (e.peak, -e.block))
 
 
-def communication(spec, layers_per_block: int = 1, *, n_neighbors: int = 2, transfer_dtype="master",
-                  master_dtype="fp32", working_dtype="bf16", steps_per_block: int = PAPER_STEPS_PER_BLOCK) -> dict:
+def communication(spec, layers_per_block: int = 1, workload: Workload = Workload(), *, master_dtype="fp32",
+                  steps_per_block: int = PAPER_STEPS_PER_BLOCK) -> dict:
     """Bytes one client sends: per inner step for each block, its maximum, and per round."""
     spec = ModelSpec.from_config(spec)
     master = parse_dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
-    working = parse_dtype(working_dtype, "working_dtype", (torch.bfloat16, torch.float16, torch.float32))
-    tb = _size(master if transfer_dtype == "master" else working)
-    per_block = [n_neighbors * blk.numel * tb for blk in spec.partition(layers_per_block).blocks]
+    tb = _size(workload.transfer(master))
+    per_block = [workload.n_neighbors * blk.numel * tb for blk in spec.partition(layers_per_block).blocks]
     return {"per_step": per_block, "max_per_step": max(per_block),
             "per_round": steps_per_block * sum(per_block)}
 
@@ -707,9 +747,8 @@ def to_json(estimates: list[MemoryEstimate]) -> str:
 
 
 __all__ = [
-    "DEFAULT_RESERVE", "GPUS", "MB", "GiB", "MemoryEstimate", "ModelSpec", "attention_saved_bytes", "check_setting",
-    "communication",
-    "estimate_block", "estimate_blocks", "estimate_memory", "eval_forward_bytes", "largest_bucket",
+    "DEFAULT_RESERVE", "GPUS", "MB", "GiB", "MemoryEstimate", "ModelSpec", "Workload", "attention_saved_bytes",
+    "communication", "estimate_block", "estimate_blocks", "estimate_memory", "eval_forward_bytes", "largest_bucket",
     "layer_activation_bytes", "layer_backward_transient_bytes", "load_config", "logits_bytes", "meta_model",
     "offload_block_stream", "setup_terms",
 ]

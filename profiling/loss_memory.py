@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
         return {}
     from transformers import LlamaConfig
 
-    from deca_ds.memory import GiB, ModelSpec, estimate_memory
+    from deca_ds.memory import GiB, ModelSpec, Workload, estimate_memory
 
     spec = ModelSpec.from_config(LlamaConfig(**{**SHAPE, "vocab_size": args.vocab}), name="llama-2x256-v128k")
     rows = []
@@ -79,8 +79,9 @@ def main(argv=None) -> dict:
                                "--seq-len", str(args.seq_len), "--vocab", str(args.vocab)],
                               capture_output=True, text=True, check=True, timeout=1800)
         measured = json.loads(done.stdout.strip().splitlines()[-1])
-        est = estimate_memory(spec, 1, working_dtype="fp32", micro_batch=args.micro_batch, seq_len=args.seq_len,
-                              loss_positions=args.seq_len - 1, loss_chunk=chunk)  # the last predicts nothing
+        workload = Workload(working_dtype="fp32", micro_batch=args.micro_batch, seq_len=args.seq_len,
+                            loss_positions=args.seq_len - 1, loss_chunk=chunk)  # the last position predicts nothing
+        est = estimate_memory(spec, 1, workload)
         rows.append({"loss_chunk": chunk, "measured_peak_gib": measured["peak_above_start"] / GiB,
                      "estimated_logits_gib": est.act_logits / GiB, "step_s": measured["step_s"]})
     whole = rows[0]["measured_peak_gib"] if args.chunks[0] == 0 else None

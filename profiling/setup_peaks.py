@@ -85,7 +85,7 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
     """Run the setup steps once in this process; each phase's allocated peak above the count at its
     start, and what it still holds at its end (on CPU, a TensorBytes counter; also the resident set)."""
     from deca_ds import DecaConfig, DecaOptimizer
-    from deca_ds.memory import estimate_block
+    from deca_ds.memory import Workload, estimate_block
     from deca_ds.models import labelled_logits
 
     dev = torch.device(device)
@@ -134,8 +134,9 @@ def measure(config, *, dtype: str, eval_batch: int, seq_len: int, device: str = 
     measured = {p: r[f"{dev.type}_allocated_peak"] - before[p] for p, r in phases.items()}
     held = {p: r[f"{dev.type}_allocated_end"] - before[p] for p, r in phases.items()}
 
-    est = estimate_block(config, 1, 0, working_dtype=dtype, master_dtype="fp32", micro_batch=1, seq_len=seq_len,
-                         eval_batch=eval_batch, eval_positions=1, n_neighbors=0)
+    workload = Workload(working_dtype=dtype, micro_batch=1, seq_len=seq_len, eval_batch=eval_batch, eval_positions=1,
+                        n_neighbors=0)
+    est = estimate_block(config, 1, 0, workload, master_dtype="fp32")
     terms = {"init": est.weights + est.init_transient, "evaluate": est.eval_forward,
              "optimizer": est.optimizer_state}
     rows = [{"phase": p, "measured_bytes": measured[p], "held_bytes": held[p], "estimated_bytes": terms[p],

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds import DecaConfig
 from deca_ds.baseline_memory import estimate_method
-from deca_ds.memory import ModelSpec, estimate_memory
+from deca_ds.memory import ModelSpec, Workload, estimate_memory
 from deca_ds.methods import AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA
 from deca_ds.mixing import MIX_CHUNK
 from deca_ds.models import enable_activation_checkpointing
@@ -50,7 +50,7 @@ def test_exact_terms_are_what_the_method_holds(name):
     estimator's `dadam_runtime` (every decoder layer trained, embeddings and head frozen)."""
     cfg, method, model, opt = _client(name, torch.bfloat16, master_dtype=torch.float64)
     model(**_batch()).loss.backward()
-    est = estimate_method(cfg, method, working_dtype="bf16", micro_batch=2, seq_len=64)
+    est = estimate_method(cfg, method, Workload(working_dtype="bf16", micro_batch=2, seq_len=64))
     assert est.method == name and est.master_dtype == "fp64"
     assert est.block_params == method.num_trainable(model)
     assert est.weights == _bytes(model.parameters())
@@ -58,7 +58,7 @@ def test_exact_terms_are_what_the_method_holds(name):
     assert est.grad == _bytes(p.grad for p in model.parameters() if p.grad is not None)
     assert est.x_half == est.block_params * 8
     if name == "dadam":
-        dense = estimate_memory(cfg, 1, working_dtype="bf16", master_dtype="fp64")
+        dense = estimate_memory(cfg, 1, Workload(working_dtype="bf16"), master_dtype="fp64")
         assert est.weights + est.optimizer_state + est.grad == dense.dadam_runtime
     else:  # peft keeps LoRA factors in fp32 under a bf16 base; the adapters are in the working dtype
         assert {p.dtype for p in opt.params} == {torch.float32 if "lora" in name or name == "decaf" else torch.bfloat16}
@@ -69,16 +69,16 @@ def test_mixing_buffers():
     combined into a new one. A working-dtype transfer adds a cast copy of what is sent."""
     cfg = LlamaConfig(**CFG)
     c = AdamConfig(steps=1)
-    lora = estimate_method(cfg, DecLoRA(c), n_neighbors=3)
+    lora = estimate_method(cfg, DecLoRA(c), Workload(n_neighbors=3))
     n = lora.block_params
     assert n < MIX_CHUNK and (lora.recv, lora.send_copy, lora.x_plus) == (3 * n * 4, 0, 0)
-    decaf = estimate_method(cfg, DeCAF(c), n_neighbors=3, transfer_dtype="working")
+    decaf = estimate_method(cfg, DeCAF(c), Workload(n_neighbors=3, transfer_dtype="working"))
     assert (decaf.recv, decaf.send_copy, decaf.x_plus) == (3 * n * 2, n * 2, n * 4)
     assert decaf.comm_per_step == 3 * n * 2
-    dadam = estimate_method(cfg, DAdam(c), n_neighbors=2, transfer_dtype="working")
+    dadam = estimate_method(cfg, DAdam(c), Workload(n_neighbors=2, transfer_dtype="working"))
     chunk = min(dadam.block_params, MIX_CHUNK)
     assert (dadam.recv, dadam.send_copy, dadam.x_plus) == (2 * chunk * 2, chunk * 2, chunk * 4)
-    alone = estimate_method(cfg, DAdam(c), n_neighbors=0)
+    alone = estimate_method(cfg, DAdam(c), Workload(n_neighbors=0))
     assert alone.recv == alone.send_copy == alone.x_plus == 0 and alone.x_half == alone.block_params * 4
     with pytest.raises(ValueError, match="deca_ds.memory.estimate_memory"):
         estimate_method(cfg, Deca(DecaConfig(), ModelSpec.from_config(cfg).partition(1)))
@@ -95,8 +95,8 @@ def test_activation_estimate_matches_saved_tensors(name, dtype, checkpointing):
     cfg, method, model, _ = _client(name, dtype, checkpointing)
     b, s = 2, 64
     measured = saved_bytes(model, _batch(b, s))
-    est = estimate_method(cfg, method, working_dtype="bf16" if dtype == torch.bfloat16 else "fp32", micro_batch=b,
-                          seq_len=s, checkpointing=checkpointing)
+    est = estimate_method(cfg, method, Workload(working_dtype=dtype, micro_batch=b, seq_len=s,
+                                                checkpointing=checkpointing))
     predicted = est.act_saved + b * s * V * 4
     if name in ("dec_lora", "decaf") and not checkpointing:
         predicted += 3 * (6 * H + FFN) * b * s * LAYERS

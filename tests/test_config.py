@@ -205,6 +205,21 @@ def test_choice_lists_agree_with_the_algorithm_modules():
     assert set(options_module.BLOCK_ORDERS) == set(BLOCK_ORDERS)
 
 
+def test_algorithm_options_default_to_deca_configs_defaults():
+    """RunOptions declares Algorithm 1's options again (it imports no torch, for a fast --help): each
+    defaults to DecaConfig's own default, and the default options build the default DecaConfig."""
+    from deca_ds.config import DecaConfig, dtype_name
+
+    config = DecaConfig()
+    shared = set(RunOptions.__dataclass_fields__) & set(DecaConfig.__dataclass_fields__)
+    assert len(shared) == 13
+    defaults = options_module.option_defaults()
+    for name in shared:
+        expected = getattr(config, name)
+        assert defaults[name] == (dtype_name(expected) if name == "master_dtype" else expected), name
+    assert RunOptions().deca_config() == config
+
+
 def test_one_dtype_table_parses_names_and_refuses_with_the_allowed_ones():
     import torch
 
@@ -348,6 +363,16 @@ def test_estimate_command_requires_a_model_config(capsys):
         estimate_main([])
     assert exit_info.value.code == 2
     assert "--config" in capsys.readouterr().err
+
+
+def test_estimate_command_names_a_bad_setting_and_writes_nothing(tmp_path, capsys):
+    from deca_ds.estimate import main as estimate_main
+
+    out = tmp_path / "out"
+    config = str(ROOT / "profiling" / "configs" / "qwen2-1.5b.json")
+    assert estimate_main(["--config", config, "--micro-batch", "0", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == "deca-estimate: error: micro_batch must be >= 1, got 0\n"
+    assert not out.exists()
 
 
 def test_option_reference_is_generated_from_the_parser(tmp_path):

@@ -20,6 +20,7 @@ from deca_ds.baseline_memory import estimate_method
 from deca_ds.memory import (
     GPUS,
     ModelSpec,
+    Workload,
     communication,
     estimate_block,
     estimate_blocks,
@@ -108,7 +109,7 @@ def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype, s
     seen = []
     while not opt.done:
         k = opt.active.index
-        est = estimate_block(spec, layers_per_block, k, working_dtype="fp32", master_dtype=master,
+        est = estimate_block(spec, layers_per_block, k, Workload(working_dtype="fp32"), master_dtype=master,
                              state_bits=state_bits)
         assert est.optimizer_state == opt.state_bytes()
         assert est.master == opt.active.master.numel() * opt.active.master.element_size()
@@ -136,16 +137,15 @@ def test_communication_bytes(specs, transfer, master, working, size):
     for lpb, neighbors in ((1, 2), (4, 3)):
         blocks = spec.partition(lpb).blocks
         for k in (0, len(blocks) - 1):
-            est = estimate_block(spec, lpb, k, transfer_dtype=transfer, master_dtype=master, working_dtype=working,
-                                 n_neighbors=neighbors, steps_per_block=48)
+            workload = Workload(transfer_dtype=transfer, working_dtype=working, n_neighbors=neighbors)
+            est = estimate_block(spec, lpb, k, workload, master_dtype=master, steps_per_block=48)
             assert est.comm_per_step == neighbors * blocks[k].numel * size
             chunk = min(blocks[k].numel, MIX_CHUNK)  # DistributedMixer.mix receives chunk by chunk
             assert est.recv == neighbors * chunk * size
             assert est.comm_per_round == 48 * neighbors * size * sum(b.numel for b in blocks)
             cast = transfer == "working" and working != master
             assert est.send_copy == (chunk * size if cast else 0)
-        comm = communication(spec, lpb, n_neighbors=neighbors, transfer_dtype=transfer, master_dtype=master,
-                             working_dtype=working)
+        comm = communication(spec, lpb, workload, master_dtype=master)
         assert comm["per_step"] == [neighbors * b.numel * size for b in blocks]
 
 
@@ -173,32 +173,47 @@ def test_phase_model_and_orderings(specs):
     # Fused, one client: no x½ is stored (bma_correct writes x⁺ = x½ over x), the gradient stays
     # until then, and trivial_bma copies no moments. With neighbors, or eager, x½ is stored.
     for v in ("deca", "trivial_bma", "no_bma"):
-        one = estimate_memory(spec, 1, variant=v, fused_update=True, n_neighbors=0, loss_positions=2)
+        one = estimate_memory(spec, 1, Workload(n_neighbors=0, loss_positions=2), variant=v, fused_update=True)
         assert one.x_half == one.trivial_bma_extra == 0 and one.grad_kept == one.grad == 2 * one.block_params
         base = one.weights + one.optimizer_state
         assert one.phases["update"] == one.phases["mixing"] == base + one.grad
-        for other in (dict(fused_update=True, n_neighbors=2), dict(fused_update=False, n_neighbors=0)):
-            est = estimate_memory(spec, 1, variant=v, loss_positions=2, **other)
+        for fused, neighbors in ((True, 2), (False, 0)):
+            est = estimate_memory(spec, 1, Workload(n_neighbors=neighbors, loss_positions=2), variant=v,
+                                  fused_update=fused)
             assert est.x_half == 4 * est.block_params and est.grad_kept == 0
         # The H100 run's configuration (two labelled positions): the update no longer peaks.
-        eager_one = estimate_memory(spec, 1, variant=v, n_neighbors=0, loss_positions=2)
+        eager_one = estimate_memory(spec, 1, Workload(n_neighbors=0, loss_positions=2), variant=v)
         assert one.peak_phase == "backward" and one.peak == eager_one.phases["backward"]
     # Without neighbors the mixer returns x½ as it is: no cast copy, no receive or sum buffers.
-    alone = estimate_memory(spec, 1, transfer_dtype="working", n_neighbors=0)
+    alone = estimate_memory(spec, 1, Workload(transfer_dtype="working", n_neighbors=0))
     assert alone.send_copy == alone.recv == alone.x_plus == 0
-    assert estimate_memory(spec, 1, transfer_dtype="working", n_neighbors=1).send_copy > 0
+    assert estimate_memory(spec, 1, Workload(transfer_dtype="working", n_neighbors=1)).send_copy > 0
     # The peak over a round is block 0 (largest block, deepest backward).
     blocks = estimate_blocks(spec, 1)
     assert estimate_memory(spec, 1).block == 0 and max(e.peak for e in blocks) == blocks[0].peak
     # Checkpointing keeps less than saving every layer's tensors.
-    assert estimate_memory(spec, 1, checkpointing=False).activations > estimate_memory(spec, 1).activations
+    assert estimate_memory(spec, 1, Workload(checkpointing=False)).activations > estimate_memory(spec, 1).activations
     # loss_chunk: one chunk's logits (b · chunk · V · 12 bytes with bf16 logits), never more than all of them.
-    whole, chunked = (estimate_memory(spec, 1, micro_batch=8, loss_chunk=c) for c in (0, 64))
+    whole, chunked = (estimate_memory(spec, 1, Workload(micro_batch=8, loss_chunk=c)) for c in (0, 64))
     assert whole.act_logits == 8 * 512 * 128256 * 12 and chunked.act_logits == 8 * 64 * 128256 * 12
     assert whole.peak - chunked.peak == whole.act_logits - max(chunked.act_logits, chunked.act_recompute) > 4 * 2**30
-    assert estimate_memory(spec, 1, loss_chunk=4096).act_logits == estimate_memory(spec, 1).act_logits
+    assert estimate_memory(spec, 1, Workload(loss_chunk=4096)).act_logits == estimate_memory(spec, 1).act_logits
     with pytest.raises(ValueError, match="loss_chunk must be >= 0"):
-        estimate_memory(spec, 1, loss_chunk=-1)
+        estimate_memory(spec, 1, Workload(loss_chunk=-1))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(working_dtype="fp64"), "working_dtype must be one of"), (dict(transfer_dtype="fp8"), "transfer_dtype"),
+    (dict(attn_implementation="flash"), "attn_implementation"), (dict(n_neighbors=-1), "n_neighbors must be >= 0"),
+    (dict(micro_batch=0), "micro_batch must be >= 1"), (dict(seq_len=0), "seq_len must be >= 1"),
+    (dict(loss_positions=0), "loss_positions must be >= 1"), (dict(eval_batch=-1), "eval_batch must be >= 0"),
+    (dict(eval_positions=0), "eval_positions must be >= 1"),
+])
+def test_a_workload_is_checked_when_made(bad, message):
+    """DECA's estimate and the baselines' take one Workload: a bad value is refused, named, before either runs."""
+    with pytest.raises(ValueError, match=message):
+        Workload(**bad)
+    assert Workload(working_dtype="float32").working_dtype == torch.float32  # any name of the dtype, held as one
 
 
 def test_paper_formulas_llama_8b(specs):
@@ -224,13 +239,13 @@ def test_offload_frozen_terms(specs):
 
 def test_deepspeed_allreduce_bucket(specs):
     spec = specs["llama-3.1-8b-instruct"]
-    one = estimate_memory(spec, 1, deepspeed_allreduce=True)
+    one = estimate_memory(spec, 1, Workload(deepspeed_allreduce=True))
     assert one.grad_allreduce == one.block_params * (2 + 4)  # bf16 flat copy + its fp32 communication copy
     # 872 M elements: the first bucket closes once it passes 5e8
-    four = estimate_memory(spec, 4, deepspeed_allreduce=True)
+    four = estimate_memory(spec, 4, Workload(deepspeed_allreduce=True))
     assert 5e8 < four.grad_allreduce / 6 < four.block_params
     assert estimate_memory(spec, 1).grad_allreduce == 0  # one rank per client: no all-reduce
-    fp32 = estimate_memory(spec, 1, working_dtype="fp32", deepspeed_allreduce=True)
+    fp32 = estimate_memory(spec, 1, Workload(working_dtype="fp32", deepspeed_allreduce=True))
     assert fp32.grad_allreduce == one.block_params * 4
 
 
@@ -266,8 +281,8 @@ def test_activation_estimate_matches_saved_tensors(config_cls, attn, dtype, chec
         while opt.active.index != block:
             opt.step()
         measured = saved_bytes(model, batch)
-        est = estimate_block(spec, 1, block, working_dtype=working, micro_batch=b, seq_len=s,
-                             checkpointing=checkpointing, attn_implementation=attn)
+        est = estimate_block(spec, 1, block, Workload(working_dtype=working, micro_batch=b, seq_len=s,
+                                                      checkpointing=checkpointing, attn_implementation=attn))
         predicted = est.act_saved + b * s * cfg.vocab_size * 4  # + the fp32 log-softmax output the loss saves
         assert abs(measured / predicted - 1) < 0.05, (block, measured, predicted)
 
@@ -289,7 +304,7 @@ def test_checkpointing_keeps_lower_layer_inputs_unless_input_grads_are_disabled(
         opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1))
         opt.step(), opt.step()  # block 2 active
         got[disable] = saved_bytes(model, {"input_ids": ids, "labels": ids})
-        est = estimate_block(spec, 1, 2, micro_batch=2, seq_len=64, inputs_require_grad=not disable)
+        est = estimate_block(spec, 1, 2, Workload(micro_batch=2, seq_len=64), inputs_require_grad=not disable)
         assert abs(got[disable] / (est.act_saved + 2 * 64 * 300 * 4) - 1) < 0.01, (disable, got[disable])
     assert got[False] - got[True] == 2 * 2 * 64 * 128 * 2  # exactly two lower layers' bf16 inputs
 
@@ -389,9 +404,9 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     train_main([*args, "--estimate"])
     text = capsys.readouterr().out
     # rank 0 scores x̄ before training: 32 (prompt, label) sequences per forward, the head at the answer's 2
-    expected = estimate_memory(qwen, 2, working_dtype="bf16", master_dtype="fp32", n_neighbors=2, micro_batch=4,
-                               seq_len=512, loss_positions=8, grad_accum=2, steps_per_block=48, eval_batch=32,
-                               eval_positions=2)
+    workload = Workload(working_dtype="bf16", n_neighbors=2, micro_batch=4, seq_len=512, loss_positions=8,
+                        eval_batch=32, eval_positions=2)
+    expected = estimate_memory(qwen, 2, workload, master_dtype="fp32", grad_accum=2, steps_per_block=48)
     assert expected.setup_phases["evaluate"] > expected.setup_phases["init"]
     assert "4 client(s), at most 2 neighbour(s) each; micro-batch 4 × 512 tokens, the LM head at 8 position(s)" in text
     for line, value in (("peak of the process", expected.process_peak),
@@ -410,8 +425,7 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     # a baseline: deca_ds.baseline_memory for the method the run builds (LoRA's defaults)
     train_main([*args, "--method", "dec_lora", "--estimate"])
     text = capsys.readouterr().out
-    lora = estimate_method(qwen, DecLoRA(AdamConfig(steps=1)), working_dtype="bf16", n_neighbors=2, micro_batch=4,
-                           seq_len=512, loss_positions=8, eval_batch=32, eval_positions=2)
+    lora = estimate_method(qwen, DecLoRA(AdamConfig(steps=1)), workload)
     assert f"dec_lora training {lora.block_params:,} parameters at every step" in text
     assert float(re.search(r"peak of the process\s+([\d.]+) GiB", text).group(1)) == round(lora.process_peak / GiB, 3)
     with pytest.raises(SystemExit):  # no launcher, no --clients: the graph is unknown

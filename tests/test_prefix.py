@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deca_ds import DecaConfig, DecaOptimizer
-from deca_ds.memory import ModelSpec, estimate_block, offload_block_stream
+from deca_ds.memory import ModelSpec, Workload, estimate_block, offload_block_stream
 from deca_ds.models import enable_activation_checkpointing
 from deca_ds.offload import FrozenLayerOffload
 from deca_ds.optimizer import model_partition
@@ -77,7 +77,7 @@ def test_cached_prefix_is_bit_identical_and_streams_what_the_estimator_says(chec
         above = [layer for k in range(block + 1, LAYERS) if k not in resident_layers]
         assert per_block[block] == offload_block_stream(below, above, R, prefix=True), block
         assert plain_per_block[block] == offload_block_stream(below, above, R, prefix=False), block
-        est = estimate_block(spec, 1, block, working_dtype="fp32", offload="frozen", offload_keep=keep,
+        est = estimate_block(spec, 1, block, Workload(working_dtype="fp32"), offload="frozen", offload_keep=keep,
                              steps_per_block=R)
         assert est.offload_stream_block == per_block[block]
     # Streaming the layers below once per block instead of once per step copies less.
@@ -101,7 +101,8 @@ def test_block_stream_by_hand():
 
 def test_estimator_counts_the_cached_hidden_states():
     spec = ModelSpec.from_config(tiny_llama(layers=LAYERS).config)
-    est = estimate_block(spec, 1, 2, offload="frozen", micro_batch=3, seq_len=16, steps_per_block=5, grad_accum=2)
+    est = estimate_block(spec, 1, 2, Workload(micro_batch=3, seq_len=16), offload="frozen", steps_per_block=5,
+                         grad_accum=2)
     assert est.prefix_cache == 5 * 2 * 3 * 16 * spec.hidden * 2  # bf16 hidden states of 5 steps × 2 micro-batches
     # on the device while the layers below run, not in the steps
     assert (est.phases["prefix"] - est.phases["backward"]

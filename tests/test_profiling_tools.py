@@ -280,7 +280,7 @@ def test_device_peak_is_a_gpu_runs_peak_beside_its_estimate(tmp_path, monkeypatc
 
     import runs
     from deca_ds.baseline_memory import estimate_method
-    from deca_ds.memory import GiB
+    from deca_ds.memory import GiB, Workload
     from deca_ds.methods import AdamConfig, DecLoRA
     from deca_ds.runtime.options import parse_args
 
@@ -292,9 +292,9 @@ def test_device_peak_is_a_gpu_runs_peak_beside_its_estimate(tmp_path, monkeypatc
     (tmp_path / "run_config.json").write_text(json.dumps(run_config))
     monkeypatch.setattr(runs, "metrics", lambda out: [[{"mem_peak": 3 * GiB}, {"mem_peak": 5 * GiB}],
                                                       [{"mem_peak": 4 * GiB}]])
-    expected = estimate_method(config, DecLoRA(AdamConfig(steps=1), rank=4), working_dtype=opts.working_dtype,
-                               n_neighbors=1, micro_batch=opts.micro_batch, seq_len=opts.max_seq_len,
-                               checkpointing="activation_checkpointing" in ds, loss_positions=2)
+    workload = Workload(working_dtype=opts.working_dtype, n_neighbors=1, micro_batch=opts.micro_batch,
+                        seq_len=opts.max_seq_len, checkpointing="activation_checkpointing" in ds, loss_positions=2)
+    expected = estimate_method(config, DecLoRA(AdamConfig(steps=1), rank=4), workload)
     assert runs.device_peak(tmp_path) == {"peak_gib": 5.0, "estimate_gib": expected.peak / GiB}
     monkeypatch.setattr(runs, "metrics", lambda out: [[{"mem_rss": 3 * GiB}]])
     assert runs.device_peak(tmp_path) == {"peak_gib": None, "estimate_gib": None}

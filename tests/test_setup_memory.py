@@ -189,10 +189,10 @@ TOTAL = 4 * LAYER + 2 * 100 * 64 + 64  # layers, embedding and untied head, fina
 
 
 def test_setup_phases_by_hand():
-    from deca_ds.memory import estimate_block
+    from deca_ds.memory import Workload, estimate_block
 
-    est = estimate_block(SMALL, 1, 0, working_dtype="bf16", master_dtype="fp32", micro_batch=1, seq_len=16,
-                         eval_batch=4, eval_positions=2)
+    workload = Workload(working_dtype="bf16", micro_batch=1, seq_len=16, eval_batch=4, eval_positions=2)
+    est = estimate_block(SMALL, 1, 0, workload, master_dtype="fp32")
     assert (est.total_params, est.block_params) == (TOTAL, LAYER)
     tokens = 4 * 16
     # per token: residual + normalised input (2·2·64) + fp32 norm temporary (4·64) + the MLP's three
@@ -209,9 +209,9 @@ def test_setup_phases_by_hand():
     assert (d["setup_peak"], d["process_peak"], d["setup_evaluate"]) == (est.setup_peak, est.process_peak,
                                                                          est.setup_phases["evaluate"])
     # no evaluation before training: setup ends with the first block's state
-    assert estimate_block(SMALL, 1, 0, seq_len=16).setup_peak == 2 * TOTAL + 12 * LAYER
+    assert estimate_block(SMALL, 1, 0, Workload(seq_len=16)).setup_peak == 2 * TOTAL + 12 * LAYER
     # offloaded: drawn on the host, so no transient on the device; the streaming buffers from the start
-    off = estimate_block(SMALL, 1, 0, seq_len=16, offload="frozen")
+    off = estimate_block(SMALL, 1, 0, Workload(seq_len=16), offload="frozen")
     assert off.setup_phases["init"] == off.weights + off.offload_buffers == 2 * (TOTAL - 3 * LAYER) + 2 * 2 * LAYER
 
 
@@ -238,12 +238,12 @@ def test_estimator_terms_reproduce_the_gpu_setup_peaks(result, kv_cache):
     7b7f8a3: not): its forward of 32 sequences of 512 tokens beside the weights and that state was
     the setup peak, and the estimator's terms add up to it within 2 %. Now the evaluation runs
     before the state exists, so the setup peak is the larger of the two alone, below training's."""
-    from deca_ds.memory import GiB, estimate_memory
+    from deca_ds.memory import GiB, Workload, estimate_memory
 
     measured = json.loads((ROOT / "profiling" / "results" / result).read_text())
     resident = next(r for r in measured["results"] if r["offload"] == "none")
     config = ROOT / "profiling" / "configs" / "llama-3.1-8b-instruct.json"
-    est = estimate_memory(config, 1, n_neighbors=0, loss_positions=2, eval_batch=32, seq_len=512,
+    est = estimate_memory(config, 1, Workload(n_neighbors=0, loss_positions=2, eval_batch=32, seq_len=512),
                           eval_kv_cache=kv_cache)
     assert abs((est.weights + est.optimizer_state + est.eval_forward) / GiB / resident["setup_peak_gib"] - 1) < 0.02
     assert est.setup_peak == est.weights + max(est.init_transient, est.eval_forward, est.optimizer_state)

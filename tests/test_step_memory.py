@@ -19,7 +19,7 @@ from transformers import LlamaConfig
 
 from deca_ds import DecaConfig, make_topology
 from deca_ds.baseline_memory import estimate_method
-from deca_ds.memory import estimate_block
+from deca_ds.memory import Workload, estimate_block
 from deca_ds.methods import AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA
 from deca_ds.mixing import mixing_order
 from deca_ds.models import causal_lm_loss, draw_from_config
@@ -72,10 +72,11 @@ def step_peaks(rank: int, port: int, world: int, method: str, variant: str, tran
 
 
 def estimate(method: str, variant: str, transfer: str, neighbors: int, bits: int = 32):
-    options = dict(working_dtype="bf16", transfer_dtype=transfer, n_neighbors=neighbors, micro_batch=1, seq_len=SEQ)
+    workload = Workload(working_dtype="bf16", transfer_dtype=transfer, n_neighbors=neighbors, micro_batch=1,
+                        seq_len=SEQ)
     if method == "deca":
-        return estimate_block(CONFIG, 1, 0, variant=variant, steps_per_block=1, state_bits=bits, **options)
-    return estimate_method(CONFIG, build(method, variant), **options)
+        return estimate_block(CONFIG, 1, 0, workload, variant=variant, steps_per_block=1, state_bits=bits)
+    return estimate_method(CONFIG, build(method, variant), workload)
 
 
 def expected_peak(est, method: str, rank: int, world: int) -> int:

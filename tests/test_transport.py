@@ -219,10 +219,10 @@ def test_distributed_run_through_host_staging_equals_simulator(tmp_path, monkeyp
 # ---- several clients per GPU: memory -----------------------------------------------------------
 
 def test_clients_sharing_a_gpu_each_need_their_peak_and_reserve():
-    from deca_ds.memory import GPUS, GiB, estimate_memory
+    from deca_ds.memory import GPUS, GiB, Workload, estimate_memory
 
-    est = estimate_memory(ROOT / "profiling" / "configs" / "qwen2-1.5b.json", 2, micro_batch=4, seq_len=512,
-                          checkpointing=True, n_neighbors=2)
+    est = estimate_memory(ROOT / "profiling" / "configs" / "qwen2-1.5b.json", 2,
+                          Workload(micro_batch=4, seq_len=512, checkpointing=True, n_neighbors=2))
     for k in (1, 3, 8):
         assert est.headroom("H100 80GB", GiB, clients=k) == GPUS["H100 80GB"] - k * (GiB + est.peak)
     assert est.fits(GPUS["H100 80GB"], GiB, clients=1) and not est.fits(8 * (est.peak + GiB) - 1, GiB, clients=8)

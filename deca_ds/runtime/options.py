@@ -586,26 +586,25 @@ def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: i
     `eval_batch` > 0: rank 0's evaluation before training, that many sequences per forward with
     the LM head at `eval_positions` of each. A baseline's (`options["method"]`) is
     deca_ds.baseline_memory's for the method the run builds."""
-    from ..memory import ModelSpec, estimate_memory
+    from ..memory import ModelSpec, Workload, estimate_memory
 
-    common = dict(working_dtype=options["working_dtype"],
-                  transfer_dtype="working" if options["mix_dtype"] == "working" else "master",
-                  n_neighbors=n_neighbors, micro_batch=options["micro_batch"], seq_len=options["max_seq_len"],
-                  checkpointing="activation_checkpointing" in ds_config,
-                  deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions,
-                  loss_chunk=options["loss_chunk"], eval_batch=eval_batch, eval_positions=eval_positions)
+    workload = Workload(working_dtype=options["working_dtype"], transfer_dtype=options["mix_dtype"],
+                        n_neighbors=n_neighbors, micro_batch=options["micro_batch"], seq_len=options["max_seq_len"],
+                        checkpointing="activation_checkpointing" in ds_config,
+                        deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions,
+                        loss_chunk=options["loss_chunk"], eval_batch=eval_batch, eval_positions=eval_positions)
     if options["method"] != "deca":
         from ..baseline_memory import estimate_method
 
         spec = ModelSpec.from_config(model_config)
         # its default step budget (DECA's T·B·R on this model) does not change its memory
         method = RunOptions(**options).build_method(spec.partition(options["layers_per_block"]))
-        return estimate_method(spec, method, **common)
+        return estimate_method(spec, method, workload)
     return estimate_memory(
-        model_config, options["layers_per_block"], master_dtype=options["master_dtype"], offload=options["offload"],
-        offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
+        model_config, options["layers_per_block"], workload, master_dtype=options["master_dtype"],
+        offload=options["offload"], offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
         variant=options["variant"], state_bits=options["state_bits"], fused_update=options["fused_update"],
-        steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"], **common)
+        steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"])
 
 
 def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_neighbors: int,
