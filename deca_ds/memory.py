@@ -140,7 +140,10 @@ def load_config(source):
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"model config {source!r}: no such file (give a config.json or a directory with one)")
-    return AutoConfig.from_pretrained(str(path))
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except OSError as err:  # transformers' word for a file that is not JSON
+        raise ValueError(f"model config {source!r}: {err}") from None
 
 
 def meta_model(config) -> nn.Module:

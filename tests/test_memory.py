@@ -94,6 +94,9 @@ def test_config_sources(tmp_path, specs):
     assert next(from_dir.model.parameters()).device.type == "meta"
     with pytest.raises(ValueError, match="no such file"):
         load_config(tmp_path / "missing.json")
+    (tmp_path / "notes.json").write_text("not JSON")
+    with pytest.raises(ValueError, match="model config .*notes.json.*not a valid JSON file"):
+        load_config(tmp_path / "notes.json")
 
 
 @pytest.mark.parametrize("layers_per_block", [1, 2])
