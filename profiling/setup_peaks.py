@@ -39,11 +39,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "profiling"))
 
+from deca_ds.config import DTYPES  # noqa: E402
 from deca_ds.runtime.allocated import DeviceMemory, TensorBytes, counting  # noqa: E402
 from peaks import PhasePeaks, map_each_allocation, rss  # noqa: E402
 from report import emit, provenance  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LOADS = ("config", "checkpoint")
 
 
@@ -160,7 +160,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--eval-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--device", default="cpu")
