@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     for spec in specs:
         for lpb in args.layers_per_block:
             if not 1 <= lpb <= spec.num_layers:
-                raise SystemExit(f"--layers-per-block {lpb}: {spec.name} has {spec.num_layers} decoder layers")
+                raise ValueError(f"--layers-per-block {lpb}: {spec.name} has {spec.num_layers} decoder layers")
             for offload, keep in [(o, k) for o in args.offload for k in (args.offload_keep if o == "frozen" else [0])]:
                 blocks = estimate_blocks(
                     spec, lpb, workload, master_dtype=args.master_dtype, grad_accum=args.grad_accum, offload=offload,

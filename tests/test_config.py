@@ -365,13 +365,17 @@ def test_estimate_command_requires_a_model_config(capsys):
     assert "--config" in capsys.readouterr().err
 
 
-def test_estimate_command_names_a_bad_setting_and_writes_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("flag,message", [
+    ("--micro-batch", "micro_batch must be >= 1, got 0"),
+    ("--layers-per-block", "--layers-per-block 0: qwen2-1.5b has 28 decoder layers"),
+])
+def test_estimate_command_names_a_bad_setting_and_writes_nothing(tmp_path, capsys, flag, message):
     from deca_ds.estimate import main as estimate_main
 
     out = tmp_path / "out"
     config = str(ROOT / "profiling" / "configs" / "qwen2-1.5b.json")
-    assert estimate_main(["--config", config, "--micro-batch", "0", "--out", str(out)]) == 2
-    assert capsys.readouterr().err == "deca-estimate: error: micro_batch must be >= 1, got 0\n"
+    assert estimate_main(["--config", config, flag, "0", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"deca-estimate: error: {message}\n"
     assert not out.exists()
 
 
