@@ -5,7 +5,8 @@ Every local step, on the flat vector x of all trainable tensors (master copy in 
     m = α1·m + (1−α1)·g     v = α2·v + (1−α2)·g⊙g     x½ = x − γ·m̂/(√v̂+ε)   (t-step bias correction)
     x = Σ_j w_ij x½_j   every `mix_every` steps (else x = x½); moments stay local.
 
-This is the optimizer of D-Adam, Dec-LoRA and Dec-Adapter; DeCAF overrides how x½ is combined.
+This is the optimizer of D-Adam, Dec-LoRA and Dec-Adapter (each an `AdamMethod`: what trains is all
+they define); DeCAF overrides how x½ is combined.
 D-Adam holds master, m and v for every trainable weight at once (the paper's 9M–11M case), which
 is what DECA's one-block-at-a-time state avoids.
 """
@@ -120,7 +121,25 @@ class MixedAdam(DecentralizedOptimizer):
             getattr(self, name).copy_(state[name])
 
 
-class DAdam(Method):
+class AdamMethod(Method):
+    """A baseline: every tensor it trains takes the local Adam step (MixedAdam, `config`) at every
+    step, then mixes; there are no blocks to activate."""
+
+    config: AdamConfig
+
+    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
+                  before_activate: Callable[[int], None] | None = None) -> MixedAdam:
+        if before_activate is not None:
+            raise ValueError(f"{self.name} trains all its parameters at every step: it activates no blocks, "
+                             "so before_activate (the frozen-layer offload's hook) is for DECA only")
+        return self.adam(model, mixer)
+
+    def adam(self, model: nn.Module, mixer: Mixer | None) -> MixedAdam:
+        """The optimizer over `trainable(model)`; DeCAF's combines its LoRA pairs its own way."""
+        return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)
+
+
+class DAdam(AdamMethod):
     """Decentralized full-parameter Adam: every tensor DECA's blocks cover trains at once."""
 
     name = "dadam"
@@ -134,8 +153,3 @@ class DAdam(Method):
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
         partition = partition_model(model, 1, **self.extra)
         return [p for k in range(partition.num_blocks) for p in partition.params(model, k)]
-
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
-                  before_activate: Callable[[int], None] | None = None) -> MixedAdam:
-        self.no_blocks(before_activate)
-        return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)

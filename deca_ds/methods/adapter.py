@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..blocks import find_decoder_layers
-from ..mixing import Mixer
-from .adam import AdamConfig, MixedAdam
-from .base import Method, seeded
+from .adam import AdamConfig, AdamMethod
+from .base import seeded
 
 ATTENTION = ("self_attn", "attn", "attention")  # where an attention module may sit in a decoder layer
 _MLP = ("mlp",)
@@ -108,7 +106,7 @@ def saved_adapters(directory: str | Path) -> Path | None:
         return None
 
 
-class DecAdapter(Method):
+class DecAdapter(AdamMethod):
     name = "dec_adapter"
 
     def __init__(self, config: AdamConfig, *, size: int = 64, seed: int = 0) -> None:
@@ -121,11 +119,6 @@ class DecAdapter(Method):
 
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for n, p in model.named_parameters() if ".adapter." in n]
-
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
-                  before_activate: Callable[[int], None] | None = None) -> MixedAdam:
-        self.no_blocks(before_activate)
-        return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)
 
     def plain_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The frozen base; its adapters go to adapter/ (save_extras)."""

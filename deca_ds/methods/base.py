@@ -38,12 +38,6 @@ class Method(ABC):
         client alone). `before_activate(block)` is called before a block-wise optimizer reads a
         block's parameters (the frozen-layer offload's hook); a method without blocks refuses it."""
 
-    def no_blocks(self, before_activate: Callable[[int], None] | None) -> None:
-        """Refuse a block-activation hook: this method trains all its parameters at every step."""
-        if before_activate is not None:
-            raise ValueError(f"{self.name} trains all its parameters at every step: it activates no blocks, "
-                             "so before_activate (the frozen-layer offload's hook) is for DECA only")
-
     def num_trainable(self, model: nn.Module) -> int:
         return sum(p.numel() for p in self.trainable(model))
 

@@ -17,21 +17,20 @@ M's exactly: U = Q_b U_c, V = Q_a V_c. Adam moments stay with the factors, as in
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
 from ..kernels import segments
 from ..mixing import Mixer
-from .adam import AdamConfig, MixedAdam
-from .base import Method, seeded
+from .adam import AdamConfig, AdamMethod, MixedAdam
+from .base import seeded
 
 # "all-linear": every linear layer of the decoder (attention and MLP), not the LM head.
 DEFAULT_TARGETS = "all-linear"
 
 
-class DecLoRA(Method):
+class DecLoRA(AdamMethod):
     name = "dec_lora"
 
     def __init__(self, config: AdamConfig, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.05,
@@ -62,11 +61,6 @@ class DecLoRA(Method):
 
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for pair in self.lora_pairs(model) for p in pair]
-
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
-                  before_activate: Callable[[int], None] | None = None) -> MixedAdam:
-        self.no_blocks(before_activate)
-        return MixedAdam(model, self.trainable(model), self.config, mixer=mixer)
 
     def plain_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """W + (α/r)·BA for every adapted layer, as merge_and_unload computes it, without touching
@@ -141,7 +135,5 @@ class DeCAFAdam(MixedAdam):
 class DeCAF(DecLoRA):
     name = "decaf"
 
-    def optimizer(self, model: nn.Module, mixer: Mixer | None = None, *,
-                  before_activate: Callable[[int], None] | None = None) -> DeCAFAdam:
-        self.no_blocks(before_activate)
+    def adam(self, model: nn.Module, mixer: Mixer | None) -> DeCAFAdam:
         return DeCAFAdam(model, self.lora_pairs(model), self.config, mixer=mixer)
