@@ -88,7 +88,7 @@ import torch
 from torch import nn
 
 from .blocks import Partition, find_decoder_layers, partition_model
-from .config import dtype_name, parse_dtype
+from .config import VARIANTS, check_master_dtype, dtype_name, parse_dtype
 from .mixing import MIX_CHUNK
 from .offload import OFFLOAD_MODES
 from .quantized import num_absmax
@@ -632,15 +632,15 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
     for name, value in (("steps_per_block", steps_per_block), ("grad_accum", grad_accum)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    master = parse_dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
+    master = check_master_dtype(master_dtype)
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     if not 0 <= offload_keep <= spec.num_layers:
         raise ValueError(f"offload_keep must be in [0, {spec.num_layers}], got {offload_keep}")
     if state_bits not in (32, 8):
         raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
-    if variant not in ("deca", "trivial_bma", "no_bma"):
-        raise ValueError(f"variant must be deca, trivial_bma or no_bma, got {variant!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
     partition = spec.partition(layers_per_block)
     B = partition.num_blocks
@@ -738,7 +738,7 @@ def communication(spec, layers_per_block: int = 1, workload: Workload = Workload
                   steps_per_block: int = PAPER_STEPS_PER_BLOCK) -> dict:
     """Bytes one client sends: per inner step for each block, its maximum, and per round."""
     spec = ModelSpec.from_config(spec)
-    master = parse_dtype(master_dtype, "master_dtype", (torch.float32, torch.float64))
+    master = check_master_dtype(master_dtype)
     tb = _size(workload.transfer(master))
     per_block = [workload.n_neighbors * blk.numel * tb for blk in spec.partition(layers_per_block).blocks]
     return {"per_step": per_block, "max_per_step": max(per_block),

@@ -219,6 +219,13 @@ def test_a_workload_is_checked_when_made(bad, message):
     assert Workload(working_dtype="float32").working_dtype == torch.float32  # any name of the dtype, held as one
 
 
+def test_decas_own_settings_are_refused_as_decaconfig_refuses_them(specs):
+    with pytest.raises(ValueError, match="master_dtype must be float32 or float64"):
+        estimate_memory(specs["qwen2-1.5b"], 1, master_dtype="bf16")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        estimate_memory(specs["qwen2-1.5b"], 1, variant="adam")
+
+
 def test_paper_formulas_llama_8b(specs):
     spec = specs["llama-3.1-8b-instruct"]
     d = spec.total_params
