@@ -24,6 +24,8 @@
 #   update   the fused update on the device (target 3)                                     50 s measured
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3), at 1 x 512
 #            and at the rtxpro6000 preset's 4 x 512, 2 layers per block                   3 + 4 min
+#   trace    aggshare's 1 x 512 runs with steps 9-11 traced by torch.profiler (--trace-steps): where the
+#            time of Agg & Up beside the update goes, and why the fused run's backward was slower  3 min
 #   fused4   the same with neighbours: DECA eager and fused, table9's 4 clients (target 3) 3-5 min
 #            (H200: fused4, update and terms together 247 s measured)
 #            (the fused run compiles its kernels in its warm-up steps, 4 ranks at once)
@@ -76,7 +78,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare fused4 fits reproduce"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare trace fused4 fits reproduce"; exit 2; }
 for what in "$@"; do
   case $what in
     exact) step 120 exact python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
@@ -117,6 +119,10 @@ for what in "$@"; do
                 --ds-config ds_configs/rtxpro6000_llama-3.1-8b.json --out "$RES" --ranks 1 --methods deca \
                 --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b_preset \
                 --train-args "${LLAMA[@]}" --dataset synthetic --synthetic-words 600 ;;
+    trace) # a block's three steps (the last activates the next block), after the fused kernels compiled
+           step 240 trace python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
+             --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b_trace \
+             --train-args "${LLAMA[@]}" --layers-per-block 1 --trace-steps 3 --trace-start 9 ;;
     fused4) step 300 fused4 python3 profiling/profile_resources.py "${BF16[@]}" --ranks 4 --methods deca \
               --updates eager fused --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b_fused \
               --train-args "${QWEN[@]}" ;;

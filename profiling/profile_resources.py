@@ -6,7 +6,8 @@ graph, drops each client's first --warmup steps, and reports medians over the re
 optimizer step DeepSpeed calls), the combination alone (Agg: DeCAF's SVD shows here), Comm (MB
 sent per step per client), and the ratios the issue's targets are stated in. Writes
 <out>/profile_resources.{md,csv,json,png} after every run (a run that fails or is stopped keeps
-those before it). With --merge, methods measured by earlier calls with the
+those before it). A run traced by --train-args --trace-steps N leaves each rank's trace (the
+trainer's --trace-steps) in <out>/<name>_trace/<method>/. With --merge, methods measured by earlier calls with the
 same ranks, preset, warm-up and train args stay in the table (one method per call fits a time
 limit), and the ratios are taken over all of them.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -135,6 +137,9 @@ def main(argv=None) -> dict:
                           "--consensus-interval", "0", *(["--fused-update"] if update == "fused" else []),
                           *args.train_args]
             out = runs.train(train_args, args.ranks, Path(args.work_dir) / (method + tag), args.timeout, method + tag)
+            if (out / "trace").is_dir():  # --train-args --trace-steps N: each rank's trace beside the tables
+                shutil.copytree(out / "trace", Path(args.out) / f"{args.name}_trace" / (method + tag),
+                                dirs_exist_ok=True)
             results.append({"method": LABELS[method] + label, "update": update, **measure(out, args.warmup),
                             "command": made["command"]})
             # written after every run: a later run that fails or is stopped keeps the ones before it

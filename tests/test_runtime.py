@@ -7,6 +7,7 @@ the reference run goes through the real `deepspeed` launcher.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -295,6 +296,9 @@ BAD_INPUTS = {
     "offload_budget_too_small": (lambda t: ["--offload", "frozen", "--offload-budget", "0.0001"],
                                  r"--offload-budget 0.0001 GB: even with every frozen decoder layer offloaded"),
     "loss_chunk": (lambda t: ["--loss-chunk", "-1"], "loss_chunk must be >= 0"),
+    "trace_past_the_end": (lambda t: ["--trace-steps", "4", "--trace-start", "478"],
+                           "--trace-start 478 --trace-steps 4 goes past the run's 480 steps"),
+    "trace_start_alone": (lambda t: ["--trace-start", "5"], "--trace-start needs --trace-steps"),
     "gpu_memory_without_gpu": (lambda t: ["--gpu-memory-gb", "31"],
                                "--gpu-memory-gb 31 caps the CUDA allocator, but this rank runs on the CPU"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),
@@ -368,6 +372,33 @@ def test_out_of_gpu_memory_is_an_error_naming_the_cap(monkeypatch, tmp_path, cap
     err = capsys.readouterr().err
     assert "out of GPU memory on this GPU" in err and "--offload" not in err
     assert "only DECA offloads frozen layers" in err
+
+
+def test_trace_of_two_steps(tmp_path, profiling_runs):
+    """--trace-steps 2 --trace-start 1 on one CPU rank, run by profile_resources.py (which keeps the
+    trace beside its tables): the Chrome trace holds the three phases of steps 1 and 2 only, and the
+    summary gives each phase's time per step within the step's, as the metrics timed it."""
+    import profile_resources
+
+    profile_resources.main(["--ranks", "1", "--methods", "deca", "--updates", "eager", "--steps-per-block", "2",
+                            "--warmup", "1", "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+                            "--train-args", "--layers-per-block", "2", "--micro-batch", "2",
+                            "--trace-steps", "2", "--trace-start", "1"])
+    trace = tmp_path / "out" / "profile_resources_trace" / "deca"
+    with gzip.open(trace / "rank0.trace.json.gz", "rt") as f:
+        names = [e.get("name") for e in json.load(f)["traceEvents"]]
+    assert {phase: names.count(f"deca.{phase}") for phase in ("forward", "backward", "step")} == \
+        {"forward": 2, "backward": 2, "step": 2}
+    summary = json.loads((trace / "rank0.json").read_text())
+    assert summary["steps"] == [1, 3] and summary["device"] == "cpu"
+    metrics = tmp_path / "runs" / "deca" / "metrics" / "client_000.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    step_ms = max(1e3 * (r["t_forward"] + r["t_backward"] + r["t_mix_update"]) for r in records if r["step"] in (1, 2))
+    for phase in ("forward", "backward", "step"):
+        timed = summary["phases"][phase]
+        assert timed["calls_per_step"] == 1 and timed["device_ms"] == 0 and 0 < timed["host_ms"] < step_ms, timed
+    assert summary["ops"] and all(op["self_host_ms"] >= 0 for op in summary["ops"])
+    assert "Self CPU" in (trace / "rank0.ops.txt").read_text()
 
 
 def test_deepspeed_clipping_default_is_turned_off(tmp_path):

@@ -188,6 +188,10 @@ class RunOptions:
                         "as the profiling tools do)")
     save_clients: bool = _opt(False, "also export every client's model")
     tensorboard: bool = _opt(False, "write TensorBoard event files")
+    trace_steps: int = _opt(0, "trace this many steps with torch.profiler on every rank, from --trace-start, into "
+                            "trace/ (docs/outputs.md; 0 = off)")
+    trace_start: int = _opt(3, "with --trace-steps: the first step traced (the steps before it warm up; "
+                            "--fused-update compiles in them)")
     timeout: float = _opt(300.0, "seconds any wait on another rank may take before the run fails")
     skip_nonfinite: bool = _opt(False, "skip (on every rank) a step whose loss or gradient is NaN or infinite on "
                                 "any client, count it in the summary, and go on (default: every rank stops there)")
@@ -197,7 +201,7 @@ class RunOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval", "offload_keep",
-                     "offload_budget", "loss_chunk", "gpu_memory_gb"):
+                     "offload_budget", "loss_chunk", "gpu_memory_gb", "trace_steps", "trace_start"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("micro_batch", "grad_accum", "clients", "steps"):
@@ -237,6 +241,8 @@ class RunOptions:
                 raise ValueError("--offload-budget chooses --offload-keep: give one of them")
         elif self.offload_keep or self.offload_budget:
             raise ValueError(f"--offload-{'keep' if self.offload_keep else 'budget'} needs --offload frozen")
+        if self.trace_start != option_defaults()["trace_start"] and not self.trace_steps:
+            raise ValueError("--trace-start needs --trace-steps")
         from .transport import parse_device_map
 
         parse_device_map(self.device_map)
@@ -280,8 +286,7 @@ class RunOptions:
         if self.method == "deca":
             return Deca(config, partition)
         # the same local Adam as DECA's: every AdamSettings field of its config
-        adam = AdamConfig(steps=self.steps or config.rounds * partition.num_blocks * config.steps_per_block,
-                          mix_every=self.mix_every, **config.adam_settings())
+        adam = AdamConfig(steps=self.total_steps(partition), mix_every=self.mix_every, **config.adam_settings())
         if self.method == "dadam":
             return DAdam(adam)
         if self.method == "dec_adapter":
@@ -289,6 +294,10 @@ class RunOptions:
         lora = DeCAF if self.method == "decaf" else DecLoRA
         return lora(adam, rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
                     targets=self.lora_targets or DEFAULT_TARGETS, seed=self.seed)
+
+    def total_steps(self, partition: Partition) -> int:
+        """Local steps of the run: DECA's T·B·R, a baseline's --steps (T·B·R when not given)."""
+        return (self.method != "deca" and self.steps) or self.rounds * partition.num_blocks * self.steps_per_block
 
     def deca_config(self) -> DecaConfig:
         from ..config import DecaConfig, parse_dtype
@@ -633,8 +642,8 @@ def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_n
 # equals the resident one bit for bit (tests/test_runtime.py), so a resume may move to another card.
 NOT_RESULT = frozenset({"output_dir", "overwrite", "resume", "timeout", "consensus_interval", "eval_interval",
                         "eval_clients", "eval_limit", "checkpoint_interval", "keep_checkpoints", "export",
-                        "save_clients", "tensorboard", "offload", "offload_keep", "offload_budget",
-                        "token_cache", "device_map", "gpu_memory_gb"})
+                        "save_clients", "tensorboard", "trace_steps", "trace_start", "offload", "offload_keep",
+                        "offload_budget", "token_cache", "device_map", "gpu_memory_gb"})
 # DeepSpeed keys that only change logging
 NOT_RESULT_DS = frozenset({"steps_per_print", "wall_clock_breakdown"})
 # Options each site of a run may set for itself (deca_ds.runtime.same_start compares the rest

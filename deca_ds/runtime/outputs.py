@@ -22,7 +22,7 @@ MARKER = "run_owner.json"
 # after --overwrite or --resume never leaves them beside a newer run_config.json.
 RESULT_FILES = ("summary.json", "summary.md", "loss_curve.png")
 RUN_OUTPUTS = (MARKER, "run_config.json", *RESULT_FILES, "partition", "checkpoints", "metrics", "tensorboard",
-               "consensus", "adapter", "clients")
+               "trace", "consensus", "adapter", "clients")
 
 
 def is_run(out: Path) -> bool:

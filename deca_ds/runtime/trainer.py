@@ -65,6 +65,7 @@ from .nonfinite import (
 from .options import RunOptions, dump_config, offload_keep_for_budget
 from .same_start import check_same_start, start_fingerprint
 from .task import Task, build_task, share_counts
+from .trace import StepTrace, check_window
 from .transport import check_placement, env_placement, resolve_transport, spans_nodes
 
 
@@ -307,6 +308,7 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
             print(f"--offload-budget {opts.offload_budget:g} GB: keeping the top {opts.offload_keep} decoder layers "
                   "on the device")
     check_keep(len(find_decoder_layers(model)[1]), opts.offload_keep)
+    check_window(opts.trace_start, opts.trace_steps, opts.total_steps(partition))
     method = opts.build_method(partition)
     model = method.prepare(model)
     trainable = method.num_trainable(model)
@@ -421,6 +423,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     return Job(opts, layout, device, groups, heartbeat, mixer, offload, prefix, optimizer, engine, stream, task,
                plan.method, out, placement, metrics, timer, bar, start=start, before=before,
                setup_peak=setup.get("mem_peak", setup.get("mem_rss")),
+               trace=StepTrace(out, rank, opts.trace_start, opts.trace_steps, device.type == "cuda"),
                skipped=state["rank"].get("nonfinite_skipped", 0) if state else 0)
 
 
@@ -449,6 +452,7 @@ class Job:
     start: int  # the step the run started (or resumed) at
     before: dict | None  # x̄ scored before training (rank 0, a new run)
     setup_peak: int | None  # bytes the setup peaked at, logged with the first step
+    trace: StepTrace  # --trace-steps (off: every call a no-op)
     skipped: int = 0  # --skip-nonfinite: steps skipped over the whole run
     consecutive: int = 0  # ... and in a row up to now
     last_step_s: float = 0.0
@@ -458,6 +462,7 @@ class Job:
         (mixing included) on the last, then the step's record, and a checkpoint when one is due. A
         collective that fails (a rank lost) stops the rank naming the ranks that went silent."""
         step, where = self.optimizer.global_step, self.optimizer.where()
+        self.trace.at_step(step)
         step_start = time.perf_counter()
         try:
             if self._step(step, where):
@@ -537,14 +542,16 @@ class Job:
             if self.prefix is not None:
                 self.prefix.next(batch)
             t0 = timer.mark()
-            loss = causal_lm_loss(engine, batch, loss_chunk=self.opts.loss_chunk)
+            with self.trace.phase("forward"):
+                loss = causal_lm_loss(engine, batch, loss_chunk=self.opts.loss_chunk)
             t1 = timer.mark("forward")
-            engine.backward(loss)
+            with self.trace.phase("backward"):
+                engine.backward(loss)
             t2 = timer.mark("backward")
             losses.append(loss.item())
             if self.opts.skip_nonfinite and micro == self.opts.grad_accum - 1:  # all ranks skip together, or none
                 bad = nonfinite_ranks(nonfinite_problem(losses, engine.module), self.layout, self.device)
-            with skipped_update(self.optimizer, bool(bad)):
+            with skipped_update(self.optimizer, bool(bad)), self.trace.phase("step"):
                 engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
             t3 = timer.mark("step")
             for key, t in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
@@ -573,6 +580,7 @@ class Job:
         """After the last step: refuse non-finite weights, export the consensus model, and on rank 0
         the summary of every client's metrics (returned; None on other ranks)."""
         layout, offload, engine, memory = self.layout, self.offload, self.engine, self.timer.device_memory
+        self.trace.close()  # a trace to the last step ends here
         self.bar.close()
         if self.metrics:
             self.metrics.close()
