@@ -90,7 +90,7 @@ from torch import nn
 from .blocks import Partition, find_decoder_layers, partition_model
 from .config import VARIANTS, check_master_dtype, dtype_name, parse_dtype
 from .mixing import MIX_CHUNK
-from .offload import OFFLOAD_MODES
+from .offload import OFFLOAD_MODES, check_keep
 from .quantized import num_absmax
 
 GiB = 2**30
@@ -635,8 +635,7 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
     master = check_master_dtype(master_dtype)
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
-    if not 0 <= offload_keep <= spec.num_layers:
-        raise ValueError(f"offload_keep must be in [0, {spec.num_layers}], got {offload_keep}")
+    check_keep(spec.num_layers, offload_keep)
     if state_bits not in (32, 8):
         raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
     if variant not in VARIANTS:

@@ -371,7 +371,7 @@ def test_offload_weights_and_streamed_bytes_with_kept_layers():
         assert est.offload_stream == round(est.offload_stream_block / 48)
         assert est.offload_buffers == min(2, 1 + len(above)) * layer * w  # one buffer when one layer streams
     assert estimate_block(spec, 1, 1, offload="frozen", offload_keep=4).offload_buffers == 0  # nothing streams
-    with pytest.raises(ValueError, match="offload_keep"):
+    with pytest.raises(ValueError, match=r"offload keep must be in \[0, 4\] \(the model's decoder layers\), got 5"):
         estimate_block(spec, 1, 0, offload="frozen", offload_keep=5)
 
 
