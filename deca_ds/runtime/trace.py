@@ -6,21 +6,25 @@ DeepSpeed's step, the optimizer's update and mixing inside it). Each rank writes
 <output-dir>/trace/:
 - rank<R>.trace.json.gz: the Chrome trace (chrome://tracing, https://ui.perfetto.dev);
 - rank<R>.json: per traced step, each phase's host time (its range on the CPU, launches and waits
-  included) and the device time of the kernels it launched, and the operators that took the most;
+  included), the device time of the kernels it launched, and the operators inside it that took the
+  most;
 - rank<R>.ops.txt: torch's operator table, sorted by device time on a GPU, by host time on CPU.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .checkpoint import write_json
 
 PHASES = ("forward", "backward", "step")
+RANGES = {f"deca.{phase}": phase for phase in PHASES}
 TOP_OPS = 30
 
 
@@ -64,24 +68,35 @@ class StepTrace:
         self.dir.mkdir(parents=True, exist_ok=True)
         stem = self.dir / f"rank{self.rank}"
         profiler.export_chrome_trace(f"{stem}.trace.json.gz")  # torch gzips a path ending in .gz
-        events = profiler.key_averages()
         sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        stem.with_suffix(".ops.txt").write_text(events.table(sort_by=sort, row_limit=60) + "\n")
-        write_json(stem.with_suffix(".json"), summary(events, self.first, self.end, self.cuda))
+        stem.with_suffix(".ops.txt").write_text(profiler.key_averages().table(sort_by=sort, row_limit=60) + "\n")
+        write_json(stem.with_suffix(".json"), summary(profiler.events(), self.first, self.end, self.cuda))
 
 
 def summary(events, first: int, end: int, cuda: bool) -> dict:
-    """Milliseconds per traced step: each phase's host and device time, and the TOP_OPS operators
-    by self time on the device (a GPU) or on the host (CPU)."""
+    """Milliseconds per traced step: each phase's host time (its range), the device time of the
+    kernels launched within it, and the TOP_OPS operators within it by self time on the device (a
+    GPU) or on the host (CPU). An operator is within a phase when it runs inside the phase's range
+    on any thread: on a GPU autograd runs the backward on a thread of its own."""
     steps, ms = end - first, 1e-3 / (end - first)  # the profiler counts microseconds
+    host = [e for e in events if e.device_type == DeviceType.CPU]  # a GPU's timeline repeats the ranges
+    ranges = [e for e in host if e.name in RANGES]
+    ops = sorted((e for e in host if e.name not in RANGES), key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in ops]
     phases = {}
-    for e in events:
-        name = e.key.removeprefix("deca.")
-        if e.key.startswith("deca.") and name in PHASES:
-            phases[name] = {"calls_per_step": e.count / steps, "host_ms": e.cpu_time_total * ms,
-                            "device_ms": e.device_time_total * ms}
-    ops = [e for e in events if not e.key.startswith("deca.")]
-    ops.sort(key=lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total, reverse=True)
-    return {"steps": [first, end], "device": "cuda" if cuda else "cpu", "phases": phases,
-            "ops": [{"name": e.key, "calls_per_step": e.count / steps, "self_host_ms": e.self_cpu_time_total * ms,
-                     "self_device_ms": e.self_device_time_total * ms} for e in ops[:TOP_OPS]]}
+    for r in ranges:
+        phase = phases.setdefault(RANGES[r.name], {"calls_per_step": 0.0, "host_ms": 0.0, "device_ms": 0.0, "ops": {}})
+        phase["calls_per_step"] += 1 / steps
+        phase["host_ms"] += r.cpu_time_total * ms
+        for e in ops[bisect.bisect_left(starts, r.time_range.start):bisect.bisect_right(starts, r.time_range.end)]:
+            if e.time_range.end <= r.time_range.end:
+                op = phase["ops"].setdefault(e.name, {"name": e.name, "calls_per_step": 0.0, "self_host_ms": 0.0,
+                                                      "self_device_ms": 0.0})
+                op["calls_per_step"] += 1 / steps
+                op["self_host_ms"] += e.self_cpu_time_total * ms
+                op["self_device_ms"] += e.self_device_time_total * ms  # the kernels it launched
+                phase["device_ms"] += e.self_device_time_total * ms
+    for phase in phases.values():
+        phase["ops"] = sorted(phase["ops"].values(), key=lambda op: op["self_device_ms" if cuda else "self_host_ms"],
+                              reverse=True)[:TOP_OPS]
+    return {"steps": [first, end], "device": "cuda" if cuda else "cpu", "phases": phases}
