@@ -7,9 +7,9 @@ optimizer step DeepSpeed calls), the combination alone (Agg: DeCAF's SVD shows h
 sent per step per client), and the ratios the issue's targets are stated in. Writes
 <out>/profile_resources.{md,csv,json,png} after every run (a run that fails or is stopped keeps
 those before it). A run traced by --train-args --trace-steps N leaves each rank's trace (the
-trainer's --trace-steps) in <out>/<name>_trace/<method>/. With --merge, methods measured by earlier calls with the
-same ranks, preset, warm-up and train args stay in the table (one method per call fits a time
-limit), and the ratios are taken over all of them.
+trainer's --trace-steps) in <out>/<name>_trace/<method>/. With --merge, methods measured by
+earlier calls with the same ranks, preset, warm-up and train args stay in the table (one method
+per call fits a time limit), and the ratios are taken over all of them.
 
     python profiling/profile_resources.py --ds-config ds_configs/cpu_demo.json --ranks 4
     python profiling/profile_resources.py --ds-config ds_configs/rtxpro6000_llama-3.1-8b.json --ranks 8 \\

@@ -241,7 +241,7 @@ class RunOptions:
                 raise ValueError("--offload-budget chooses --offload-keep: give one of them")
         elif self.offload_keep or self.offload_budget:
             raise ValueError(f"--offload-{'keep' if self.offload_keep else 'budget'} needs --offload frozen")
-        if self.trace_start != option_defaults()["trace_start"] and not self.trace_steps:
+        if self.trace_start != defaults["trace_start"] and not self.trace_steps:
             raise ValueError("--trace-start needs --trace-steps")
         from .transport import parse_device_map
 
