@@ -7,13 +7,16 @@ instead runs them layer by layer over all the micro-batches of the block's remai
 layer copied once per block), keeps the hidden states entering the block's lowest layer, and
 during the steps the layers below hand those over without computing. The arithmetic is the one a
 step would do, kernel for kernel, so training is bit-identical; what changes is that a step copies
-only the layers above the active block (R = 48: 1/48 of the lower layers' bytes per step).
+only the layers above the active block (R = 48: 1/48 of the lower layers' bytes per step). While it
+runs the device holds one hidden state per micro-batch (deca_ds.memory's prefix_cache): what
+entered a layer is freed as its output replaces it; only the masks and position embeddings the
+model passes every layer are kept beside.
 
 Caching needs two things a check verifies at every fill, falling back to computing the layers in
 every step (with a warning, and nothing changed) where either fails: nothing trainable feeds the
 layers below (the embeddings, or an LM head tied to them, as the active block: that block only),
-and the layers draw no random numbers (dropout, which a different order of computation would hand
-out otherwise: the rest of the run).
+and nothing up to the block draws random numbers (dropout, which a different order of computation
+would hand out otherwise: the rest of the run).
 """
 
 from __future__ import annotations
@@ -69,25 +72,27 @@ class FrozenPrefix:
         first = self._first[block]
         if not (self.enabled and first and batches):
             return False
-        calls = [self._record(model, first, batch) for batch in batches]
-        if any(t.requires_grad for c in calls for t in _tensors(c)):
+        rng = _rng_states()
+        recorded = [self._record(model, first, batch) for batch in batches]
+        hidden = [state for state, _ in recorded]  # what enters layer 0, then each layer in turn
+        calls = [layer_calls for _, layer_calls in recorded]  # each layer's other arguments
+        del recorded  # so what entered a layer is freed once its output replaces it
+        if any(t.requires_grad for t in hidden) or any(t.requires_grad for c in calls for t in _tensors(c)):
             if block not in self._uncached:
                 self._uncached.add(block)
                 warnings.warn(f"block {block} trains a tensor that feeds the layers below it: they are computed "
                               "in every step while it trains", stacklevel=2)
             return False
-        rng = _rng_states()
-        hidden = [c[0][0][0] for c in calls]  # the input of layer 0
         with torch.no_grad():
             for k in range(first):
-                for i, c in enumerate(calls):
-                    args, kwargs = c[k]
-                    hidden[i] = self.layers[k](hidden[i], *args[1:], **kwargs)
+                for i, layer_calls in enumerate(calls):
+                    args, kwargs = layer_calls[k]
+                    hidden[i] = self.layers[k](hidden[i], *args, **kwargs)
         if not all(isinstance(h, torch.Tensor) for h in hidden):
             return self._disable("the decoder layers return tuples, not the hidden state (transformers < 5)")
         if not _same(rng, _rng_states()):
             _set_rng_states(rng)
-            return self._disable("the decoder layers draw random numbers (dropout)")
+            return self._disable("the layers below the block, or what feeds them, draw random numbers (dropout)")
         # Kept in host memory until their step (pinned, copied back asynchronously): the device then
         # holds them all only while this runs, not through the block's steps.
         self._queue.extend((b["input_ids"].cpu(), _to_host(h)) for b, h in zip(batches, hidden))
@@ -116,17 +121,20 @@ class FrozenPrefix:
             self.offload.skip(())
 
     # ---- internals ---------------------------------------------------------------------------
-    def _record(self, model: nn.Module, first: int, batch: Mapping[str, torch.Tensor]) -> list[tuple]:
-        """The (args, kwargs) the model's own forward passes to each layer below `first` (masks and
-        position embeddings are the model's business), with those layers passing their input on."""
-        calls = []
+    def _record(self, model: nn.Module, first: int, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
+        """(the hidden state entering layer 0, the other (args, kwargs) the model's own forward passes
+        to each layer below `first`: masks and position embeddings are the model's business), with
+        those layers passing their input on."""
+        calls, entering = [], []
 
         def recorder(k):
-            def forward(*args, **kwargs):
+            def forward(hidden, *args, **kwargs):
+                if k == 0:
+                    entering.append(hidden)
                 calls.append((args, kwargs))
                 if k == first - 1:
                     raise _Reached
-                return args[0]
+                return hidden
             return forward
 
         if self.offload is not None:
@@ -145,7 +153,7 @@ class FrozenPrefix:
                 del self.layers[k].forward
             if self.offload is not None:
                 self.offload.skip(())
-        return calls
+        return entering[0], calls
 
     def _skip(self, first: int) -> None:
         """Layer 0 returns the cached hidden state and the others up to `first` pass it on."""

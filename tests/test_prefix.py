@@ -111,6 +111,28 @@ def test_estimator_counts_the_cached_hidden_states():
     assert estimate_block(spec, 1, 2, offload="none").prefix_cache == 0
 
 
+def test_fill_holds_one_hidden_state_per_micro_batch():
+    """While the layers below run, the device holds each micro-batch's hidden state once: what
+    entered layer 0 is freed when layer 0's output replaces it (the estimator's prefix_cache),
+    not kept through the fill by the recorded calls. Counted on CPU, every tensor the fill allocates."""
+    from deca_ds.runtime.allocated import TensorBytes
+
+    model = tiny_llama(layers=LAYERS, hidden=256, dtype=torch.float32).train()  # wide: the hidden states dominate
+    partition = model_partition(model, DecaConfig(layers_per_block=1))
+    model.requires_grad_(False)
+    n, batch, seq = 32, 2, 8
+    batches = client_batches(1, steps=n, batch=batch, seq=seq)[0]
+    hidden = batch * seq * 256 * 4  # one micro-batch's fp32 hidden state
+    prefix = FrozenPrefix(model, partition)
+    with TensorBytes() as counter:
+        assert prefix.fill(model, 3, batches)
+    assert prefix.pending == n
+    # the n cached states with each micro-batch's mask and rotary tables (0.3 of a state here), and
+    # one layer's forward on one micro-batch (its MLP: 6 states); holding what entered layer 0 too
+    # would be 2n states and more
+    assert n * hidden <= counter.peak < (1.5 * n + 12) * hidden, counter.peak / hidden
+
+
 def test_lm_head_block_caches_every_decoder_layer():
     """A block of no decoder layer (the LM head) has every layer below it: its steps compute only
     the final norm and the head."""
