@@ -26,7 +26,8 @@
 #            and at the rtxpro6000 preset's 4 x 512, 2 layers per block                   3 + 4 min
 #   trace    aggshare's 1 x 512 runs with steps 9-11 traced by torch.profiler (--trace-steps): where the
 #            time of Agg & Up beside the update goes, and why the fused run's backward was slower; and
-#            the rtx5090_qwen2.5-3b preset's steps 4-5 (its step is slower than Llama-2-7B's)   3 + 2 min
+#            the rtx5090_qwen2.5-3b preset's steps 4-5 at 4 x 512 and at the 2 x 2 x 512 it had (its
+#            step was slower than Llama-2-7B's)                                         3 + 2 x 2 min
 #   fused4   the same with neighbours: DECA eager and fused, table9's 4 clients (target 3) 3-5 min
 #            (H200: fused4, update and terms together 247 s measured)
 #            (the fused run compiles its kernels in its warm-up steps, 4 ranks at once)
@@ -124,12 +125,16 @@ for what in "$@"; do
            step 240 trace python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
              --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b_trace \
              --train-args "${LLAMA[@]}" --layers-per-block 1 --trace-steps 3 --trace-start 9
-           # the rtx5090_qwen2.5-3b preset, whose step (fits) was slower than Llama-2-7B's for as many tokens
-           step 180 "trace qwen2.5-3b" python3 profiling/profile_resources.py \
-             --ds-config ds_configs/rtx5090_qwen2.5-3b.json --out "$RES" --ranks 1 --methods deca \
-             --steps-per-block 2 --warmup 2 --updates eager --name profile_resources_qwen2.5-3b_preset_trace \
-             --train-args --from-config --model profiling/configs/qwen2.5-3b-instruct.json --dataset synthetic \
-             --synthetic-words 600 --layers-per-block 2 --trace-steps 2 --trace-start 4 ;;
+           # the rtx5090_qwen2.5-3b preset: one micro-batch of 4, and the two of 2 it had when its step (fits)
+           # was slower than Llama-2-7B's for as many tokens
+           for batches in 4x1 2x2; do
+             step 180 "trace qwen2.5-3b $batches" python3 profiling/profile_resources.py \
+               --ds-config ds_configs/rtx5090_qwen2.5-3b.json --out "$RES" --ranks 1 --methods deca \
+               --steps-per-block 2 --warmup 2 --updates eager --name "profile_resources_qwen2.5-3b_${batches}_trace" \
+               --train-args --from-config --model profiling/configs/qwen2.5-3b-instruct.json --dataset synthetic \
+               --synthetic-words 600 --layers-per-block 2 --micro-batch "${batches%x*}" --grad-accum "${batches#*x}" \
+               --trace-steps 2 --trace-start 4
+           done ;;
     fused4) step 300 fused4 python3 profiling/profile_resources.py "${BF16[@]}" --ranks 4 --methods deca \
               --updates eager fused --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b_fused \
               --train-args "${QWEN[@]}" ;;

@@ -398,7 +398,7 @@ def test_offload_budget_keeps_the_most_layers_that_fit():
 
 def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path, capsys):
     """deca-train --estimate: the estimator for what the run would train, each input derived here by
-    hand: the preset's model config, bf16, 2 layers per block, grad_accum 2; a ring of 4 clients,
+    hand: the preset's model config, bf16, 2 layers per block, grad_accum 1; a ring of 4 clients,
     2 neighbours each; the synthetic task's answer (label word, eos) at micro-batch 4, so the LM
     head runs at 8 positions, not 512; rank 0's scoring before training. Nothing is trained or
     written; a baseline's is its own."""
@@ -416,7 +416,7 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     # rank 0 scores x̄ before training: 32 (prompt, label) sequences per forward, the head at the answer's 2
     workload = Workload(working_dtype="bf16", n_neighbors=2, micro_batch=4, seq_len=512, loss_positions=8,
                         eval_batch=32, eval_positions=2)
-    expected = estimate_memory(qwen, 2, workload, master_dtype="fp32", grad_accum=2, steps_per_block=48)
+    expected = estimate_memory(qwen, 2, workload, master_dtype="fp32", grad_accum=1, steps_per_block=48)
     assert expected.setup_phases["evaluate"] > expected.setup_phases["init"]
     assert "4 client(s), at most 2 neighbour(s) each; micro-batch 4 × 512 tokens, the LM head at 8 position(s)" in text
     for line, value in (("peak of the process", expected.process_peak),

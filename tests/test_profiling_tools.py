@@ -260,7 +260,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
         ds_config = ["--ds_config", parsed.ds_config] if hasattr(parsed, "ds_config") else []
         if parsed.__dict__.get("train_args") and "--ds_config" not in parsed.train_args:
             parse_run_args([*ds_config, *parsed.train_args])
-    assert len(commands) == 27 and len(tools) == 8, sorted(tools)
+    assert len(commands) == 28 and len(tools) == 8, sorted(tools)
 
 
 def test_profile_resources_says_where_clients_time_share_a_gpu():

@@ -448,7 +448,7 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
         load_grid("paper_qwen2.5")
     # Table 1 + ablation: 4 tasks x 6 methods; topology: 3 tasks x 4 methods x 2 more graphs; clients: x 2 more N
     assert len(grid.cells) == 24 + 24 + 24
-    # the hub model's depth is unknown offline: one symbolic budget, the preset's 2 x 2 examples per step
+    # the hub model's depth is unknown offline: one symbolic budget, the preset's 4 examples per step
     assert set(grid.budgets.values()) == {("4·⌈L/2⌉·48", 4)}
     cell = next(c for c in grid.cells if c.clients == 12 and c.method == "dec_lora")
     d = tmp_path / "cell"
