@@ -401,6 +401,11 @@ def test_trace_of_two_steps(tmp_path, profiling_runs):
         assert 0 < sum(op["self_host_ms"] for op in timed["ops"]) <= timed["host_ms"]
     ops = {op["name"]: op for op in summary["phases"]["step"]["ops"]}
     assert ops["Optimizer.step#DecaOptimizer.step"]["calls_per_step"] == 1  # DECA's step is inside DeepSpeed's
+    # the step's wall time holds its phases and the work between them, whose operators are listed apart
+    phases_ms = sum(summary["phases"][phase]["host_ms"] for phase in ("forward", "backward", "step"))
+    assert phases_ms < summary["wall_ms"] and "host_ops" not in summary["phases"]["step"]  # on CPU: "ops"
+    outside = {op["name"] for op in summary["outside"]}
+    assert outside and not outside & {"deca.forward", "deca.backward", "deca.step"}
     assert "aten::mm" in {op["name"] for op in summary["phases"]["forward"]["ops"]}
     assert "Self CPU" in (trace / "rank0.ops.txt").read_text()
 

@@ -5,9 +5,9 @@ The trainer's three phases are ranges of the trace (`deca.forward`, `deca.backwa
 DeepSpeed's step, the optimizer's update and mixing inside it). Each rank writes, under
 <output-dir>/trace/:
 - rank<R>.trace.json.gz: the Chrome trace (chrome://tracing, https://ui.perfetto.dev);
-- rank<R>.json: per traced step, each phase's host time (its range on the CPU, launches and waits
-  included), the device time of the kernels it launched, and the operators inside it that took the
-  most;
+- rank<R>.json: per traced step, the wall time, each phase's host time (its range on the CPU,
+  launches and waits included), the device time of the kernels it launched, and the operators
+  inside it that took the most, and those between the phases (the trainer's checks and records);
 - rank<R>.ops.txt: torch's operator table, sorted by device time on a GPU, by host time on CPU.
 """
 
@@ -74,29 +74,50 @@ class StepTrace:
 
 
 def summary(events, first: int, end: int, cuda: bool) -> dict:
-    """Milliseconds per traced step: each phase's host time (its range), the device time of the
-    kernels launched within it, and the TOP_OPS operators within it by self time on the device (a
-    GPU) or on the host (CPU). An operator is within a phase when it runs inside the phase's range
-    on any thread: on a GPU autograd runs the backward on a thread of its own."""
+    """Milliseconds per traced step: the step's wall time (the traced window over its steps), each
+    phase's host time (its range), the device time of the kernels launched within it, and the
+    TOP_OPS operators within it by self time on the device (a GPU) or on the host (CPU); on a GPU
+    also by self time on the host (`host_ops`: launches, waits for the device). `outside`: the
+    operators between the phases by host time (the trainer's checks and records). An operator is
+    within a phase when it runs inside the phase's range on any thread: on a GPU autograd runs the
+    backward on a thread of its own."""
     steps, ms = end - first, 1e-3 / (end - first)  # the profiler counts microseconds
     host = [e for e in events if e.device_type == DeviceType.CPU]  # a GPU's timeline repeats the ranges
     ranges = [e for e in host if e.name in RANGES]
     ops = sorted((e for e in host if e.name not in RANGES), key=lambda e: e.time_range.start)
     starts = [e.time_range.start for e in ops]
-    phases = {}
+    phases, inside = {}, set()
     for r in ranges:
         phase = phases.setdefault(RANGES[r.name], {"calls_per_step": 0.0, "host_ms": 0.0, "device_ms": 0.0, "ops": {}})
         phase["calls_per_step"] += 1 / steps
         phase["host_ms"] += r.cpu_time_total * ms
-        for e in ops[bisect.bisect_left(starts, r.time_range.start):bisect.bisect_right(starts, r.time_range.end)]:
+        for i in range(bisect.bisect_left(starts, r.time_range.start), bisect.bisect_right(starts, r.time_range.end)):
+            e = ops[i]
             if e.time_range.end <= r.time_range.end:
-                op = phase["ops"].setdefault(e.name, {"name": e.name, "calls_per_step": 0.0, "self_host_ms": 0.0,
-                                                      "self_device_ms": 0.0})
-                op["calls_per_step"] += 1 / steps
-                op["self_host_ms"] += e.self_cpu_time_total * ms
-                op["self_device_ms"] += e.self_device_time_total * ms  # the kernels it launched
-                phase["device_ms"] += e.self_device_time_total * ms
+                inside.add(i)
+                _count(phase["ops"], e, steps)
+                phase["device_ms"] += e.self_device_time_total * ms  # the kernels it launched
     for phase in phases.values():
-        phase["ops"] = sorted(phase["ops"].values(), key=lambda op: op["self_device_ms" if cuda else "self_host_ms"],
-                              reverse=True)[:TOP_OPS]
-    return {"steps": [first, end], "device": "cuda" if cuda else "cpu", "phases": phases}
+        counted = phase.pop("ops").values()
+        phase["ops"] = _top(counted, "self_device_ms" if cuda else "self_host_ms")
+        if cuda:
+            phase["host_ops"] = _top(counted, "self_host_ms")
+    outside = {}
+    for i, e in enumerate(ops):
+        if i not in inside:
+            _count(outside, e, steps)
+    window = max(e.time_range.end for e in host) - min(e.time_range.start for e in host) if host else 0
+    return {"steps": [first, end], "device": "cuda" if cuda else "cpu", "wall_ms": window * ms, "phases": phases,
+            "outside": _top(outside.values(), "self_host_ms")}
+
+
+def _count(table: dict, e, steps: int) -> None:
+    """Add one event to `table`'s row of its operator: calls and self milliseconds per step."""
+    op = table.setdefault(e.name, {"name": e.name, "calls_per_step": 0.0, "self_host_ms": 0.0, "self_device_ms": 0.0})
+    op["calls_per_step"] += 1 / steps
+    op["self_host_ms"] += e.self_cpu_time_total * 1e-3 / steps  # the profiler counts microseconds
+    op["self_device_ms"] += e.self_device_time_total * 1e-3 / steps
+
+
+def _top(rows, key: str) -> list[dict]:
+    return sorted(rows, key=lambda op: op[key], reverse=True)[:TOP_OPS]
