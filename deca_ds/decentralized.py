@@ -37,7 +37,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer, ABC):
     the runtime logs and checkpoints by."""
 
     mixer: Mixer = IdentityMixer()
-    # The runtime swaps in a clock that synchronizes the GPU, so the phase times count kernels.
+    # The runtime swaps in its timer's clock, which counts a GPU's kernels (runtime.timing); its
+    # times subtract and add as numbers, and float() reads them.
     clock: Callable[[], float] = staticmethod(time.perf_counter)
     last_times: dict[str, float] = {}
     # Whether combining is linear in the clients' vectors: then the consensus x̄ is their mean.

@@ -28,6 +28,8 @@
 #            time of Agg & Up beside the update goes, and why the fused run's backward was slower; and
 #            the rtx5090_qwen2.5-3b preset's steps 4-5 at 4 x 512 and at the 2 x 2 x 512 it had (its
 #            step was slower than Llama-2-7B's)                                         3 + 2 x 2 min
+#   events   the fused update's share at 1 x 512 with the phases timed by CUDA events and by waiting
+#            (--phase-timing), and the rtx5090_qwen2.5-3b preset with events       2 x 2 + 2 min
 #   fused4   the same with neighbours: DECA eager and fused, table9's 4 clients (target 3) 3-5 min
 #            (H200: fused4, update and terms together 247 s measured)
 #            (the fused run compiles its kernels in its warm-up steps, 4 ranks at once)
@@ -80,7 +82,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare trace fused4 fits reproduce"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare trace events fused4 fits reproduce"; exit 2; }
 for what in "$@"; do
   case $what in
     exact) step 120 exact python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
@@ -135,6 +137,19 @@ for what in "$@"; do
                --synthetic-words 600 --layers-per-block 2 --micro-batch "${batches%x*}" --grad-accum "${batches#*x}" \
                --trace-steps 2 --trace-start 4
            done ;;
+    events) # target 3 with the phases timed by CUDA events (--phase-timing events: the host runs ahead of the
+            # device) beside the default, which waits for the device at each phase: the fused update, 1 x 512
+            for timing in sync events; do
+              step 180 "events $timing" python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
+                --steps-per-block 3 --warmup 3 --updates fused --name "profile_resources_llama-3.1-8b_$timing" \
+                --train-args "${LLAMA[@]}" --layers-per-block 1 --phase-timing $timing
+            done
+            # the rtx5090_qwen2.5-3b preset, whose step may be the host's launches
+            step 150 "events qwen2.5-3b" python3 profiling/profile_resources.py \
+              --ds-config ds_configs/rtx5090_qwen2.5-3b.json --out "$RES" --ranks 1 --methods deca \
+              --steps-per-block 2 --warmup 2 --updates eager --name profile_resources_qwen2.5-3b_events \
+              --train-args --from-config --model profiling/configs/qwen2.5-3b-instruct.json --dataset synthetic \
+              --synthetic-words 600 --layers-per-block 2 --phase-timing events ;;
     fused4) step 300 fused4 python3 profiling/profile_resources.py "${BF16[@]}" --ranks 4 --methods deca \
               --updates eager fused --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b_fused \
               --train-args "${QWEN[@]}" ;;

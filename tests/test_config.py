@@ -194,6 +194,7 @@ def test_choice_lists_agree_with_the_algorithm_modules():
     from deca_ds.datasets import TASKS
     from deca_ds.methods import METHODS
     from deca_ds.offload import OFFLOAD_MODES
+    from deca_ds.runtime.timing import PHASE_TIMINGS
     from deca_ds.topology import TOPOLOGIES, WEIGHT_SCHEMES
 
     assert set(options_module.VARIANTS) == set(VARIANTS)
@@ -203,6 +204,7 @@ def test_choice_lists_agree_with_the_algorithm_modules():
     assert set(options_module.TOPOLOGIES) == set(TOPOLOGIES)
     assert set(options_module.WEIGHT_SCHEMES) == set(WEIGHT_SCHEMES)
     assert set(options_module.BLOCK_ORDERS) == set(BLOCK_ORDERS)
+    assert set(options_module.PHASE_TIMINGS) == set(PHASE_TIMINGS)
 
 
 def test_algorithm_options_default_to_deca_configs_defaults():

@@ -377,12 +377,13 @@ def test_out_of_gpu_memory_is_an_error_naming_the_cap(monkeypatch, tmp_path, cap
 def test_trace_of_two_steps(tmp_path, profiling_runs):
     """--trace-steps 2 --trace-start 1 on one CPU rank, run by profile_resources.py (which keeps the
     trace beside its tables): the Chrome trace holds the three phases of steps 1 and 2 only, and the
-    summary gives each phase's time per step within the step's, as the metrics timed it."""
+    summary gives each phase's time per step within the step's, as the metrics timed it (with
+    --phase-timing events: the trainer's times read after each step, here from the host's clock)."""
     import profile_resources
 
     profile_resources.main(["--ranks", "1", "--methods", "deca", "--updates", "eager", "--steps-per-block", "2",
                             "--warmup", "1", "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
-                            "--train-args", "--layers-per-block", "2", "--micro-batch", "2",
+                            "--train-args", "--layers-per-block", "2", "--micro-batch", "2", "--phase-timing", "events",
                             "--trace-steps", "2", "--trace-start", "1"])
     trace = tmp_path / "out" / "profile_resources_trace" / "deca"
     with gzip.open(trace / "rank0.trace.json.gz", "rt") as f:
@@ -759,7 +760,7 @@ def test_step_sections_keep_their_own_allocation_peaks(monkeypatch):
     """On a GPU a step's record says which section set its peak. The device's counter is faked:
     each read returns the next value and the counter restarts at every section's end."""
     from deca_ds.runtime.allocated import DeviceMemory
-    from deca_ds.runtime.trainer import Timer
+    from deca_ds.runtime.timing import Timer
 
     reads = iter([5, 9, 7, 6, 8, 4, 3, 2])  # outside, forward, backward, step, forward, ...
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -781,7 +782,7 @@ def test_a_cpu_run_that_counts_its_tensor_memory_records_it_as_a_gpu_run_does(mo
     """DECA_COUNT_CPU_MEMORY=1: a CPU rank's sections keep the peaks of the tensor memory
     operators allocate (runtime.allocated.TensorBytes), in bytes counted by hand."""
     from deca_ds.runtime.allocated import COUNT_ON_CPU, DeviceMemory, counting, cpu_counter
-    from deca_ds.runtime.trainer import Timer
+    from deca_ds.runtime.timing import Timer
 
     cpu = torch.device("cpu")
     assert cpu_counter(cpu) is None

@@ -265,7 +265,7 @@ class DistributedMixer:
         self.transfer_dtype = transfer_dtype
         self.total_bytes_sent = 0
         self.total_exchange_s = 0.0
-        self.clock = time.perf_counter  # the runtime's clock, which waits for the GPU
+        self.clock = time.perf_counter  # the runtime's timer's clock, which counts the GPU's work (runtime.timing)
 
     def _peer(self, j: int) -> str:
         return f"client {j} (rank {self.layout.rank_of(j)})"

@@ -49,8 +49,12 @@ def initialize(model, optimizer, ds_config: dict, mpu: ClientMPU, device: torch.
     # DeepSpeed selects GPU LOCAL_RANK unless told the device: with several ranks per GPU
     # (transport.gpu_of) local rank 1 is not GPU 1.
     args = SimpleNamespace(device_rank=device.index) if device.type == "cuda" else None
+    # DeepSpeed's throughput timer synchronizes the device as each forward starts and each step
+    # ends, for a samples/s line the trainer's own records replace; off, the host can run ahead
+    # (--phase-timing events).
+    config = {**ds_config, "timers": {"throughput": {"enabled": False}}}
     engine, engine_optimizer, _, _ = deepspeed.initialize(
-        args=args, model=model, optimizer=optimizer, config=ds_config, mpu=mpu)
+        args=args, model=model, optimizer=optimizer, config=config, mpu=mpu)
     # With one rank per client the all-reduce is an identity that still copies the active
     # block's gradient into flat bf16 and fp32 buffers; skip it.
     engine.enable_backward_allreduce = mpu.get_data_parallel_world_size() > 1

@@ -61,6 +61,7 @@ def unread(method: str) -> set[str]:
     were refused may hold another value)."""
     return {name for name, methods in READ_BY.items() if method not in methods}
 TRANSPORTS = ("auto", "nccl", "gloo")  # how ranks talk (deca_ds.runtime.transport)
+PHASE_TIMINGS = ("sync", "events")  # deca_ds.runtime.timing
 
 
 def per_client(path: str) -> bool:
@@ -192,6 +193,9 @@ class RunOptions:
                             "trace/ (docs/outputs.md; 0 = off)")
     trace_start: int = _opt(3, "with --trace-steps: the first step traced (the steps before it warm up; "
                             "--fused-update compiles in them)")
+    phase_timing: str = _opt("sync", "GPU: time the phases by waiting for the device at each ('sync'), or by CUDA "
+                             "events read after the step ('events': the host runs ahead; docs/profiling.md)",
+                             choices=PHASE_TIMINGS)
     timeout: float = _opt(300.0, "seconds any wait on another rank may take before the run fails")
     skip_nonfinite: bool = _opt(False, "skip (on every rank) a step whose loss or gradient is NaN or infinite on "
                                 "any client, count it in the summary, and go on (default: every rank stops there)")
@@ -642,14 +646,15 @@ def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_n
 # equals the resident one bit for bit (tests/test_runtime.py), so a resume may move to another card.
 NOT_RESULT = frozenset({"output_dir", "overwrite", "resume", "timeout", "consensus_interval", "eval_interval",
                         "eval_clients", "eval_limit", "checkpoint_interval", "keep_checkpoints", "export",
-                        "save_clients", "tensorboard", "trace_steps", "trace_start", "offload", "offload_keep",
-                        "offload_budget", "token_cache", "device_map", "gpu_memory_gb"})
+                        "save_clients", "tensorboard", "trace_steps", "trace_start", "phase_timing", "offload",
+                        "offload_keep", "offload_budget", "token_cache", "device_map", "gpu_memory_gb"})
 # DeepSpeed keys that only change logging
 NOT_RESULT_DS = frozenset({"steps_per_print", "wall_clock_breakdown"})
 # Options each site of a run may set for itself (deca_ds.runtime.same_start compares the rest
 # across ranks): they change neither the result nor when the ranks talk. The model and the data
 # files are paths on the site's own disk; what they hold is compared by content (the weights and
 # tokenizer fingerprints, the label names).
-PER_SITE = frozenset({"output_dir", "overwrite", "timeout", "eval_clients", "eval_limit", "keep_checkpoints",
-                      "export", "save_clients", "tensorboard", "offload", "offload_keep", "offload_budget",
-                      "token_cache", "device_map", "gpu_memory_gb", "model", "data_files", "trust_remote_code"})
+PER_SITE = frozenset({"output_dir", "overwrite", "timeout", "phase_timing", "eval_clients", "eval_limit",
+                      "keep_checkpoints", "export", "save_clients", "tensorboard", "offload", "offload_keep",
+                      "offload_budget", "token_cache", "device_map", "gpu_memory_gb", "model", "data_files",
+                      "trust_remote_code"})

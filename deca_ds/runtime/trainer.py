@@ -65,6 +65,7 @@ from .nonfinite import (
 from .options import RunOptions, dump_config, offload_keep_for_budget
 from .same_start import check_same_start, start_fingerprint
 from .task import Task, build_task, share_counts
+from .timing import DeviceTime, Timer
 from .trace import StepTrace, check_window
 from .transport import check_placement, env_placement, resolve_transport, spans_nodes
 
@@ -132,45 +133,6 @@ class Laps:
     def __str__(self) -> str:
         return (f"set up in {sum(self.seconds.values()):.1f} s: "
                 + ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items()))
-
-
-class Timer:
-    """Wall-clock sections of a step; on a GPU the device is synchronized so kernels are counted,
-    and where tensor memory is counted (a GPU, or a CPU run that asked: runtime.allocated) each
-    section's allocation peak is kept, so a run says which phase sets its peak."""
-
-    def __init__(self, memory: DeviceMemory) -> None:
-        self.device_memory, self.cuda = memory, memory.cuda
-        self.peak = 0  # the allocation peak since setup, over every section
-        self._sections: dict[str, int] = {}
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def mark(self, section: str = "other") -> float:
-        """now(), ending `section` ("other": the work between the named sections, such as the
-        checks after the update) and keeping its allocation peak for this step's record; the
-        peak counter restarts here."""
-        t = self.now()
-        if self.device_memory.counted:
-            value = self.device_memory.peak()
-            self.device_memory.reset_peak()
-            self.peak = max(self.peak, value)
-            self._sections[section] = max(self._sections.get(section, 0), value)
-        return t
-
-    def memory(self) -> dict:
-        """The step's memory record: the allocation now, the peak since setup and each section's
-        peak in this step (mem_peak_forward, …, mem_peak_other), so the step's peak is always one
-        section's; where nothing counts tensor memory (CPU), the resident set."""
-        if not self.device_memory.counted:
-            return self.device_memory.now()
-        self.mark()
-        sections, self._sections = self._sections, {}
-        return {"mem_allocated": self.device_memory.allocated(), "mem_peak": self.peak,
-                **{f"mem_peak_{name}": value for name, value in sections.items()}}
 
 
 def _resume_step(root: Path, layout: ClientLayout) -> int:
@@ -416,7 +378,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     laps("outputs")
     if rank == 0:
         print(laps, flush=True)
-    timer = Timer(memory)
+    timer = Timer(memory, opts.phase_timing)
     optimizer.clock = mixer.clock = timer.now
     bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
                dynamic_ncols=True, desc=opts.method)
@@ -494,12 +456,14 @@ class Job:
         problem = 1 if not math.isfinite(loss) else 0 if update_finite(optimizer) else 2
         stop_if_nonfinite(problem, layout, self.device, f"at {at_step(step, where)}")
         t_exchange = mixer.total_exchange_s - exchanged
-        record.update(loss=loss, **times, t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
-                      t_aggregate=optimizer.last_times["combine"] - t_exchange,
+        times.update(t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
+                     t_aggregate=optimizer.last_times["combine"] - t_exchange)
+        # the step's checks above waited for the device: --phase-timing events' laps read at once
+        record.update(loss=loss, **{key: float(t) for key, t in times.items()},
                       bytes_sent=mixer.total_bytes_sent - sent, **self.timer.memory())
         if offload.enabled:
             # the first step of a block also runs the layers below it for all the block's steps
-            record.update(t_prefix=t_prefix, bytes_streamed=offload.bytes_streamed - streamed)
+            record.update(t_prefix=float(t_prefix), bytes_streamed=offload.bytes_streamed - streamed)
         if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
             record.update(evaluate_during_training(self.engine.module, self.task, opts, layout))
         if self.skipped:
@@ -518,7 +482,7 @@ class Job:
                                 opts.keep_checkpoints, self.skipped)
         return True
 
-    def _fill_prefix(self, step: int) -> float:
+    def _fill_prefix(self, step: int) -> float | DeviceTime:
         """With offloaded layers, at a block's first step (or the first after resuming): the layers
         below the block, run once for the micro-batches of all its remaining steps. Its seconds."""
         prefix, optimizer = self.prefix, self.optimizer
@@ -531,7 +495,7 @@ class Job:
                     [{k: v.to(self.device) for k, v in shard.items()} for shard in shards])
         return self.timer.mark("prefix") - t0
 
-    def _micro_batches(self) -> tuple[list[float], dict[int, int], dict[str, float]]:
+    def _micro_batches(self) -> tuple[list[float], dict[int, int], dict[str, float | DeviceTime]]:
         """Forward and backward of each micro-batch; DeepSpeed runs the optimizer's step (mixing
         included) on the last. The losses, the ranks with a non-finite loss or gradient
         (--skip-nonfinite: then no rank updates) and the phases' seconds."""
@@ -548,15 +512,16 @@ class Job:
             with self.trace.phase("backward"):
                 engine.backward(loss)
             t2 = timer.mark("backward")
-            losses.append(loss.item())
+            losses.append(loss.detach())  # read after the step: reading it now would wait for the backward
             if self.opts.skip_nonfinite and micro == self.opts.grad_accum - 1:  # all ranks skip together, or none
-                bad = nonfinite_ranks(nonfinite_problem(losses, engine.module), self.layout, self.device)
+                problem = nonfinite_problem([x.item() for x in losses], engine.module)
+                bad = nonfinite_ranks(problem, self.layout, self.device)
             with skipped_update(self.optimizer, bool(bad)), self.trace.phase("step"):
                 engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
             t3 = timer.mark("step")
             for key, t in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
                 times[key] += t
-        return losses, bad, times
+        return [x.item() for x in losses], bad, times
 
     def _skip(self, step: int, where: dict, bad: dict[int, int]) -> None:
         self.skipped, self.consecutive = self.skipped + 1, self.consecutive + 1
