@@ -56,8 +56,8 @@ class Stamp:
 
 class DeviceTime:
     """Seconds of the device's timeline: a known part and signed spans between stamps not read yet.
-    Sums and differences with numbers and laps are laps; float() reads the spans, waiting for the
-    last of their events. A span whose end the device has passed is read as soon as a sum is
+    Its sums and differences with numbers and other device times are device times; float() reads
+    the spans, waiting for their events. A span the device has passed is read as soon as a sum is
     formed, so a running total (the mixer's exchange seconds) stays short."""
 
     __slots__ = ("known", "spans")
@@ -81,12 +81,13 @@ class DeviceTime:
         return -self + other
 
     def __float__(self) -> float:
-        for _, _, end in self.spans:
+        for _, start, end in self.spans:
+            start.event.synchronize()
             end.event.synchronize()
         return self._read_done().known
 
     def _read_done(self) -> DeviceTime:
-        done = [end.event.query() for _, _, end in self.spans]
+        done = [start.event.query() and end.event.query() for _, start, end in self.spans]
         if not any(done):
             return self
         read = sum(sign * start.event.elapsed_time(end.event)
