@@ -70,6 +70,7 @@ def measure(out: Path, warmup: int) -> dict:
         "exchange_ms": median_ms(rows, "t_exchange"),
         "update_ms": median_ms(rows, "t_local_update", "t_aggregate"),
         "step_ms": median_ms(rows, "t_forward", "t_backward", "t_mix_update"),
+        "wall_ms": median_ms(rows, "t_step"),
         "comm_mb": statistics.fmean(r["bytes_sent"] for r in rows) / 1e6,
         # {gpu: clients} where they time-share it (launch/train.py records it), empty on CPU ranks
         "clients_per_gpu": run_config.get("clients_per_gpu", {}),
@@ -161,6 +162,10 @@ def report(args, made: dict, kept: list[dict], results: list[dict]) -> dict:
     return summary
 
 
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"  # a dash: a row merged from before the trainer recorded it
+
+
 def _peaks(row: dict) -> str:
     """'measured / estimated' GiB, a dash for what a run has not (CPU ranks, the tiny model, older rows)."""
     return " / ".join("—" if row.get(key) is None else f"{row[key]:.2f}" for key in ("peak_gib", "estimate_gib"))
@@ -172,11 +177,12 @@ def write(summary: dict, out: Path, name: str) -> None:
           f"(one client each); medians after {summary['warmup']} warm-up steps; "
           f"command: `{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}.", "",
           "| method | trainable params | Fwd (ms) | Bkwd (ms) | Agg & Up (ms) | of which exchange (ms) "
-          "| of which Agg (ms) | update + Agg (ms) | step (ms) | Comm (MB/step) | peak GiB (measured / estimated) |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+          "| of which Agg (ms) | update + Agg (ms) | step (ms) | wall (ms) | Comm (MB/step) "
+          "| peak GiB (measured / estimated) |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     md += [f"| {r['method']} | {r['trainable_params']:,} | {r['fwd_ms']:.2f} | {r['bkwd_ms']:.2f} | "
            f"{r['agg_up_ms']:.2f} | {r['exchange_ms']:.2f} | {r['agg_ms']:.2f} | {r['update_ms']:.2f} | "
-           f"{r['step_ms']:.2f} | {r['comm_mb']:.3f} | {_peaks(r)} |" for r in rows]
+           f"{r['step_ms']:.2f} | {_ms(r.get('wall_ms'))} | {r['comm_mb']:.3f} | {_peaks(r)} |" for r in rows]
     commands = list(dict.fromkeys(r["command"] for r in rows if "command" in r))
     if len(commands) > 1:  # --merge: each row's own call
         md += ["", "Merged from one call per group of rows: " + "; ".join(f"`{c}`" for c in commands) + "."]
@@ -188,7 +194,9 @@ def write(summary: dict, out: Path, name: str) -> None:
            "'of which exchange' is the send and receive of x½, waiting for the neighbors included; 'of which "
            "Agg' is the combination after it; 'update + Agg' is Agg & Up without the exchange: the local "
            "update and the combination, the arithmetic a client does (medians of each, so the parts need not "
-           "add up exactly). Comm is the bytes a client sends per step "
+           "add up exactly). Step is the sum of the phases; wall is the whole step as the rank's loop took it "
+           "(the checks and the record after the update included): what a run's throughput is. "
+           "Comm is the bytes a client sends per step "
            "(a baseline mixing every K-th step sends nothing in between). Peak: a GPU run's training peak "
            "per client (torch.cuda) beside deca_ds.memory's estimate for it (deca_ds.baseline_memory for a "
            "baseline; none for the built-in tiny model); CPU ranks measure none. Times from CPU ranks share the "

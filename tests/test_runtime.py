@@ -395,6 +395,7 @@ def test_trace_of_two_steps(tmp_path, profiling_runs):
     metrics = tmp_path / "runs" / "deca" / "metrics" / "client_000.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     step_ms = max(1e3 * (r["t_forward"] + r["t_backward"] + r["t_mix_update"]) for r in records if r["step"] in (1, 2))
+    assert all(r["t_step"] > r["t_forward"] + r["t_backward"] + r["t_mix_update"] for r in records)  # the wall
     for phase in ("forward", "backward", "step"):
         timed = summary["phases"][phase]
         assert timed["calls_per_step"] == 1 and timed["device_ms"] == 0 and 0 < timed["host_ms"] < step_ms, timed

@@ -427,7 +427,7 @@ class Job:
         self.trace.at_step(step)
         step_start = time.perf_counter()
         try:
-            if self._step(step, where):
+            if self._step(step, where, step_start):
                 self.last_step_s = time.perf_counter() - step_start
         except RuntimeError as err:  # PeerError from mixing, or a collective that lost a rank
             # Live ranks post a step (or their own failure) within a few step times.
@@ -435,8 +435,8 @@ class Job:
             raise PeerError(f"rank {self.layout.rank} (client {self.layout.client}) failed at {at_step(step, where)}: "
                             f"{err}; {self.heartbeat.silent_ranks(step, grace)}") from err
 
-    def _step(self, step: int, where: dict) -> bool:
-        """step()'s work; False when --skip-nonfinite skipped it."""
+    def _step(self, step: int, where: dict, start: float) -> bool:
+        """step()'s work, begun at `start` (time.perf_counter()); False when --skip-nonfinite skipped it."""
         opts, optimizer, mixer, offload, layout = self.opts, self.optimizer, self.mixer, self.offload, self.layout
         record = {"step": step, **where}
         sent, exchanged = mixer.total_bytes_sent, mixer.total_exchange_s
@@ -472,6 +472,7 @@ class Job:
             record["mem_setup_peak"] = self.setup_peak
         if step == 0 and self.before:
             record.update({f"eval_initial_{k}": v for k, v in self.before.items()})
+        record["t_step"] = time.perf_counter() - start  # the step's wall time here: phases, checks, record
         if self.metrics:
             self.metrics.write(record)
         self.bar.set_postfix(**where, loss=f"{record['loss']:.4f}")
