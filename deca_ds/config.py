@@ -41,6 +41,19 @@ def check_master_dtype(value) -> torch.dtype:
     return dtype
 
 
+def check_variant(value: str) -> str:
+    if value not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {value!r}")
+    return value
+
+
+def check_state_bits(value: int) -> int:
+    """32 or 8; whether 8 can run (the bitsandbytes extra) is DecaConfig's check, not an estimate's."""
+    if value not in (32, 8):
+        raise ValueError(f"state_bits must be 32 or 8, got {value!r}")
+    return value
+
+
 def check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
     betas = tuple(float(b) for b in betas)
     if len(betas) != 2 or not all(0.0 <= b <= 1.0 for b in betas):
@@ -130,12 +143,10 @@ class DecaConfig(AdamSettings):
         super().__post_init__()
         self.bma_betas = check_betas("bma_betas", self.bma_betas)
         check_counts(self, ("steps_per_block", "rounds", "layers_per_block"))
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        check_variant(self.variant)
         if self.block_order not in BLOCK_ORDERS:
             raise ValueError(f"block_order must be one of {BLOCK_ORDERS}, got {self.block_order!r}")
-        if self.state_bits not in (32, 8):
-            raise ValueError(f"state_bits must be 32 or 8, got {self.state_bits!r}")
+        check_state_bits(self.state_bits)
         if self.state_bits == 8:
             if self.master_dtype != torch.float32:
                 raise ValueError(f"state_bits=8 needs master_dtype float32 (bitsandbytes quantizes fp32), "

@@ -88,7 +88,7 @@ import torch
 from torch import nn
 
 from .blocks import Partition, find_decoder_layers, partition_model
-from .config import VARIANTS, check_master_dtype, dtype_name, parse_dtype
+from .config import check_master_dtype, check_state_bits, check_variant, dtype_name, parse_dtype
 from .mixing import MIX_CHUNK
 from .offload import OFFLOAD_MODES, check_keep
 from .quantized import num_absmax
@@ -636,10 +636,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     check_keep(spec.num_layers, offload_keep)
-    if state_bits not in (32, 8):
-        raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    check_state_bits(state_bits)
+    check_variant(variant)
 
     partition = spec.partition(layers_per_block)
     B = partition.num_blocks

@@ -162,13 +162,14 @@ def report(args, made: dict, kept: list[dict], results: list[dict]) -> dict:
     return summary
 
 
-def _ms(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"  # a dash: a row merged from before the trainer recorded it
+def _cell(value: float | None) -> str:
+    """Two decimals, or a dash for what a row has not (a row merged from before the trainer recorded it)."""
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _peaks(row: dict) -> str:
     """'measured / estimated' GiB, a dash for what a run has not (CPU ranks, the tiny model, older rows)."""
-    return " / ".join("—" if row.get(key) is None else f"{row[key]:.2f}" for key in ("peak_gib", "estimate_gib"))
+    return " / ".join(_cell(row.get(key)) for key in ("peak_gib", "estimate_gib"))
 
 
 def write(summary: dict, out: Path, name: str) -> None:
@@ -182,7 +183,7 @@ def write(summary: dict, out: Path, name: str) -> None:
           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     md += [f"| {r['method']} | {r['trainable_params']:,} | {r['fwd_ms']:.2f} | {r['bkwd_ms']:.2f} | "
            f"{r['agg_up_ms']:.2f} | {r['exchange_ms']:.2f} | {r['agg_ms']:.2f} | {r['update_ms']:.2f} | "
-           f"{r['step_ms']:.2f} | {_ms(r.get('wall_ms'))} | {r['comm_mb']:.3f} | {_peaks(r)} |" for r in rows]
+           f"{r['step_ms']:.2f} | {_cell(r.get('wall_ms'))} | {r['comm_mb']:.3f} | {_peaks(r)} |" for r in rows]
     commands = list(dict.fromkeys(r["command"] for r in rows if "command" in r))
     if len(commands) > 1:  # --merge: each row's own call
         md += ["", "Merged from one call per group of rows: " + "; ".join(f"`{c}`" for c in commands) + "."]

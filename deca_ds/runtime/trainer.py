@@ -458,7 +458,7 @@ class Job:
         t_exchange = mixer.total_exchange_s - exchanged
         times.update(t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
                      t_aggregate=optimizer.last_times["combine"] - t_exchange)
-        # the step's checks above waited for the device: --phase-timing events' laps read at once
+        # the step's checks above waited for the device: --phase-timing events' times read at once
         record.update(loss=loss, **{key: float(t) for key, t in times.items()},
                       bytes_sent=mixer.total_bytes_sent - sent, **self.timer.memory())
         if offload.enabled:
