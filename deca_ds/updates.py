@@ -10,8 +10,9 @@ tests/test_quantized.py) and differ in what they hold and how often they read it
                      gradient with the Adam step, and ‖x − x⁺‖ with the carry and the working weights;
                      m and v are read and written twice per step, not four times
     InPlaceUpdate    fused_update and no neighbors (N = 1): x⁺ = x½, so no x½ is stored. half_step
-                     only measures ‖x − x½‖ (x½ in registers); correct forms x½ again and writes it over
-                     x with the carried m, v and the working weights. The gradients live until then.
+                     keeps the step's inputs; correct runs one compiled call of two passes: ‖x − x½‖
+                     (x½ in registers), then x½ formed again and written over x with the carried m, v
+                     and the working weights. The gradients live until then.
     QuantizedUpdate  state_bits=8: the moments held in 8 bits (deca_ds.quantized), every phase one
                      tensor at a time: dequantize that tensor's m, v to fp32, update, quantize back
 """
@@ -27,14 +28,13 @@ from .config import DecaConfig
 from .kernels import (
     carry_and_write,
     discrepancy_,
-    distance_alone,
     flat_segments,
     fused,
     half_step,
     moments_,
     segments,
+    step_alone,
     step_inputs,
-    update_alone,
     write_params,
 )
 from .quantized import QuantizedVector
@@ -119,29 +119,24 @@ class InPlaceUpdate(EagerUpdate):
 
     def __init__(self, config: DecaConfig) -> None:
         super().__init__(config)
-        self._pending: tuple | None = None  # what correct() reads: the gradients, scalars, ‖x − x½‖
+        self._pending: tuple | None = None  # what correct() reads: the gradients and the step's scalars
 
     def half_step(self, blk: ActiveBlock, *, eps: float, **step) -> torch.Tensor:
-        """‖x − x½‖ (deca, trivial_bma) with x½ formed in registers only; m, v and the gradients
-        stay for correct(). Returns x as the payload, which the mixer hands back untouched."""
+        """The step's inputs, kept for correct(), which runs the whole step; returns x as the
+        payload, which the mixer hands back untouched."""
         grads, neg_step, bc2, keep = step_inputs(blk.params, blk.master, **step)
-        scalars = (*self.config.adam_betas, neg_step, bc2, eps, keep)
-        distance = None
-        if self.carries:
-            distance = fused(distance_alone)(*(flat_segments(blk.params, t) for t in (blk.master, blk.m, blk.v)),
-                                             grads, *scalars)
-        self._pending = grads, scalars, distance
+        self._pending = grads, (*self.config.adam_betas, neg_step, bc2, eps, keep)
         return blk.master
 
     def correct(self, blk: ActiveBlock, x_plus: torch.Tensor) -> None:
-        """x⁺ = x½ formed again and written over x, with m, v carried and the working weights."""
+        """‖x − x½‖ with x½ in registers, then x⁺ = x½ formed again and written over x, with m, v
+        carried and the working weights: one compiled call (kernels.step_alone)."""
         if x_plus is not blk.master:
             raise RuntimeError("this client's mixer has no neighbors, so its local step formed no x½ to send: "
                                "combine it through that mixer (the optimizer's own, or the one it was made with)")
-        (grads, scalars, distance), self._pending = self._pending, None
-        fused(update_alone)(*(flat_segments(blk.params, t) for t in (blk.master, blk.m, blk.v)), grads,
-                            [p.detach().view(-1) for p in blk.params], *scalars, distance, self.config.variant,
-                            *self.betas)
+        (grads, scalars), self._pending = self._pending, None
+        fused(step_alone)(*(flat_segments(blk.params, t) for t in (blk.master, blk.m, blk.v)), grads,
+                          [p.detach().view(-1) for p in blk.params], *scalars, self.config.variant, *self.betas)
         for p in blk.params:
             p.grad = None
 

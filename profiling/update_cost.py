@@ -8,7 +8,10 @@ path of a client with neighbors (here handed its own x½ back as x⁺ by a mixer
 alone, so no network), and `fused_alone`, a client without neighbors, which updates in place. In
 the same run a copy of an fp32 vector of the block's size is timed: one read and one write of 4
 bytes per element, the yardstick. The update is a memory-bound stream over the block, so its time
-in copies says how many block-sized passes it makes, wherever it runs. The floor is what the
+in copies says how many block-sized passes it makes, wherever it runs. On a GPU each call is also
+timed until it returns, before the device is waited for: the host's time to issue the update
+(Python, Dynamo's guards, the launches), which is the step's time where the device waits for the
+host (profiling/results/gpu_h200/README.md, `da61034`); on CPU the two are one. The floor is what the
 fused kernels must move (floor_bytes):
 - fused: read g, x, m, v, write m, v, x½ (half step); read x, x⁺ (twice: ‖x − x⁺‖ first), m, v,
   write m, v, the weights (correction; x⁺ becomes x without a copy). no_bma: the correction only
@@ -88,13 +91,15 @@ class NotAlone:
         return x_half
 
 
-def timed(fn, device: torch.device) -> float:
+def timed(fn, device: torch.device) -> tuple[float, float, object]:
+    """fn's time with the device waited for, its host time (until it returns), and its result."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     out = fn()
+    t_host = time.perf_counter() - t0
     sync()
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, t_host, out
 
 
 def measure(args, variant: str, update: str) -> dict:
@@ -110,22 +115,26 @@ def measure(args, variant: str, update: str) -> dict:
                         mixer=NotAlone() if update == "fused" else None)
     params, n = opt.active.params, opt.active.master.numel()
     gen = torch.Generator(device).manual_seed(0)
-    half, correct, copy = [], [], []
+    half, correct, host_half, host_correct, copy = [], [], [], [], []
     a, b = torch.randn(n, device=device, generator=gen), torch.empty(n, device=device)
     for step in range(args.warmup + args.steps):
         for p in params:
             p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen).mul_(1e-3)
-        t_half, x_half = timed(opt.adam_half_step, device)
-        t_correct, _ = timed(lambda: opt.bma_correct(x_half), device)
-        t_copy, _ = timed(lambda: b.copy_(a), device)
+        t_half, h_half, x_half = timed(opt.adam_half_step, device)
+        t_correct, h_correct, _ = timed(lambda: opt.bma_correct(x_half), device)
+        t_copy, _, _ = timed(lambda: b.copy_(a), device)
         if step >= args.warmup:
             half.append(t_half)
             correct.append(t_correct)
+            host_half.append(h_half)
+            host_correct.append(h_correct)
             copy.append(t_copy)
     floor = floor_bytes(torch.finfo(dtype).bits // 8, variant=variant, alone=update == "fused_alone")
-    t_half, t_correct, t_copy = (1e3 * statistics.median(x) for x in (half, correct, copy))
+    t_half, t_correct, h_half, h_correct, t_copy = (1e3 * statistics.median(x)
+                                                    for x in (half, correct, host_half, host_correct, copy))
     return {"variant": variant, "update": update, "block_params": n, "working_dtype": args.working_dtype,
             "half_step_ms": t_half, "correct_ms": t_correct, "update_ms": t_half + t_correct,
+            "host_ms": h_half + h_correct,
             "copy_ms": t_copy, "update_in_copies": (t_half + t_correct) / t_copy,
             "floor_in_copies": floor / 8, "over_floor": (t_half + t_correct) / t_copy / (floor / 8),
             "copy_gbps": 8 * n / (t_copy / 1e3) / 1e9}
@@ -153,16 +162,17 @@ def main(argv=None) -> dict:
     md = [f"**DECA's update of one block, measured** on {summary['device']}, commit {summary['commit']}; "
           f"command: `{summary['command']}`; {summary['date']}; torch {summary['versions']['torch']}; {allocator}.", "",
           "| variant | update | block params | working | half step (ms) | correction (ms) | update (ms) "
-          "| fp32 copy (ms) | update in copies | fused floor in copies | update / floor |",
-          "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+          "| host (ms) | fp32 copy (ms) | update in copies | fused floor in copies | update / floor |",
+          "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     md += [f"| {r['variant']} | {r['update']} | {r['block_params']:,} | {r['working_dtype']} | "
-           f"{r['half_step_ms']:.2f} | "
-           f"{r['correct_ms']:.2f} | {r['update_ms']:.2f} | {r['copy_ms']:.3f} | {r['update_in_copies']:.1f} | "
+           f"{r['half_step_ms']:.2f} | {r['correct_ms']:.2f} | {r['update_ms']:.2f} | {r['host_ms']:.3f} | "
+           f"{r['copy_ms']:.3f} | {r['update_in_copies']:.1f} | "
            f"{r['floor_in_copies']:.1f} | {r['over_floor']:.2f} |" for r in rows]
     md += ["", "A copy reads and writes 4 bytes per element of the block (fp32); 'in copies' is a time divided "
            "by the copy's, so it counts block-sized passes whatever the device. The floor is what the fused "
            "kernels must read and write (module docstring), in copies. fused: a client with neighbors (its "
-           "exchange not timed); fused_alone: one without, updating in place. Medians of the timed steps."]
+           "exchange not timed); fused_alone: one without, updating in place. Host: the update's two calls "
+           "timed until they return, the device not waited for (on CPU, the update). Medians of the timed steps."]
     write_results(Path(args.out), args.name, markdown="\n".join(md) + "\n", rows=rows, payload=summary)
     print("\n".join(md))
     return summary

@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", type=float, nargs="+", default=[3.0, 3.35], metavar="TB/s",
                    help="memory bandwidth the update's streams reach (H100 SXM: 3.35 nominal)")
     p.add_argument("--overhead-ms", type=float, default=0.2,
-                   help="launching the two compiled calls' kernels (one per block tensor and pass)")
+                   help="launching the compiled kernels (one per block tensor and pass)")
     p.add_argument("--target", type=float, default=0.03, help="the share the issue asks for at most")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--name", default="update_share")

@@ -8,12 +8,16 @@ constants reaching the same kernel, D-Adam, resume and config errors.
 
 import copy
 import importlib.util
+import math
+import re
+import types
+from unittest import mock
 
 import pytest
 import torch
 
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
-from deca_ds.kernels import carry_and_write, discrepancy_, fused, moments_
+from deca_ds.kernels import carry_and_write, discrepancy_, fused, moments_, step_alone
 from deca_ds.methods import AdamConfig, DAdam
 from helpers import client_batches, tiny_llama
 
@@ -101,6 +105,31 @@ def test_a_client_without_neighbors_updates_in_place(variant):
                 p.detach().copy_(x_p)
     for (n, a), b in zip(eager.named_parameters(), fused.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=2 * torch.finfo(torch.bfloat16).eps * a.abs().max().item())
+
+
+def test_the_in_place_step_is_one_compiled_call_that_stores_nothing_block_sized():
+    """The step without neighbors runs as one call (two would cost the host a second round of guards
+    and wrappers), and the code it compiles to allocates scalars and a norm per tensor only: x½ is
+    formed twice in registers, never held, which the estimator counts on (x_half = 0 in place)."""
+    from torch._inductor.graph import GraphLowering
+
+    sizes = [(8, 6), (6,), (12, 6)]
+    xs, ms, vs, gs, ws = ([torch.randn(s, dtype=dtype).reshape(-1) for s in sizes]
+                          for dtype in (torch.float64, torch.float64, torch.float64, torch.bfloat16, torch.bfloat16))
+    vs = [v.abs() for v in vs]
+    scalar = lambda value: torch.tensor(value, dtype=torch.float64)  # noqa: E731
+    # a fresh code object: dynamo compiles it anew whatever other tests compiled step_alone for
+    fresh = types.FunctionType(step_alone.__code__.replace(), step_alone.__globals__)
+    codes = []
+    with (mock.patch.object(GraphLowering, "save_output_code", codes.append),
+          torch._inductor.config.patch(force_disable_caches=True)):
+        fused(fresh)(xs, ms, vs, gs, ws, 0.9, 0.999, scalar(-1e-3), scalar(0.5), 1e-8, scalar(0.99), "deca", 0.9, 0.99)
+    assert len(codes) == 1  # one graph
+    shapes = re.findall(r"empty_strided_\w+\(\(([^)]*)\)", codes[0])
+    assert shapes, "no buffer found in the compiled code: has its form changed?"
+    for shape in shapes:
+        dims = [d.strip() for d in shape.split(",") if d.strip()]
+        assert all(d.isdigit() for d in dims) and math.prod(map(int, dims)) <= len(sizes), shape
 
 
 def test_the_in_place_update_refuses_a_mix_with_neighbors():

@@ -470,6 +470,7 @@ def test_update_cost_tool(tmp_path):
         assert row["block_params"] == layer and row["working_dtype"] == "fp32"
         assert row["update_ms"] == pytest.approx(row["half_step_ms"] + row["correct_ms"]) and row["copy_ms"] > 0
         assert row["update_in_copies"] == pytest.approx(row["update_ms"] / row["copy_ms"])
+        assert 0 < row["host_ms"] <= row["update_ms"]  # the same calls, timed without the final wait
         assert row["floor_in_copies"] == floors[row["variant"], row["update"]] / 8
     md = (tmp_path / "out" / "update_cost.md").read_text()
     assert md.count("\n| deca | eager |") == 1 and md.count("\n| no_bma | fused_alone |") == 1
