@@ -9,7 +9,11 @@ sent per step per client), and the ratios the issue's targets are stated in. Wri
 those before it). A run traced by --train-args --trace-steps N leaves each rank's trace (the
 trainer's --trace-steps) in <out>/<name>_trace/<method>/. With --merge, methods measured by
 earlier calls with the same ranks, preset, warm-up and train args stay in the table (one method
-per call fits a time limit), and the ratios are taken over all of them.
+per call fits a time limit), and the ratios are taken over all of them. With --repeats N every
+setting (method and update) runs N times, the settings in turn and in reversed order every other
+time (A B, B A, A B, ...), and each row gives the medians of its runs: where the host sets the step
+(a GPU at a small micro-batch), one step's runs in one call can differ by more than two settings
+do, and the later of two runs has been the slower (profiling/results/gpu_h200/README.md, `da61034`).
 
     python profiling/profile_resources.py --ds-config ds_configs/cpu_demo.json --ranks 4
     python profiling/profile_resources.py --ds-config ds_configs/rtxpro6000_llama-3.1-8b.json --ranks 8 \\
@@ -45,10 +49,15 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-block", type=int, default=8, help="DECA's R; the baselines take as many steps")
     p.add_argument("--out", default=str(ROOT / "profiling" / "results"))
     p.add_argument("--name", default="profile_resources", help="base name of the result files")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every setting, in alternating order; each row gives the medians of its runs")
     p.add_argument("--merge", action="store_true",
                    help="keep the methods already in <out>/<name>.json (measured with the same settings)")
     runs.add_run_args(p, work_dir="/tmp/deca_profile_resources", warmup=3)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, not {args.repeats}")
+    return args
 
 
 def median_ms(rows: list[dict], *keys: str) -> float:
@@ -129,23 +138,41 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     kept = earlier_rows(args)
     made = provenance("profile_resources.py", argv, cuda=torch.cuda.is_available())
-    results = []
-    for update in args.updates:
-        tag, label = UPDATES[update]
-        for method in args.methods:
+    settings = [(update, method) for update in args.updates for method in args.methods]
+    measured: dict[tuple[str, str], list[dict]] = {}
+    for k in range(args.repeats):
+        for update, method in settings if k % 2 == 0 else settings[::-1]:
+            run = method + UPDATES[update][0] + (f"_{k + 1}" if args.repeats > 1 else "")
             train_args = ["--ds_config", args.ds_config, "--method", method, "--rounds", "1",
                           "--steps-per-block", str(args.steps_per_block), "--eval-limit", "16",
                           "--consensus-interval", "0", *(["--fused-update"] if update == "fused" else []),
                           *args.train_args]
-            out = runs.train(train_args, args.ranks, Path(args.work_dir) / (method + tag), args.timeout, method + tag)
+            out = runs.train(train_args, args.ranks, Path(args.work_dir) / run, args.timeout, run)
             if (out / "trace").is_dir():  # --train-args --trace-steps N: each rank's trace beside the tables
-                shutil.copytree(out / "trace", Path(args.out) / f"{args.name}_trace" / (method + tag),
-                                dirs_exist_ok=True)
-            results.append({"method": LABELS[method] + label, "update": update, **measure(out, args.warmup),
-                            "command": made["command"]})
+                shutil.copytree(out / "trace", Path(args.out) / f"{args.name}_trace" / run, dirs_exist_ok=True)
+            measured.setdefault((update, method), []).append(measure(out, args.warmup))
             # written after every run: a later run that fails or is stopped keeps the ones before it
+            results = [{"method": LABELS[method] + UPDATES[update][1], "update": update,
+                        **of_runs(measured[update, method]), "command": made["command"]}
+                       for update, method in settings if (update, method) in measured]
             summary = report(args, made, kept, results)
     return summary
+
+
+def of_runs(measured: list[dict]) -> dict:
+    """One setting's row from its runs: the median of each time and of Comm, the samples of all,
+    the largest peak, and each run's step and wall time in the order they ran."""
+    first = measured[0]
+    row = {key: value for key, value in first.items() if not key.endswith(("_ms", "_mb", "_gib"))}
+    row["samples"] = sum(m["samples"] for m in measured)
+    for key in first:
+        values = [m[key] for m in measured]
+        if key.endswith(("_ms", "_mb")):
+            row[key] = statistics.median(values)
+        elif key.endswith("_gib"):
+            row[key] = None if None in values else max(values)
+    return {**row, "runs": len(measured), "step_ms_runs": [m["step_ms"] for m in measured],
+            "wall_ms_runs": [m["wall_ms"] for m in measured]}
 
 
 def report(args, made: dict, kept: list[dict], results: list[dict]) -> dict:
@@ -184,6 +211,12 @@ def write(summary: dict, out: Path, name: str) -> None:
     md += [f"| {r['method']} | {r['trainable_params']:,} | {r['fwd_ms']:.2f} | {r['bkwd_ms']:.2f} | "
            f"{r['agg_up_ms']:.2f} | {r['exchange_ms']:.2f} | {r['agg_ms']:.2f} | {r['update_ms']:.2f} | "
            f"{r['step_ms']:.2f} | {_cell(r.get('wall_ms'))} | {r['comm_mb']:.3f} | {_peaks(r)} |" for r in rows]
+    repeated = [r for r in rows if r.get("runs", 1) > 1]
+    if repeated:  # --repeats: the spread the medians hide
+        md += ["", "Rows of several runs (--repeats, the settings in alternating order) give the medians of their "
+               "runs; step (ms) of each run, in the order the setting ran: "
+               + "; ".join(f"{r['method']} " + ", ".join(f"{s:.2f}" for s in r["step_ms_runs"]) for r in repeated)
+               + "."]
     commands = list(dict.fromkeys(r["command"] for r in rows if "command" in r))
     if len(commands) > 1:  # --merge: each row's own call
         md += ["", "Merged from one call per group of rows: " + "; ".join(f"`{c}`" for c in commands) + "."]

@@ -238,7 +238,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     from deca_ds.reproduce import cli
     from deca_ds.runtime.options import parse_args as parse_run_args
 
-    steps = ("exact table9 memory offload setup terms ckpt matmul update aggshare trace events fused4 fits "
+    steps = ("exact table9 memory offload setup terms ckpt matmul update aggshare aggpreset trace events fused4 fits "
              "reproduce").split()
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out")}
     done = subprocess.run(["bash", "profiling/gpu_checks.sh", *steps], cwd=ROOT, env=env, capture_output=True,
@@ -271,6 +271,36 @@ def test_profile_resources_says_where_clients_time_share_a_gpu():
     assert profile_resources.sharing([{"clients_per_gpu": {}}, {"clients_per_gpu": {"0": 1, "1": 1}}]) == ""
     text = profile_resources.sharing([{"clients_per_gpu": {"0": 4}}, {"clients_per_gpu": {"0": 4, "1": 1}}])
     assert "time-share their GPU (4 on GPU 0)" in text and "not one-GPU-per-client figures" in text
+
+
+def test_profile_resources_repeats_alternate_the_settings_and_report_the_medians(tmp_path, monkeypatch):
+    """--repeats 3: the settings run A B, B A, A B (the later of two runs has been the slower on a
+    GPU), and each row is the median of its runs, with every run's step time kept."""
+    import profile_resources
+
+    ran, steps = [], iter([100.0, 80.0, 130.0, 90.0, 110.0, 70.0])  # step times in the order the runs go
+
+    def measure(out, warmup):
+        step = next(steps)
+        return {"trainable_params": 7, "samples": 3, "fwd_ms": step / 2, "bkwd_ms": step / 2 - 5, "agg_up_ms": 5.0,
+                "agg_ms": 1.0, "exchange_ms": 0.0, "update_ms": 4.0, "step_ms": step, "wall_ms": step + 1,
+                "comm_mb": 0.0, "clients_per_gpu": {}, "peak_gib": 2.0 if step > 100 else 1.0, "estimate_gib": 1.5}
+
+    monkeypatch.setattr(profile_resources.runs, "train", lambda args, ranks, out, limit, what: ran.append(what) or out)
+    monkeypatch.setattr(profile_resources, "measure", measure)
+    summary = profile_resources.main(["--methods", "deca", "--updates", "eager", "fused", "--repeats", "3",
+                                      "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path)])
+    assert ran == ["deca_1", "deca_fused_1", "deca_fused_2", "deca_2", "deca_3", "deca_fused_3"]
+    eager, fused = summary["results"]
+    assert (eager["method"], eager["runs"], eager["samples"]) == ("DECA", 3, 9)
+    assert eager["step_ms_runs"] == [100.0, 90.0, 110.0] and fused["step_ms_runs"] == [80.0, 130.0, 70.0]
+    assert (eager["step_ms"], eager["fwd_ms"], eager["wall_ms"]) == (100.0, 50.0, 101.0) and fused["step_ms"] == 80.0
+    assert (eager["peak_gib"], fused["peak_gib"], eager["estimate_gib"]) == (2.0, 2.0, 1.5)  # the largest
+    assert summary["ratios"]["deca_agg_up_share_of_step"] == 5.0 / 100.0
+    md = (tmp_path / "profile_resources.md").read_text()
+    assert "DECA 100.00, 90.00, 110.00; DECA (fused) 80.00, 130.00, 70.00." in md
+    with pytest.raises(SystemExit):
+        profile_resources.parse_args(["--repeats", "0"])
 
 
 def test_device_peak_is_a_gpu_runs_peak_beside_its_estimate(tmp_path, monkeypatch):
