@@ -25,6 +25,9 @@
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3) at 1 x 512, each
 #            run twice in alternating order (--repeats 2: the later of two runs was the slower)  5 min
 #   aggpreset the same at the rtxpro6000 preset's 4 x 512, 2 layers per block                  7 min
+#   compile  the fused run at 1 x 512 with the decoder layers compiled (--compile-layers), in one
+#            call with aggshare, whose fused runs come before and after it: does it shorten a step
+#            the host's launches set (da61034: the device worked 49 of 104-127 ms)             2-3 min
 #   trace    aggshare's 1 x 512 runs with steps 9-11 traced by torch.profiler (--trace-steps): where the
 #            time of Agg & Up beside the update goes, and why the fused run's backward was slower; and
 #            the rtx5090_qwen2.5-3b preset's steps 4-5 at 4 x 512 and at the 2 x 2 x 512 it had (its
@@ -83,7 +86,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare aggpreset trace events fused4 fits reproduce"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events fused4 fits reproduce"; exit 2; }
 for what in "$@"; do
   case $what in
     exact) step 120 exact python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
@@ -119,6 +122,9 @@ for what in "$@"; do
     aggshare) step 360 aggshare python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
                 --steps-per-block 3 --warmup 3 --updates eager fused --repeats 2 --name profile_resources_llama-3.1-8b \
                 --train-args "${LLAMA[@]}" --layers-per-block 1 ;;
+    compile) step 240 compile python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
+               --steps-per-block 3 --warmup 3 --updates fused --name profile_resources_llama-3.1-8b_compiled \
+               --train-args "${LLAMA[@]}" --layers-per-block 1 --compile-layers ;;
     aggpreset) # the same at the preset's micro-batch (4 x 512) and granularity (2 layers per block)
                step 480 aggpreset python3 profiling/profile_resources.py \
                  --ds-config ds_configs/rtxpro6000_llama-3.1-8b.json --out "$RES" --ranks 1 --methods deca \

@@ -1,4 +1,5 @@
-"""Model loading (tiny, local checkpoint, bare config) and likelihood-based classification."""
+"""Model loading (tiny, local checkpoint, bare config), compiled decoder layers and likelihood-based
+classification."""
 
 import numpy as np
 import pytest
@@ -113,6 +114,49 @@ def test_missing_path_is_a_clear_error(tmp_path, load):
         load(str(tmp_path / "missing"), **kwargs)
     with pytest.raises(ValueError, match=r"could not load .*'tiny'"):
         load(str(tmp_path), **kwargs)  # exists, but holds no checkpoint
+
+
+def test_compiled_layers_train_as_the_eager_ones_and_evaluate_eagerly():
+    """--compile-layers with activation checkpointing, block by block as DECA trains: the losses and
+    the active layer's gradients are the eager ones to fp32 rounding; one compiled forward serves
+    every layer (a version per gradient situation, not per layer); under no_grad the eager forward
+    runs, so an evaluation is the eager one bit for bit."""
+    from torch._dynamo.utils import counters
+
+    from deca_ds.models import causal_lm_loss, compile_layers, enable_activation_checkpointing
+    from helpers import client_batches
+    from helpers import tiny_llama as llama
+
+    batches = client_batches(1, steps=2)[0]
+
+    def train(compiled: bool):
+        model = llama(layers=4, dtype=torch.float32)
+        enable_activation_checkpointing(model)
+        if compiled:
+            compile_layers(model)
+        model.requires_grad_(False)
+        losses, grads = [], []
+        for active in (0, 3, 1):  # below, at and above the active layer, in turn
+            layer = model.model.layers[active]
+            layer.requires_grad_(True)
+            for batch in batches:
+                loss = causal_lm_loss(model, batch)
+                loss.backward()
+                losses.append(loss.detach())
+                grads += [p.grad for p in layer.parameters()]
+                layer.zero_grad(set_to_none=True)
+            layer.requires_grad_(False)
+        with torch.no_grad():
+            evaluated = causal_lm_loss(model.eval(), batches[0])
+        return losses, grads, evaluated
+
+    eager = train(False)
+    counters.clear()
+    compiled = train(True)
+    assert 3 <= counters["stats"]["unique_graphs"] <= 5, dict(counters["stats"])  # 4 layers x 3 situations: 12
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-4, atol=1e-6)
+    assert torch.equal(compiled[2], eager[2])
 
 
 def test_classification_metrics_match_sklearn():

@@ -288,6 +288,8 @@ BAD_INPUTS = {
     "existing_run": (lambda t: [], "already holds a run"),
     "offload_with_mid_run_eval": (lambda t: ["--offload", "frozen", "--eval-interval", "3"],
                                   "--offload frozen does not combine with eval_interval"),
+    "offload_with_compiled_layers": (lambda t: ["--offload", "frozen", "--compile-layers"],
+                                     "--offload frozen does not combine with --compile-layers"),
     "offload_keep_without_offload": (lambda t: ["--offload-keep", "2"], "--offload-keep needs --offload frozen"),
     "offload_keep_beyond_layers": (lambda t: ["--offload", "frozen", "--offload-keep", "9"], "offload keep must be in"),
     "offload_budget_without_offload": (lambda t: ["--offload-budget", "10"], "--offload-budget needs --offload frozen"),

@@ -169,6 +169,8 @@ class RunOptions:
                            "extra [bnb])", choices=(32, 8))
     fused_update: bool = _opt(False, "run the Adam update as torch.compile'd fused kernels (compiles at the "
                               "first step)")
+    compile_layers: bool = _opt(False, "compile each decoder layer's training forward with torch.compile: fewer "
+                                "kernel launches where the host sets the step (not with --offload frozen)")
     loss_chunk: int = _opt(0, "run the LM head and the loss over this many positions at a time, never holding "
                            "the full logits (0 = off)")
     mix_dtype: str = _opt("master", "dtype exchanged between neighbors: 'master' (exact) or 'working'",
@@ -238,6 +240,9 @@ class RunOptions:
             # Evaluating x̄ mid-run swaps every weight in and out on the device, which offloading
             # exists to avoid; offloading streams the decoder layers DECA's blocks freeze.
             clashes = (["eval_interval"] if self.eval_interval else []) + (["method"] if self.method != "deca" else [])
+            if self.compile_layers:  # its hooks move each layer's weights, which a compiled layer would trace
+                raise ValueError("--offload frozen does not combine with --compile-layers (the offload's hooks "
+                                 "move the weights inside each layer)")
             if clashes:
                 raise ValueError(f"--offload frozen does not combine with {', '.join(clashes)} "
                                  "(evaluate at the end only; offload is DECA's)")

@@ -28,7 +28,13 @@ from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..methods import Method
-from ..models import causal_lm_loss, check_plain_logits, enable_activation_checkpointing, load_model
+from ..models import (
+    causal_lm_loss,
+    check_plain_logits,
+    compile_layers,
+    enable_activation_checkpointing,
+    load_model,
+)
 from ..offload import FrozenLayerOffload, check_keep
 from ..optimizer import block_schedule, model_partition
 from ..prefix import FrozenPrefix
@@ -345,6 +351,8 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     prefix = FrozenPrefix(model, partition, offload) if offload.enabled else None
     if "activation_checkpointing" in ds_config:
         enable_activation_checkpointing(model)
+    if opts.compile_layers:
+        compile_layers(model)
     engine = initialize(model, optimizer, ds_config, ClientMPU(groups.client, layout.client_ranks, groups.single),
                         device)
     laps("optimizer and DeepSpeed")
