@@ -41,12 +41,11 @@
 #            the RTX PRO 6000 ones at once (their cap is above its memory): an H200's     4 x 2 min
 #            (H200: about 55 s a preset measured)
 # Issue 19, the scaled accuracy grid (reproduce/gpu_ag_news.yaml; data/ag_news carried):
-#   reproduce  pretrain the 88M Llama (once per machine), then the grid's cells within the
-#            budget, seed 0 of every method first, and the tables of the finished cells; a
-#            next call on the warm machine goes on with the rest, and so does a later session
-#            given the cell directories back (results' gpu_ag_news_runs/, carried as
-#            runs/gpu_ag_news; its machine pretrains again, to the same weights on the same
-#            GPU type, which the cells' base hash checks)
+#   reproduce  pretrain the 88M Llama (once per machine, 143 s), then the grid's cells within the
+#            budget, seed 0 of every method first (four at a time: 400 s each for DECA and its ablations,
+#            measured), and the tables of the finished cells; the cells finished earlier are committed in
+#            reproduce/results/gpu_ag_news/cells and start the grid's runs directory (a fresh machine
+#            pretrains again, to the same weights on the same GPU type, which the cells' base hash checks)
 # Wheels the machine lacks travel in .whl/ (profiling/results/gpu_h200/README.md).
 # DRY_RUN=1 prints each command instead of running it, and sets nothing up (no GPU needed): the
 # tests parse every printed command's options, so a typo cannot waste a lent GPU's minutes.
@@ -65,7 +64,8 @@ step() {
   shift 2
   if ((left < 30)); then echo "$name skipped: the call's budget is spent"; return; fi
   if [[ -n ${DRY_RUN:-} ]]; then run "$@"; return; fi
-  timeout $((limit < left ? limit : left)) "$@"
+  # -k: a command that outlives its SIGTERM by 30 s is killed, so the steps after it still run
+  timeout -k 30 $((limit < left ? limit : left)) "$@"
   echo "$name rc=$?"
   pack
 }
@@ -76,7 +76,7 @@ if [[ -z ${DRY_RUN:-} ]]; then
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/device.txt"
   PYTHONPATH=/tmp/site python3 -m pip check | grep -v "^$" | head -20  # what the carried wheels still lack
-  python3 -c "import torch, deepspeed, transformers, peft, huggingface_hub.hf_api, deca_ds.runtime.trainer
+  python3 -c "import torch, deepspeed, transformers, peft, datasets, huggingface_hub.hf_api, deca_ds.runtime.trainer
 print(torch.__version__, deepspeed.__version__, transformers.__version__, peft.__version__)" | tee -a "$RES/device.txt" ||
     exit 1
 fi
@@ -172,14 +172,21 @@ for what in "$@"; do
               --synthetic-words 600
           done ;;
     reproduce) [[ -f data/ag_news/train.jsonl || -n ${DRY_RUN:-} ]] || { echo "reproduce: no data/ag_news (carry it)"; exit 2; }
-               # the grid pretrains its model first (once per machine); stopped by its time limit, it stops its
-               # cells (SIGTERM) and finished cells stay finished
-               step 600 grid python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --results-dir "$RES/gpu_ag_news"
+               # the cells earlier calls finished (committed in reproduce/results/gpu_ag_news/cells), unless this
+               # machine holds its own; the grid pretrains its model first (once per machine) and runs
+               # those cells again only if the weights differ (their settings hold the weights' sha256)
+               [[ -n ${DRY_RUN:-} || -d runs/gpu_ag_news ]] || { mkdir -p runs && cp -r reproduce/results/gpu_ag_news/cells runs/gpu_ag_news; }
+               [[ -n ${DRY_RUN:-} ]] || { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 10 \
+                                            > "$RES/gpu_ag_news_utilization.csv" & util=$!; }
+               # stopped by its time limit, the grid stops its cells (SIGTERM) and finished cells stay finished;
+               # 60 s are left for that, the tables and the packing
+               step $((DEADLINE - SECONDS - 70)) grid python3 launch/reproduce.py reproduce/gpu_ag_news.yaml \
+                 --results-dir "$RES/gpu_ag_news"
                run python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --report-only --results-dir "$RES/gpu_ag_news"
-               # the cell directories (settings, metrics, scores: kilobytes) come back too; carried as
-               # runs/gpu_ag_news, a later session's grid skips the finished cells
-               [[ -n ${DRY_RUN:-} ]] || { mkdir -p "$RES/gpu_ag_news_runs" && cp -r runs/gpu_ag_news/. "$RES/gpu_ag_news_runs/"
-                                          pack; } ;;
+               # the cell directories (settings, metrics, scores: kilobytes) come back too, for
+               # reproduce/results/gpu_ag_news/cells
+               [[ -n ${DRY_RUN:-} ]] || { kill "$util"; mkdir -p "$RES/gpu_ag_news_runs"
+                                          cp -r runs/gpu_ag_news/. "$RES/gpu_ag_news_runs/"; pack; } ;;
     *) echo "unknown step $what"; exit 2 ;;
   esac
 done

@@ -510,40 +510,56 @@ def start_reproduce(grid_file, log):
                                 stderr=subprocess.STDOUT)
 
 
-def test_a_stopped_grid_stops_its_running_cells(tmp_path):
-    """launch/reproduce.py under SIGTERM (a scheduler's, or Ctrl-C's KeyboardInterrupt the same way)
-    stops both cells it runs at once, although each has a session of its own, and exits 143."""
+def test_a_stopped_grid_stops_its_running_cells(tmp_path, capsys):
+    """deca-reproduce under SIGTERM (a scheduler's, or Ctrl-C's KeyboardInterrupt the same way) stops
+    both cells it runs at once, although each has a session of its own, and exits 143; also when
+    another thread than the main one takes the signal (on a GPU machine, a grid went on until a cell
+    ended: the main thread's wait for the cells must be a timed one)."""
     import contextlib
+    import os
     import signal
+    import threading
     import time
 
     import psutil
 
+    from deca_ds.reproduce.cli import main
     from helpers import descendants
 
-    grid = tiny_grid("tiny", seeds=[0], jobs=2, runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
+    grid = tiny_grid("tiny", seeds=[0], jobs=2, runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"),
+                     cell_timeout_s=240)
     grid["options"]["steps_per_block"] = 100_000  # runs until stopped
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
-    cli = start_reproduce(tmp_path / "grid.yaml", tmp_path / "grid.log")
-    cells = []
-    try:
+    cells, gave_up = [], threading.Event()
+
+    def stop_once_both_run():  # on a thread of its own, which then takes the SIGTERM it sends
         deadline = time.monotonic() + 120
         while len(cells) < 2:
-            assert time.monotonic() < deadline and cli.poll() is None, (tmp_path / "grid.log").read_text()
+            if time.monotonic() > deadline:
+                gave_up.set()
+                break
             time.sleep(0.2)
-            cells = descendants(cli.pid, "deca_ds.reproduce.cells", recursive=False)  # not a cell's forks
-        cli.send_signal(signal.SIGTERM)
-        code = cli.wait(timeout=120)
+            cells[:] = descendants(os.getpid(), "deca_ds.reproduce.cells", recursive=False)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    stopper = threading.Thread(target=stop_once_both_run)
+    try:
+        stopper.start()
+        with pytest.raises(SystemExit) as stopped:
+            main([str(tmp_path / "grid.yaml")])
+        stopper.join(timeout=60)
         left = [p for p in cells if p.is_running()]
     finally:  # whatever failed, no cell outlives the test
-        if cli.poll() is None:
-            cells += descendants(cli.pid, "deca_ds.reproduce.cells", recursive=False)
-            cli.kill()
-        for p in cells:
+        signal.signal(signal.SIGTERM, handler)
+        for p in cells + descendants(os.getpid(), "deca_ds.reproduce.cells", recursive=False):
             with contextlib.suppress(psutil.Error):
                 p.kill()
-    assert code == 128 + signal.SIGTERM, (tmp_path / "grid.log").read_text()
+    out = capsys.readouterr().out
+    assert not gave_up.is_set(), out
+    assert stopped.value.code == 128 + signal.SIGTERM
     assert not left
+    assert "over the cell time limit" not in out  # stopped by the signal, not by their time limit
     assert not list((tmp_path / "runs").rglob("final.json"))
 
 

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict
 from pathlib import Path
 
@@ -194,8 +194,15 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
     with ThreadPoolExecutor(max_workers=grid.jobs) as pool:
         futures = {cell.key: pool.submit(run, i, cell) for i, cell in enumerate(todo, 1)}
         try:
-            for key, future in futures.items():
-                status[key] = future.result()
+            pending = set(futures.values())
+            while pending:
+                # Timed waits, so that the main thread runs a signal's handler within a second: a SIGTERM
+                # that another thread took sets a flag the main thread reads only between bytecodes, never
+                # inside an untimed wait (on a GPU machine a grid ran on for a minute past timeout's SIGTERM).
+                finished, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
+                for future in finished:
+                    future.result()  # an error of the grid's own (not a cell's failure) stops the other cells
+            status |= {key: future.result() for key, future in futures.items()}
         except BaseException:
             for future in futures.values():
                 future.cancel()

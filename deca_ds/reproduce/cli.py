@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
             f"timeout {grid.cell_timeout_s:g} s per cell)")
         return 0
-    # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells
+    # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells. Unblocked
+    # first: a mask inherited through exec (a job runner's) would hold it pending for ever.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     status = {}
     try:
