@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import runpy
 import socket
 import sys
@@ -15,6 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds.data import token_range_batches
+
+# 8-bit moments (state_bits 8) need the optional bnb extra; CI installs it, a plain install does not
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="the optional bnb extra is not installed")
 
 VOCAB = 64
 # Torch threads of every rank a test starts (DECA_RANK_THREADS) and of the simulator it is compared

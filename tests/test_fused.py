@@ -7,7 +7,6 @@ constants reaching the same kernel, D-Adam, resume and config errors.
 """
 
 import copy
-import importlib.util
 import math
 import re
 import types
@@ -19,7 +18,7 @@ import torch
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
 from deca_ds.kernels import carry_and_write, discrepancy_, fused, moments_, step_alone
 from deca_ds.methods import AdamConfig, DAdam
-from helpers import client_batches, tiny_llama
+from helpers import client_batches, needs_bnb, tiny_llama
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -207,7 +206,7 @@ def test_fused_kernel_takes_each_call_s_constants():
         assert torch.equal(x_plus, want[1])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="the optional bnb extra is not installed")
+@needs_bnb
 def test_fused_half_step_on_8bit_moments_equals_eager():
     """state_bits=8 works tensor by tensor through the same kernels: the first step of a block
     (fresh moments) gives the same x½, and m½, v½ within one code step of the 8-bit map."""

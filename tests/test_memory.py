@@ -31,7 +31,7 @@ from deca_ds.memory import (
 from deca_ds.methods import AdamConfig, DecLoRA
 from deca_ds.mixing import MIX_CHUNK
 from deca_ds.models import enable_activation_checkpointing
-from helpers import run_script, run_script_in_fork, saved_bytes, tiny_llama
+from helpers import needs_bnb, run_script, run_script_in_fork, saved_bytes, tiny_llama
 from ranks import run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,8 @@ def test_config_sources(tmp_path, specs):
 
 
 @pytest.mark.parametrize("layers_per_block", [1, 2])
-@pytest.mark.parametrize("master_dtype,state_bits", [(torch.float32, 32), (torch.float64, 32), (torch.float32, 8)])
+@pytest.mark.parametrize("master_dtype,state_bits", [(torch.float32, 32), (torch.float64, 32),
+                                                     pytest.param(torch.float32, 8, marks=needs_bnb)])
 def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype, state_bits):
     model = tiny_llama(layers=3, dtype=torch.float32)
     cfg = DecaConfig(layers_per_block=layers_per_block, steps_per_block=1, rounds=1, master_dtype=master_dtype,

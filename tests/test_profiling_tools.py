@@ -7,7 +7,6 @@ profiling/shared_device_exact.py on CPU ranks; and profiling/state_8bit.py's mea
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -30,7 +29,7 @@ import matmul_efficiency  # noqa: E402
 import offload_sweep  # noqa: E402
 import save_init  # noqa: E402
 import state_8bit  # noqa: E402
-from helpers import RANK_THREADS, torch_threads  # noqa: E402
+from helpers import RANK_THREADS, needs_bnb, torch_threads  # noqa: E402
 
 TINY = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=50, tie_word_embeddings=False)
@@ -210,7 +209,7 @@ def test_shared_device_exact_on_cpu_ranks(tmp_path, profiling_runs, monkeypatch)
     assert all(c["max_change_from_init"] > 1e-4 for c in result["clients"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="the optional bnb extra is not installed")
+@needs_bnb
 def test_state_8bit_measures_the_quantization_error_alone(tmp_path):
     """Fed the fp32 optimizer's x, g and x⁺ every step, the 8-bit one differs by its rounded moments
     only: about 1 % of a step (the committed results). It measured 40 % once both optimizers were

@@ -1,6 +1,5 @@
 """8-bit moments (DecaConfig(state_bits=8)): exact bytes, tensor-by-tensor work, drift, resume, errors."""
 
-import importlib.util
 import io
 import math
 import sys
@@ -10,10 +9,7 @@ import torch
 
 from deca_ds import DecaConfig, DecaOptimizer, make_topology, simulate
 from deca_ds.quantized import QUANT_BLOCK, QuantizedVector
-from helpers import assert_resume_mid_block_is_bit_identical, client_batches, tiny_llama
-
-needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
-                               reason="the optional bnb extra is not installed")
+from helpers import assert_resume_mid_block_is_bit_identical, client_batches, needs_bnb, tiny_llama
 
 
 def config(**kw):

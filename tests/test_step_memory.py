@@ -11,8 +11,6 @@ code allocates out of sight of a dispatch mode (and refuses to compile under one
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -26,7 +24,7 @@ from deca_ds.models import causal_lm_loss, draw_from_config
 from deca_ds.runtime.allocated import TensorBytes
 from deca_ds.runtime.consensus import consensus_distance, to_consensus_
 from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
-from helpers import free_port
+from helpers import free_port, needs_bnb
 from ranks import gloo_group, run_on_ranks
 
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -107,7 +105,7 @@ def test_a_steps_update_and_mixing_hold_what_the_estimator_says(world, method, v
             assert 0 <= peak - want < SCALARS, (rank, peak, want, est.phases)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="the optional bnb extra is not installed")
+@needs_bnb
 @pytest.mark.parametrize("world", [3, 1])
 def test_8bit_moments_step_stays_within_the_estimate(world):
     """state_bits=8 works tensor by tensor (updates.QuantizedUpdate): the estimate counts one
