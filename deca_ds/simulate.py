@@ -64,11 +64,11 @@ def simulate(
                                  f"{lead.total_steps}") from None
             loss = causal_lm_loss(client, batch)
             loss.backward()
-            losses.append(loss.item())
+            losses.append(loss.detach())  # read once all clients' work is queued: .item() would wait for each
             payloads.append(opt.local_step())
         mixer.post(payloads)
         for opt, payload in zip(optimizers, payloads):
             opt.combine(opt.mixer, payload)
         if on_step is not None:
-            on_step(StepInfo(losses=losses, **info))
+            on_step(StepInfo(losses=torch.stack(losses).tolist(), **info))
     return [{name: p.detach().clone() for name, p in c.named_parameters()} for c in clients]

@@ -410,6 +410,15 @@ def test_pretrain_never_writes_over_files_nor_leaves_half_a_checkpoint(tmp_path,
         pretrain(PretrainOptions(str(tmp_path / "out"), **TINY_PRETRAIN), log=lambda *_: None)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
 
+    import importlib
+
+    pretrain_module = importlib.import_module("deca_ds.reproduce.pretrain")  # the package exports the function
+    with monkeypatch.context() as nan_loss:  # a diverged run is an error, not a checkpoint
+        cross_entropy = pretrain_module.F.cross_entropy
+        nan_loss.setattr(pretrain_module.F, "cross_entropy", lambda *a, **k: cross_entropy(*a, **k) * float("nan"))
+        with pytest.raises(ValueError, match=r"pretraining diverged: loss nan at step 0 of 2; nothing was written"):
+            pretrain(PretrainOptions(str(tmp_path / "new"), **TINY_PRETRAIN), log=lambda *_: None)
+
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 

@@ -483,7 +483,7 @@ def run_simulated(d: Path) -> dict:
     import torch
 
     from ..optimizer import model_partition
-    from ..runtime.dist import local_device
+    from ..runtime.dist import local_device, to_device
     from ..runtime.options import RunOptions
     from ..runtime.task import build_task
     from ..runtime.trainer import build_model
@@ -505,7 +505,7 @@ def run_simulated(d: Path) -> dict:
     partition = model_partition(model, opts.deca_config())
     method = opts.build_method(partition)
     recording = Recording(method)
-    streams = [({k: v.to(device) for k, v in batch.items()} for batch in task.stream(opts, i)) for i in range(n)]
+    streams = [(to_device(batch, device) for batch in task.stream(opts, i)) for i in range(n)]
     probe = method.prepare(build_model(opts, len(task.tokenizer)))
     write_json(d / RUN_CONFIG, {
         "options": asdict(opts), "topology": topology.to_dict(), "method": opts.method,

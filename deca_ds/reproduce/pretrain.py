@@ -45,6 +45,7 @@ from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
 from ..reporting import invocation
 from ..runtime.checkpoint import sha256, write_json
+from ..runtime.dist import to_device
 from ..runtime.options import RunOptions, add_option, per_client
 from ..runtime.task import DATASETS, load_records
 
@@ -211,7 +212,7 @@ def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = No
     unseen[rows.unique()] = False
     with _deterministic(device):
         for step in range(opts.steps):
-            batch = rows[torch.randint(len(rows), (opts.batch,), generator=generator).to(device)]
+            batch = rows[to_device(torch.randint(len(rows), (opts.batch,), generator=generator), device)]
             with torch.autocast(device.type, torch.bfloat16, enabled=opts.dtype == "bf16"):
                 logits = model(input_ids=batch).logits[:, :-1].masked_fill(unseen, float("-inf"))
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
@@ -219,9 +220,14 @@ def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = No
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses.append(loss.detach())  # read at the end: .item() would wait for each step
             if step % 50 == 0 or step == opts.steps - 1:
                 log(f"step {step}: loss {loss.item():.4f}")
+    losses = torch.stack(losses).tolist()
+    bad = next((step for step, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    if bad is not None:
+        raise ValueError(f"pretraining diverged: loss {losses[bad]} at step {bad} of {opts.steps}; nothing was "
+                         "written (a smaller lr, or a longer warmup)")
     report = {"options": asdict(opts), "vocab": len(tokenizer), "unseen_words": int(unseen.sum()),
               "rows": len(rows), "prompts": len(prompts),
               "params": sum(p.numel() for p in model.parameters()), "loss_first": losses[0],

@@ -72,6 +72,17 @@ def local_device(device_map: str = "auto") -> torch.device:
     return torch.device("cuda", gpu_of(local_rank, torch.cuda.device_count(), parse_device_map(device_map)))
 
 
+def to_device(batch, device: torch.device):
+    """`batch` (a tensor, or a dict of them) on `device`. To a GPU through pinned memory without
+    waiting: a pageable copy waits for every kernel queued before it, so the host could not queue
+    one step's (or client's) work while the device runs the previous one's."""
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
 def cap_gpu_memory(gb: float, device: torch.device, ranks_per_gpu: dict[int, int] | None = None) -> None:
     """--gpu-memory-gb: this process's CUDA allocator may hold at most `gb` GB of `device`, as if the
     card were that small (less its CUDA context, which the cap does not count); an allocation past

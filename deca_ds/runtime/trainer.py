@@ -54,6 +54,7 @@ from .dist import (
     host_staging,
     init_process_group,
     local_device,
+    to_device,
 )
 from .ds_engine import ClientMPU, initialize
 from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize, summary_table
@@ -501,7 +502,7 @@ class Job:
         left = (optimizer.config.steps_per_block - optimizer.step_in_block) * self.opts.grad_accum
         shards = upcoming_shards(self.stream, self.layout, left)
         prefix.fill(self.engine.module, optimizer.active.index,
-                    [{k: v.to(self.device) for k, v in shard.items()} for shard in shards])
+                    [to_device(shard, self.device) for shard in shards])
         return self.timer.mark("prefix") - t0
 
     def _micro_batches(self) -> tuple[list[float], dict[int, int], dict[str, float | DeviceTime]]:
@@ -511,7 +512,7 @@ class Job:
         engine, timer = self.engine, self.timer
         losses, bad, times = [], {}, dict.fromkeys(("t_forward", "t_backward", "t_mix_update"), 0.0)
         for micro in range(self.opts.grad_accum):
-            batch = {k: v.to(self.device) for k, v in next_shard(self.stream, self.layout).items()}
+            batch = to_device(next_shard(self.stream, self.layout), self.device)
             if self.prefix is not None:
                 self.prefix.next(batch)
             t0 = timer.mark()
