@@ -58,16 +58,19 @@ pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
 run() {
   if [[ -n ${DRY_RUN:-} ]]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
-# step LIMIT NAME CMD...: CMD with at most LIMIT seconds, fewer if the call's budget is shorter
+# step LIMIT NAME CMD...: CMD with at most LIMIT seconds, fewer if the call's budget is shorter; returns its status
 step() {
-  local limit=$1 name=$2 left=$((DEADLINE - SECONDS - 10))
+  local limit=$1 name=$2 left=$((DEADLINE - SECONDS - 10)) rc
   shift 2
-  if ((left < 30)); then echo "$name skipped: the call's budget is spent"; return; fi
+  ((limit < left)) && left=$limit
+  if ((left < 30)); then echo "$name skipped: the call's budget is spent"; return 124; fi
   if [[ -n ${DRY_RUN:-} ]]; then run "$@"; return; fi
   # -k: a command that outlives its SIGTERM by 30 s is killed, so the steps after it still run
-  timeout -k 30 $((limit < left ? limit : left)) "$@"
-  echo "$name rc=$?"
+  timeout -k 30 "$left" "$@"
+  rc=$?
+  echo "$name rc=$rc"
   pack
+  return $rc
 }
 if [[ -z ${DRY_RUN:-} ]]; then
   mkdir -p "$RES" "$OUT"
@@ -180,8 +183,15 @@ for what in "$@"; do
                                             > "$RES/gpu_ag_news_utilization.csv" & util=$!; }
                # stopped by its time limit, the grid stops its cells (SIGTERM) and finished cells stay finished;
                # 60 s are left for that, the tables and the packing
-               step $((DEADLINE - SECONDS - 70)) grid python3 launch/reproduce.py reproduce/gpu_ag_news.yaml \
-                 --results-dir "$RES/gpu_ag_news"
+               grid=(python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --results-dir "$RES/gpu_ag_news")
+               step $((DEADLINE - SECONDS - 70)) grid "${grid[@]}"
+               if (($? == 2)) && [[ -z ${DRY_RUN:-} && ! -d runs/gpu_ag_news.other_base ]]; then
+                 # refused before any cell ran: e.g. the committed cells were fine-tuned from other weights
+                 # than this machine's pretraining made (the grid mixes no two bases); they are set aside
+                 # (and stay committed) and the grid starts afresh on this machine's base
+                 mv runs/gpu_ag_news runs/gpu_ag_news.other_base
+                 step $((DEADLINE - SECONDS - 70)) grid "${grid[@]}"
+               fi
                run python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --report-only --results-dir "$RES/gpu_ag_news"
                # the cell directories (settings, metrics, scores: kilobytes) come back too, for
                # reproduce/results/gpu_ag_news/cells
