@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import deca_ds
 import runs
 from deca_ds.runtime import trainer
-from deca_ds.runtime.dist import local_device
+from deca_ds.runtime.dist import local_device, to_device
 from deca_ds.runtime.options import parse_args as parse_train_args
 from deca_ds.topology import make_topology
 from report import emit, provenance
@@ -41,11 +41,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def on_device(stream, device: torch.device):
-    for batch in stream:
-        yield {k: v.to(device) for k, v in batch.items()}
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("DECA_RANK_THREADS", "1")
@@ -57,7 +52,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ["DECA_RANK_THREADS"]))
     task = trainer.build_task(opts, args.ranks)
     model = trainer.build_model(opts, len(task.tokenizer))  # drawn on the device, as the ranks draw it
-    streams = [on_device(task.stream(opts, c), device) for c in range(args.ranks)]  # each rank's own stream
+    # each rank's own stream
+    streams = [(to_device(b, device) for b in task.stream(opts, c)) for c in range(args.ranks)]
     simulated = deca_ds.simulate(model, streams, make_topology(opts.topology, args.ranks).W, opts.deca_config())
     init = {n: p.detach().cpu() for n, p in model.named_parameters()}
     clients = []
