@@ -569,6 +569,8 @@ def test_a_stopped_grid_stops_its_running_cells(tmp_path, capsys):
     assert stopped.value.code == 128 + signal.SIGTERM
     assert not left
     assert "over the cell time limit" not in out  # stopped by the signal, not by their time limit
+    assert "failed" not in out  # a stopped cell has not failed; the log says how far it came
+    assert len(re.findall(r": stopped with the grid at step \d+ of \d+ \(", out)) == 2, out
     assert not list((tmp_path / "runs").rglob("final.json"))
 
 

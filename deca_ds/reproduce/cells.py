@@ -152,7 +152,7 @@ def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
 def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = None) -> dict[str, str]:
     """Run every unfinished cell (of those `select` keeps, e.g. Grid.select), `grid.jobs` at a time;
     returns cell key -> 'done' / 'skipped' / 'not selected' / 'elsewhere: who' (another grid run
-    holds it) / 'failed: why', in the grid's order.
+    holds it) / 'stopped …' (the grid was) / 'failed: why', in the grid's order.
 
     Several grid runs can work through one runs_dir (terminals, or jobs on nodes that share the file
     system): each cell is claimed before it runs, so each is run by one of them. Interrupted
@@ -334,6 +334,10 @@ class Running:
             with self._lock:
                 self._procs.discard(proc)
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     def stop_all(self) -> None:
         with self._lock:
             self._stopped = True
@@ -365,9 +369,11 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running) -> str:
         # in the caller's directory: the grid's relative paths (runs, models, data) are read from there
         proc = running.start(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         if proc is None:
-            return "failed: the grid was stopped before this cell started"
+            return "stopped: the grid was stopped before this cell started"
         if not running.wait(proc, grid.cell_timeout_s):
             return f"failed: over the cell time limit of {grid.cell_timeout_s:g} s (see {d / LOG})"
+    if proc.returncode != 0 and running.stopped:  # killed by stop_all, not failed: say how far it came
+        return f"stopped with the grid at step {steps_done(d)} of {grid.budgets[cell.key][0]}"
     if proc.returncode != 0:
         tail = (d / LOG).read_text().strip().splitlines()[-1:] or [""]
         return f"failed: exit {proc.returncode}: {tail[0]} (see {d / LOG})"
