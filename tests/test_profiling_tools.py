@@ -238,7 +238,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     from deca_ds.runtime.options import parse_args as parse_run_args
 
     steps = ("exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events "
-             "fused4 fits reproduce").split()
+             "fused4 fits reproduce grid-start grid-finish").split()
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out")}
     done = subprocess.run(["bash", "profiling/gpu_checks.sh", *steps], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
@@ -260,7 +260,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
         ds_config = ["--ds_config", parsed.ds_config] if hasattr(parsed, "ds_config") else []
         if parsed.__dict__.get("train_args") and "--ds_config" not in parsed.train_args:
             parse_run_args([*ds_config, *parsed.train_args])
-    assert len(commands) == 32 and len(tools) == 8, sorted(tools)
+    assert len(commands) == 34 and len(tools) == 8, sorted(tools)
 
 
 def test_profile_resources_says_where_clients_time_share_a_gpu():
