@@ -12,8 +12,9 @@ one block is that trainable set, with DECA's phase model (deca_ds.memory's docst
                one holds both
     mixing     x½ and DistributedMixer.mix's chunk buffers (x⁺ is summed into x½); DeCAF exchanges
                the whole vector at once (mixer.exchange) and writes the re-factorized pairs into a
-               new one: a receive buffer of the whole vector per neighbour, and x_plus; and one
-               pair's re-factorization at a time (refactor_bytes), the largest
+               new one: a receive buffer of the whole vector per neighbour, and x_plus; and the
+               re-factorization's (refactor_elements): every pair's small core, one pair's
+               factors at a time
 
 Activations: the gradient flows from the loss down to the lowest layer holding a trainable tensor
 (layer 0 in every baseline). With checkpointing each of those layers keeps its input and backward
@@ -66,18 +67,37 @@ def adapter_saved_bytes(layer: nn.Module) -> int:
     return saved
 
 
-def refactor_bytes(fan_in: int, fan_out: int, rank: int, terms: int) -> int:
-    """Elements methods.lora.refactor_pair holds at its peak for one LoRA pair (A: rank × fan_in,
-    B: fan_out × rank) combined over `terms` clients, kr = terms · rank wide: the concatenations
-    B_cat (fan_out × kr) and A_cat (kr × fan_in), their reduced QR factors, then either the SVD's
-    input and outputs (truncated_factors) or, after it, the root of its top values, the new B and
-    A and the two products that fill the wider of them (a matmul, then its scaling)."""
-    o, i, r, kr = fan_out, fan_in, rank, terms * rank
-    qb, qa = min(o, kr), min(i, kr)  # reduced QR: Q_b is o × qb, R_b qb × kr; Q_a i × qa, R_a qa × kr
-    s = min(qb, qa)  # singular values; U is qb × qb, Vh qa × qa
-    t = min(r, s)  # the values kept
-    held = kr * (o + i) + o * qb + qb * kr + i * qa + qa * kr + qb * qb + s + qa * qa
-    return held + max(qb * qa, t + o * r + r * i + 2 * t * max(o, i))
+def refactor_elements(pairs: list[tuple[int, int]], rank: int, terms: int, *, host_is_device: bool = False) -> int:
+    """Elements methods.lora.refactor_pairs holds at its peak for LoRA pairs of (fan_in, fan_out)
+    (A: rank × fan_in, B: fan_out × rank) combined over `terms` clients, kr = terms · rank wide.
+
+    Pass 1: every pair's core R_b·R_aᵀ (qb × qa, in one buffer per shape) beside one pair's
+    concatenations B_cat (fan_out × kr) and A_cat (kr × fan_in) and their reduced QR factors.
+    Pass 2, one pair at a time: the same QRs, or after them Q_b, Q_a, the device copies of the
+    pair's U_k, √S_k and Vh_k, the new B and A and the two products that fill the wider of them (a
+    matmul, then its scaling). The SVDs' inputs and outputs are on the host; on CPU ranks
+    (`host_is_device`) they count too: each core and U, S, Vh during the SVDs, and through pass 2
+    every pair's U and Vh (its U_k and Vh_k are views of them) and √S_k, with no copies."""
+    r, kr = rank, terms * rank
+    qrs, after, groups = [], [], {}  # groups: core shape -> [cores, SVD outputs, what stays of them]
+    for i, o in pairs:
+        qb, qa = min(o, kr), min(i, kr)  # reduced QR: Q_b is o × qb, R_b qb × kr; Q_a i × qa, R_a qa × kr
+        k = min(r, qb, qa)  # the singular values kept
+        qrs.append(kr * (o + i) + o * qb + qb * kr + i * qa + qa * kr)
+        copies = 0 if host_is_device else qb * k + k + k * qa
+        after.append(o * qb + i * qa + copies + o * r + r * i + 2 * k * max(o, i))
+        group = groups.setdefault((qb, qa), [0, 0, 0])
+        group[0] += qb * qa
+        group[1] += qb * qb + min(qb, qa) + qa * qa  # U, S, Vh (full matrices)
+        group[2] += qb * qb + qa * qa + k  # U and Vh, kept by the views U_k and Vh_k, and √S_k
+    cores = sum(g[0] for g in groups.values())
+    if not host_is_device:
+        return max(cores + max(qrs), max(after))
+    svd_peak, waiting, kept = 0, cores, 0  # the SVDs shape by shape: each frees its cores once done
+    for core, outputs, stays in groups.values():
+        svd_peak = max(svd_peak, waiting + kept + outputs)
+        waiting, kept = waiting - core, kept + stays
+    return max(cores + max(qrs), svd_peak, kept + max(map(max, zip(qrs, after))))
 
 
 def _trains_in_attention(layer: nn.Module, trainable: set[int]) -> bool:
@@ -131,8 +151,8 @@ def estimate_method(spec, method: Method, workload: Workload = Workload()) -> Me
     else:  # DeCAF: whole vectors exchanged (mixer.exchange), combined into a new one pair by pair
         chunk, x_plus = n, n * mb
         pairs = optimizer.params  # A (rank × in), B (out × rank) of each LoRA pair
-        refactor = max(refactor_bytes(A.shape[1], B.shape[0], A.shape[0], n_neighbors + 1) * mb
-                       for A, B in zip(pairs[::2], pairs[1::2]))
+        refactor = refactor_elements([(A.shape[1], B.shape[0]) for A, B in zip(pairs[::2], pairs[1::2])],
+                                     pairs[0].shape[0], n_neighbors + 1) * mb
     d, M = spec.total_params, 2 * spec.total_params
     return MemoryEstimate(
         model=spec.name, total_params=d, decoder_params=spec.decoder_params, non_layer_params=spec.non_layer_params,

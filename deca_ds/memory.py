@@ -411,7 +411,7 @@ class MemoryEstimate:
     consensus_buffers: int = 0  # after the last step: x̄'s mean and difference chunks (fp32 at least)
 
     # ---- DeCAF (deca_ds.baseline_memory), exact (bytes)
-    refactor: int = 0  # one LoRA pair's re-factorization at a time (methods.lora.refactor_pair), the largest
+    refactor: int = 0  # the re-factorization's peak (methods.lora.refactor_pairs; baseline_memory.refactor_elements)
 
     method: str = "deca"  # or the baseline estimated (deca_ds.baseline_memory)
 

@@ -156,6 +156,27 @@ def test_truncated_svd_reproduces_the_product_when_r_covers_its_rank(rank_of_pro
     np.testing.assert_allclose((B @ A).numpy(), (B_cat @ A_cat).numpy(), atol=1e-12)
 
 
+def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
+    """refactor_pairs (one batch of SVDs per core shape, on the host, then the factors pair by pair)
+    gives each pair exactly truncated_factors' B and A, whatever mix of core shapes the pairs have:
+    kr = 4 clients × rank 3 = 12 is above some fan-ins and fan-outs here, and a client's B may be 0
+    (peft's start)."""
+    from deca_ds.methods.lora import refactor_pairs
+
+    g = torch.Generator().manual_seed(11)
+    r, terms = 3, 4
+    pairs, want = [], []
+    for fan_in, fan_out in [(16, 16), (16, 8), (10, 16), (16, 16), (30, 6), (16, 8)]:
+        factors = [(float(torch.rand(1, generator=g)), torch.randn(r, fan_in, generator=g),
+                    torch.randn(fan_out, r, generator=g) * (j != 1)) for j in range(terms)]
+        pairs.append((torch.empty(r, fan_in), torch.empty(fan_out, r), factors))
+        want.append(truncated_factors(torch.cat([w * B for w, _, B in factors], dim=1),
+                                      torch.cat([A for _, A, _ in factors], dim=0), r))
+    refactor_pairs(pairs)
+    for (A, B, _), (B_want, A_want) in zip(pairs, want):
+        assert torch.equal(A, A_want) and torch.equal(B, B_want)
+
+
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_complete_uniform_graph_makes_every_client_identical_after_each_mix(name):
     method = make(name, steps=3)

@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig
 
 from deca_ds import DecaConfig, make_topology
-from deca_ds.baseline_memory import estimate_method
+from deca_ds.baseline_memory import estimate_method, refactor_elements
 from deca_ds.memory import Workload, estimate_block
 from deca_ds.methods import AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA
 from deca_ds.mixing import mixing_order
@@ -77,6 +77,14 @@ def estimate(method: str, variant: str, transfer: str, neighbors: int, bits: int
     return estimate_method(CONFIG, build(method, variant), workload)
 
 
+def decaf_refactor_on_cpu(neighbors: int) -> int:
+    """DeCAF's re-factorization on a CPU rank, from the LoRA pairs' (fan_in, fan_out) in CONFIG."""
+    h, kv = CONFIG.hidden_size, CONFIG.num_key_value_heads * CONFIG.hidden_size // CONFIG.num_attention_heads
+    inter = CONFIG.intermediate_size
+    layer = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
+    return 4 * refactor_elements(layer * CONFIG.num_hidden_layers, 4, neighbors + 1, host_is_device=True)
+
+
 def expected_peak(est, method: str, rank: int, world: int) -> int:
     """The estimate of what `rank` holds at its step's peak. Transferred in the working dtype, the
     estimate holds a chunk's cast send copy and its x⁺ together, as the staged path (gloo on a
@@ -84,6 +92,8 @@ def expected_peak(est, method: str, rank: int, world: int) -> int:
     chunk's exchange returns, and a linear method's client whose own term comes first in the sum
     sums into its x½, with no x⁺ chunk at all (mixing.weighted_sum's `out`)."""
     mixing = est.phases["mixing"]
+    if method == "decaf":  # on CPU ranks the re-factorization's SVDs, on the host, count too
+        mixing += decaf_refactor_on_cpu(neighbors=min(2, world - 1)) - est.refactor
     if est.send_copy:
         own_first = mixing_order(make_topology("ring", world).W, rank)[0] == rank
         mixing -= est.x_plus if own_first and method != "decaf" else est.send_copy
