@@ -136,6 +136,10 @@ def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
         assert cell["run_config"]["options"]["method"] == ("deca" if cell["method"] == "deca" else "dec_lora")
         assert cell["final"]["steps"] == 4 and 0 <= cell["final"]["accuracy"] <= 1
         assert cell["final"]["n"] == 40 and cell["final"]["wall_s"] > 0
+        metrics = (tmp_path / "runs" / cell["key"] / "metrics.jsonl").read_text()
+        steps = [json.loads(line) for line in metrics.splitlines()]
+        clock = [s["wall_s"] for s in steps]  # each step's end, from the cell's start
+        assert len(steps) == 4 and 0 < clock[0] and clock == sorted(clock) and clock[-1] < cell["final"]["wall_s"]
     # the table holds the cells' own numbers: DECA's accuracy is the mean of its two seeds
     deca = [c["final"]["accuracy"] for c in data["cells"] if c["method"] == "deca"]
     rows = list(csv.DictReader(io.StringIO((tmp_path / "results" / "main.csv").read_text())))

@@ -2,10 +2,11 @@
 
 A cell directory holds cell.json (its settings, written first), run_config.json (what the run
 resolved: topology, client sizes, trainable parameters, budget), metrics.jsonl (one record per
-model update step: the clients' mean training loss, and the consensus distance every
-`consensus_interval` steps) and, once it has finished, final.json (accuracy and macro-F1 of the
-consensus model x̄, losses, wall time). A cell with final.json and the same settings is skipped;
-one with other settings stops the grid before anything runs. Where the grid makes its base model
+model update step: the clients' mean training loss, the consensus distance every
+`consensus_interval` steps and, in simulated cells, the seconds since the cell started) and, once
+it has finished, final.json (accuracy and macro-F1 of the consensus model x̄, losses, wall time).
+A cell with final.json and the same settings is skipped; one with other settings stops the grid
+before anything runs. Where the grid makes its base model
 (`pretrain`), the settings include the sha256 of its weights: cells fine-tuned from other weights
 (pretrained again elsewhere, on another device) never share a table. A grid run claims a cell (a lock
 file beside its directory, .<seed>.lock) before it runs it, so that several runs can share a grid.
@@ -523,8 +524,10 @@ def run_simulated(d: Path) -> dict:
     metrics = (d / METRICS).open("w", buffering=1)  # line by line: progress is visible
 
     def on_step(info) -> None:
+        # wall_s: seconds since the cell started, at the end of the step (beside other cells on one
+        # GPU, how fast a step went depends on how many ran with it)
         rec = {"step": info.step, "round": info.round, "block": info.block, "r": info.step_in_block,
-               "loss": sum(info.losses) / len(info.losses)}
+               "loss": sum(info.losses) / len(info.losses), "wall_s": round(time.perf_counter() - start, 3)}
         if opts.consensus_interval and info.step % opts.consensus_interval == 0:
             lead = recording.optimizers[0]  # after the last step DECA holds no active block
             vectors = _final_vectors(recording) if lead.done else [o.consensus_vector() for o in recording.optimizers]
