@@ -46,19 +46,22 @@
 #            measured), and the tables of the finished cells; the cells finished earlier are committed in
 #            reproduce/results/gpu_ag_news/cells and start the grid's runs directory (a fresh machine
 #            pretrains again, to the same weights on the same GPU type, which the cells' base hash checks)
-#   grid-start, then grid-finish: the same grid across two calls on one warm machine (a session's 15
-#            minutes hold about 630 s of cells after pretraining this way, against 400 s in one call):
-#            grid-start runs `reproduce` in a process session of its own, which outlives the call, with
-#            GRID_BUDGET seconds (default 1100), waits out the call's BUDGET and brings back the cells
-#            finished so far; grid-finish, the next call at once, waits for the grid while its BUDGET
-#            lasts, then stops it (the running cells are lost, the finished ones kept) and brings back
-#            its tables and cells. GRID_ARGS picks the cells: e.g. "--only seed=1 method=deca,dadam --jobs 2"
+#            GRID_ARGS picks the cells: e.g. "--only seed=1 method=deca,dadam --jobs 2"
+# Across two calls on one warm machine (a session's 15 minutes then hold about 13 of steps, and the
+# accuracy grid about 630 s of cells after pretraining, against 400 s in one call):
+#   bg STEP ...  (the call's last step) runs the steps named after it in a process session of its own,
+#            which outlives the call, with BG_BUDGET seconds (default 1100), waits out this call's
+#            BUDGET and brings back what they finished so far (their log, results.tgz, the grid's cells)
+#   bg-finish  the next call, at once (the machine stays warm 30 s): waits for them while its BUDGET
+#            lasts, then stops the step running (SIGTERM; the grid keeps its finished cells and writes
+#            its tables) and skips the rest, and brings back their log and results.tgz
 # Wheels the machine lacks travel in .whl/ (profiling/results/gpu_h200/README.md).
 # DRY_RUN=1 prints each command instead of running it, and sets nothing up (no GPU needed): the
 # tests parse every printed command's options, so a typo cannot waste a lent GPU's minutes.
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 RES=/tmp/res
+BG=/tmp/bg  # a background run's (bg): its pid, log, stop flag and results
 DEADLINE=$((SECONDS + ${BUDGET:-560}))
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
 # run CMD...: CMD, or with DRY_RUN its words, shell-quoted, on one line
@@ -71,6 +74,7 @@ step() {
   shift 2
   ((limit < left)) && left=$limit
   if ((left < 30)); then echo "$name skipped: the call's budget is spent"; return 124; fi
+  if [[ -n ${BG_RUN:-} && -f $BG/stop ]]; then echo "$name skipped: stopped by bg-finish"; return 124; fi
   if [[ -n ${DRY_RUN:-} ]]; then run "$@"; return; fi
   # -k: a command that outlives its SIGTERM by 30 s is killed, so the steps after it still run
   timeout -k 30 "$left" "$@"
@@ -80,7 +84,7 @@ step() {
   return $rc
 }
 [[ -n ${DRY_RUN:-} ]] || mkdir -p "$RES" "$OUT"
-if [[ -z ${DRY_RUN:-} && -z ${SET_UP:-} ]]; then  # SET_UP: a grid-start's background run, set up already
+if [[ -z ${DRY_RUN:-} && -z ${SET_UP:-} ]]; then  # SET_UP: a background run's, set up by its caller
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
     exit 1
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -97,8 +101,10 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events fused4 fits reproduce grid-start grid-finish"; exit 2; }
-for what in "$@"; do
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events fused4 fits reproduce bg bg-finish"; exit 2; }
+while (($#)); do
+  what=$1
+  shift
   case $what in
     exact) step 120 exact python3 profiling/shared_device_exact.py --ranks 4 --out "$RES/shared_device_exact.json" \
              --train-args --from-config --model profiling/configs/cpu/llama-8x256 ;;
@@ -206,17 +212,24 @@ for what in "$@"; do
                # reproduce/results/gpu_ag_news/cells
                [[ -n ${DRY_RUN:-} ]] || { kill "$util"; mkdir -p "$RES/gpu_ag_news_runs"
                                           cp -r runs/gpu_ag_news/. "$RES/gpu_ag_news_runs/"; pack; } ;;
-    grid-start) if [[ -n ${DRY_RUN:-} ]]; then bash "$0" reproduce; continue; fi
-                mkdir -p /tmp/grid_out
-                (OUT=/tmp/grid_out BUDGET=${GRID_BUDGET:-1100} setsid bash "$0" reproduce > /tmp/grid.log 2>&1 < /dev/null &)
-                while ((DEADLINE - SECONDS > 15)); do sleep 5; done
-                cp /tmp/grid.log "$OUT/"; tar czf "$OUT/cells_so_far.tgz" runs/gpu_ag_news ;;
-    grid-finish) [[ -n ${DRY_RUN:-} ]] && continue
-                 # the background run's grid is the one whose --results-dir follows the grid file at once
-                 while pgrep -f "[g]pu_checks.sh reproduce" > /dev/null && ((DEADLINE - SECONDS > 45)); do sleep 5; done
-                 pkill -TERM -f "[l]aunch/reproduce.py reproduce/gpu_ag_news.yaml --results-dir"
-                 for _ in {1..40}; do pgrep -f "[g]pu_checks.sh reproduce" > /dev/null || break; sleep 1; done
-                 cp /tmp/grid.log /tmp/grid_out/results.tgz "$OUT/" ;;
+    bg) if [[ -n ${DRY_RUN:-} ]]; then bash "$0" "$@"; break; fi
+        rm -rf "$BG" && mkdir -p "$BG/out"
+        (OUT=$BG/out BUDGET=${BG_BUDGET:-1100} BG_RUN=1 setsid bash "$0" "$@" > "$BG/log" 2>&1 < /dev/null &
+         echo $! > "$BG/pid")
+        while ((DEADLINE - SECONDS > 15)); do sleep 5; done
+        cp "$BG/log" "$OUT/"
+        [[ -f $BG/out/results.tgz ]] && cp "$BG/out/results.tgz" "$OUT/"
+        [[ -d runs/gpu_ag_news ]] && tar czf "$OUT/cells_so_far.tgz" runs/gpu_ag_news
+        break ;;
+    bg-finish) [[ -n ${DRY_RUN:-} ]] && continue
+               sid=$(cat "$BG/pid")  # setsid made it a session leader: its pid is its session's id
+               while kill -0 "$sid" 2> /dev/null && ((DEADLINE - SECONDS > 45)); do sleep 5; done
+               # the step running now ends at its timeout's SIGTERM, passed on to it (the grid stops its
+               # cells and writes its tables); the steps after it see the stop flag
+               touch "$BG/stop"
+               pkill -TERM -s "$sid" -x timeout
+               for _ in {1..40}; do kill -0 "$sid" 2> /dev/null || break; sleep 1; done
+               cp "$BG/log" "$BG"/out/results.tgz "$OUT/" ;;
     *) echo "unknown step $what"; exit 2 ;;
   esac
 done

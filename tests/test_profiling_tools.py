@@ -238,7 +238,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     from deca_ds.runtime.options import parse_args as parse_run_args
 
     steps = ("exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events "
-             "fused4 fits reproduce grid-start grid-finish").split()
+             "fused4 fits reproduce bg-finish bg reproduce").split()  # bg: the steps after it, in the background
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out")}
     done = subprocess.run(["bash", "profiling/gpu_checks.sh", *steps], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
