@@ -453,7 +453,7 @@ def _distances(vectors) -> list[float]:
 
     xs = [x.detach().double() for x in vectors]
     mean = torch.stack(xs).mean(0)
-    return [torch.linalg.vector_norm(x - mean).item() for x in xs]
+    return torch.stack([torch.linalg.vector_norm(x - mean) for x in xs]).tolist()  # one wait for a GPU, not N
 
 
 def _final_vectors(recording: Recording) -> list:
