@@ -72,32 +72,32 @@ def refactor_elements(pairs: list[tuple[int, int]], rank: int, terms: int, *, ho
     (A: rank × fan_in, B: fan_out × rank) combined over `terms` clients, kr = terms · rank wide.
 
     Pass 1: every pair's core R_b·R_aᵀ (qb × qa, in one buffer per shape) beside one pair's
-    concatenations B_cat (fan_out × kr) and A_cat (kr × fan_in) and their reduced QR factors.
-    Pass 2, one pair at a time: the same QRs, or after them Q_b, Q_a, the device copies of the
-    pair's U_k, √S_k and Vh_k, the new B and A and the two products that fill the wider of them (a
-    matmul, then its scaling). The SVDs' inputs and outputs are on the host; on CPU ranks
-    (`host_is_device`) they count too: each core and U, S, Vh during the SVDs, and through pass 2
-    every pair's U and Vh (its U_k and Vh_k are views of them) and √S_k, with no copies."""
+    concatenations B_cat (fan_out × kr) and A_cat (kr × fan_in) and their reduced QR factors. The
+    SVDs run on the host, whose U_k, √S_k and Vh_k of every pair come back in one buffer. Pass 2,
+    beside that buffer, one pair at a time: the same QRs, or after them Q_b, Q_a, the new B and A
+    and the two products that fill the wider of them (a matmul, then its scaling). On CPU ranks
+    (`host_is_device`) the host's tensors count too: its buffer from the end of pass 1 on, and
+    during each shape's SVD the cores not yet taken and that SVD's U, S and Vh (full matrices)."""
     r, kr = rank, terms * rank
-    qrs, after, groups = [], [], {}  # groups: core shape -> [cores, SVD outputs, what stays of them]
+    qrs, after, groups = [], [], {}  # groups: core shape -> [its cores, its SVD's outputs]
+    kept = 0  # U_k, √S_k and Vh_k of every pair
     for i, o in pairs:
         qb, qa = min(o, kr), min(i, kr)  # reduced QR: Q_b is o × qb, R_b qb × kr; Q_a i × qa, R_a qa × kr
         k = min(r, qb, qa)  # the singular values kept
         qrs.append(kr * (o + i) + o * qb + qb * kr + i * qa + qa * kr)
-        copies = 0 if host_is_device else qb * k + k + k * qa
-        after.append(o * qb + i * qa + copies + o * r + r * i + 2 * k * max(o, i))
-        group = groups.setdefault((qb, qa), [0, 0, 0])
+        after.append(o * qb + i * qa + o * r + r * i + 2 * k * max(o, i))
+        kept += k * (qb + 1 + qa)
+        group = groups.setdefault((qb, qa), [0, 0])
         group[0] += qb * qa
-        group[1] += qb * qb + min(qb, qa) + qa * qa  # U, S, Vh (full matrices)
-        group[2] += qb * qb + qa * qa + k  # U and Vh, kept by the views U_k and Vh_k, and √S_k
-    cores = sum(g[0] for g in groups.values())
-    if not host_is_device:
-        return max(cores + max(qrs), max(after))
-    svd_peak, waiting, kept = 0, cores, 0  # the SVDs shape by shape: each frees its cores once done
-    for core, outputs, stays in groups.values():
-        svd_peak = max(svd_peak, waiting + kept + outputs)
-        waiting, kept = waiting - core, kept + stays
-    return max(cores + max(qrs), svd_peak, kept + max(map(max, zip(qrs, after))))
+        group[1] += qb * qb + min(qb, qa) + qa * qa
+    cores = sum(core for core, _ in groups.values())
+    peak = max(cores + max(qrs), kept + max(max(qrs), max(after)))
+    if host_is_device:
+        waiting = cores  # the SVDs shape by shape: each frees its cores once done
+        for core, outputs in groups.values():
+            peak = max(peak, waiting + kept + outputs)
+            waiting -= core
+    return peak
 
 
 def _trains_in_attention(layer: nn.Module, trainable: set[int]) -> bool:

@@ -125,7 +125,7 @@ def _core_into(core: torch.Tensor, factors) -> None:
 def _refactor_into(A_out: torch.Tensor, B_out: torch.Tensor, factors, split) -> None:
     Q_b, R_b, Q_a, R_a = _thin_qrs(factors)
     del R_b, R_a
-    B, A = _split(Q_b, Q_a, *(t.to(A_out.device) for t in split), rank=A_out.shape[0])
+    B, A = _split(Q_b, Q_a, *split, rank=A_out.shape[0])
     A_out.copy_(A)
     B_out.copy_(B)
 
@@ -136,29 +136,49 @@ def refactor_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor, list[tuple[floa
     Σ_j w_j B_j A_j (truncated_factors), in two passes over the pairs, one pair's temporaries at a time.
 
     The first pass writes each pair's small core R_b·R_aᵀ into one buffer per core shape; the host
-    takes their SVDs, a batch per shape; the second pass forms the QRs again and the new factors
-    from them. On a GPU an SVD of a small matrix is a slow kernel followed by a wait for its
-    convergence flag: one per pair, 84 per client step in the GPU accuracy grid's 12-layer model,
+    takes their SVDs, a batch per shape, and sends every pair's U_k, √S_k and Vh_k back in one
+    copy; the second pass forms the QRs again and the new factors from them. On a GPU an SVD of a
+    small matrix is a slow kernel followed by a wait for its convergence flag, and a copy from the
+    host waits too: one per pair, 84 per client step in the GPU accuracy grid's 12-layer model,
     where a DeCAF step took 3.4 times a Dec-LoRA one (the same step but for the re-factorization).
     Forming the QRs again costs less memory than holding every pair's Q_b and Q_a until the SVDs
     are done (baseline_memory.refactor_elements)."""
+    rank, device, dtype = pairs[0][0].shape[0], pairs[0][0].device, pairs[0][0].dtype
     groups: dict[tuple[int, int], list[int]] = {}  # core shape -> its pairs, in order
     for i, (A_out, B_out, factors) in enumerate(pairs):
         kr = sum(A_j.shape[0] for _, A_j, _ in factors)
         groups.setdefault((min(B_out.shape[0], kr), min(A_out.shape[1], kr)), []).append(i)
-    splits = [None] * len(pairs)  # (U_k, √S_k, Vh_k) of each pair, on the host
-    cores = {shape: pairs[0][0].new_empty(len(idx), *shape) for shape, idx in groups.items()}
+    cores = {shape: torch.empty(len(idx), *shape, dtype=dtype, device=device) for shape, idx in groups.items()}
     for shape, idx in groups.items():
         for j, i in enumerate(idx):
             _core_into(cores[shape][j], pairs[i][2])
-    for shape, idx in groups.items():
-        U, S, Vh = torch.linalg.svd(cores.pop(shape).cpu())  # its cores freed on the device once copied
-        k = min(pairs[0][0].shape[0], S.shape[-1])
-        for j, i in enumerate(idx):
-            splits[i] = (U[j, :, :k], S[j, :k].sqrt(), Vh[j, :k])
-        del U, S, Vh  # the views above keep U and Vh
-    for (A_out, B_out, factors), split in zip(pairs, splits):
-        _refactor_into(A_out, B_out, factors, split)
+    host = torch.empty(sum(len(idx) * min(rank, qb, qa) * (qb + 1 + qa) for (qb, qa), idx in groups.items()),
+                       dtype=dtype)
+    for shape, (U_k, root, Vh_k) in _layout(host, groups, rank).items():
+        U, S, Vh = torch.linalg.svd(cores.pop(shape).cpu())  # the cores freed on the device once copied
+        k = root.shape[1]
+        U_k.copy_(U[..., :k])
+        torch.sqrt(S[..., :k], out=root)
+        Vh_k.copy_(Vh[..., :k, :])
+        del U, S, Vh
+    on_device = host.to(device)  # one copy, one wait (on CPU the same tensor)
+    del host
+    for shape, (U_k, root, Vh_k) in _layout(on_device, groups, rank).items():
+        for j, i in enumerate(groups[shape]):
+            A_out, B_out, factors = pairs[i]
+            _refactor_into(A_out, B_out, factors, (U_k[j], root[j], Vh_k[j]))
+
+
+def _layout(flat: torch.Tensor, groups: dict[tuple[int, int], list[int]], rank: int) -> dict:
+    """Each core shape's (U_k, √S_k, Vh_k) of its pairs as views of `flat`, one shape after the other."""
+    views, offset = {}, 0
+    for (qb, qa), idx in groups.items():
+        g, k = len(idx), min(rank, qb, qa)
+        sizes = (g * qb * k, g * k, g * k * qa)
+        U_k, root, Vh_k = flat[offset:offset + sum(sizes)].split(sizes)
+        views[(qb, qa)] = U_k.view(g, qb, k), root.view(g, k), Vh_k.view(g, k, qa)
+        offset += sum(sizes)
+    return views
 
 
 class DeCAFAdam(MixedAdam):
