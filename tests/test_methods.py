@@ -172,9 +172,23 @@ def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
         pairs.append((torch.empty(r, fan_in), torch.empty(fan_out, r), factors))
         want.append(truncated_factors(torch.cat([w * B for w, _, B in factors], dim=1),
                                       torch.cat([A for _, A, _ in factors], dim=0), r))
-    refactor_pairs(pairs)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Calls() as calls:
+        refactor_pairs(pairs)
     for (A, B, _), (B_want, A_want) in zip(pairs, want):
         assert torch.equal(A, A_want) and torch.equal(B, B_want)
+    # one SVD per core shape, not per pair: (12, 12) twice, (8, 12) twice, (12, 10), (6, 12)
+    assert sum(name.startswith("_linalg_svd") for name in calls.names) == 4, sorted(set(calls.names))
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
