@@ -22,6 +22,8 @@
 #   ckpt     as setup, the 8B model loaded from a bf16 safetensors checkpoint of it       7 min
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)   H200: 16 s a run measured
 #   update   the fused update on the device (target 3)                                     50 s measured
+# Issue 19's DeCAF cells:
+#   decaf    DeCAF's re-factorization, pair by pair against one SVD per core shape on the host    1 min
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3) at 1 x 512, each
 #            run twice in alternating order (--repeats 2: the later of two runs was the slower)  5 min
 #   aggpreset the same at the rtxpro6000 preset's 4 x 512, 2 layers per block                  7 min
@@ -101,7 +103,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events fused4 fits reproduce bg bg-finish"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events fused4 fits decaf reproduce bg bg-finish"; exit 2; }
 while (($#)); do
   what=$1
   shift
@@ -136,6 +138,7 @@ while (($#)); do
             done ;;
     update) step 150 update python3 profiling/update_cost.py --config profiling/configs/llama-3.1-8b-instruct.json \
               --out "$RES" ;;
+    decaf) step 120 decaf python3 profiling/decaf_refactor.py --out "$RES" ;;
     aggshare) step 360 aggshare python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
                 --steps-per-block 3 --warmup 3 --updates eager fused --repeats 2 --name profile_resources_llama-3.1-8b \
                 --train-args "${LLAMA[@]}" --layers-per-block 1 ;;

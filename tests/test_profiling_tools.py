@@ -1,6 +1,7 @@
 """profiling/matmul_efficiency.py, profiling/offload_sweep.py and profiling/save_init.py (issue 17's
 GPU measurements): the analytic FLOP count against torch's FlopCounterMode, each tool's smoke run on
-CPU, and the saved initialisation against the run's own; every command of gpu_checks.sh;
+CPU, and the saved initialisation against the run's own; profiling/decaf_refactor.py's two paths;
+every command of gpu_checks.sh;
 profiling/shared_device_exact.py on CPU ranks; and profiling/state_8bit.py's measurement of the
 8-bit moments."""
 
@@ -25,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "profiling"))
 
+import decaf_refactor  # noqa: E402
 import matmul_efficiency  # noqa: E402
 import offload_sweep  # noqa: E402
 import save_init  # noqa: E402
@@ -226,6 +228,18 @@ def test_state_8bit_measures_the_quantization_error_alone(tmp_path):
     assert row["state_bytes_8bit"] == 4 * n + 2 * n + 2 * 4 * sum(math.ceil(k / 256) for k in sizes)
 
 
+def test_decaf_refactor_times_both_paths_to_the_same_factors(tmp_path):
+    """profiling/decaf_refactor.py on CPU: every LoRA pair of the model (7 linear layers a decoder
+    layer), both paths timed on each repeat, and the same B·A from both, to the bit."""
+    TINY.save_pretrained(tmp_path / "model")
+    payload = decaf_refactor.main(["--config", str(tmp_path / "model"), "--terms", "3", "--repeats", "2",
+                                   "--out", str(tmp_path)])
+    assert payload["pairs"] == 7 * TINY.num_hidden_layers and payload["max_relative_difference_of_BA"] == 0.0
+    assert [r["path"] for r in payload["rows"]] == ["pair_by_pair", "batched"]
+    assert all(len(r["ms_runs"].split(", ")) == 2 for r in payload["rows"])
+    assert json.loads((tmp_path / "decaf_refactor.json").read_text())["rows"] == payload["rows"]
+
+
 def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     """gpu_checks.sh with DRY_RUN prints its commands, every step's: each tool's options parse, the
     runs' launch/train.py options resolve, and the grid passes --dry-run, so no lent GPU minute is
@@ -238,7 +252,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     from deca_ds.runtime.options import parse_args as parse_run_args
 
     steps = ("exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events "
-             "fused4 fits reproduce bg-finish bg reproduce").split()  # bg: the steps after it, in the background
+             "fused4 fits decaf reproduce bg-finish bg reproduce").split()  # bg: the steps after it, in the background
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out")}
     done = subprocess.run(["bash", "profiling/gpu_checks.sh", *steps], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
@@ -260,7 +274,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
         ds_config = ["--ds_config", parsed.ds_config] if hasattr(parsed, "ds_config") else []
         if parsed.__dict__.get("train_args") and "--ds_config" not in parsed.train_args:
             parse_run_args([*ds_config, *parsed.train_args])
-    assert len(commands) == 34 and len(tools) == 8, sorted(tools)
+    assert len(commands) == 35 and len(tools) == 9, sorted(tools)
 
 
 def test_profile_resources_says_where_clients_time_share_a_gpu():
