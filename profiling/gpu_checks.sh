@@ -223,6 +223,7 @@ while (($#)); do
         cp "$BG/log" "$OUT/"
         [[ -f $BG/out/results.tgz ]] && cp "$BG/out/results.tgz" "$OUT/"
         [[ -d runs/gpu_ag_news ]] && tar czf "$OUT/cells_so_far.tgz" runs/gpu_ag_news
+        tail -n 20 "$BG/log"  # how far they came, in the call's output
         break ;;
     bg-finish) [[ -n ${DRY_RUN:-} ]] && continue
                sid=$(cat "$BG/pid")  # setsid made it a session leader: its pid is its session's id
@@ -232,7 +233,8 @@ while (($#)); do
                touch "$BG/stop"
                pkill -TERM -s "$sid" -x timeout
                for _ in {1..40}; do kill -0 "$sid" 2> /dev/null || break; sleep 1; done
-               cp "$BG/log" "$BG"/out/results.tgz "$OUT/" ;;
+               cp "$BG/log" "$BG"/out/results.tgz "$OUT/"
+               tail -n 30 "$BG/log" ;;
     *) echo "unknown step $what"; exit 2 ;;
   esac
 done
