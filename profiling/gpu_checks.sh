@@ -57,7 +57,7 @@
 #   bg-finish  the next call, at once (the machine stays warm 30 s): waits for them while its BUDGET
 #            lasts, then stops the step running (SIGTERM; the grid keeps its finished cells and writes
 #            its tables) and skips the rest, and brings back their log and results.tgz
-# Wheels the machine lacks travel in .whl/ (profiling/results/gpu_h200/README.md).
+# Wheels the machine lacks travel in .whl/, and the grid's data in data/: `bash profiling/gpu_carry.sh` makes both.
 # DRY_RUN=1 prints each command instead of running it, and sets nothing up (no GPU needed): the
 # tests parse every printed command's options, so a typo cannot waste a lent GPU's minutes.
 set -u -o pipefail

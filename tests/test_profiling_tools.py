@@ -240,6 +240,27 @@ def test_decaf_refactor_times_both_paths_to_the_same_factors(tmp_path):
     assert json.loads((tmp_path / "decaf_refactor.json").read_text())["rows"] == payload["rows"]
 
 
+def test_gpu_carry_fetches_only_wheels_the_lock_pins():
+    """profiling/gpu_carry.sh --dry-run: the wheels for a lent GPU machine come at the lock's
+    versions (pip download -c requirements/cpu.lock), so every one it names must be pinned there."""
+    import re
+    import shlex
+    import subprocess
+
+    done = subprocess.run(["bash", "profiling/gpu_carry.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+    assert done.returncode == 0, done.stderr
+    download = next(shlex.split(line)[1:] for line in done.stdout.splitlines() if " pip download " in line)
+    assert download[download.index("-c") + 1] == "requirements/cpu.lock"
+    names = download[download.index("-d") + 2:]
+    normal = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+    pinned = {normal(line.split("==")[0]) for line in (ROOT / "requirements" / "cpu.lock").read_text().splitlines()
+              if "==" in line and not line.startswith("#")}
+    assert len(names) == 23 and {normal(n) for n in names} <= pinned, set(map(normal, names)) - pinned
+    # no DeepSpeed wheel in pip's cache here: it is built at the lock's version
+    assert re.search(r"pip wheel --no-deps -w \.whl deepspeed==[\d.]+\n", done.stdout), done.stdout
+
+
 def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     """gpu_checks.sh with DRY_RUN prints its commands, every step's: each tool's options parse, the
     runs' launch/train.py options resolve, and the grid passes --dry-run, so no lent GPU minute is
