@@ -216,6 +216,9 @@ while (($#)); do
                [[ -n ${DRY_RUN:-} ]] || { kill "$util"; mkdir -p "$RES/gpu_ag_news_runs"
                                           cp -r runs/gpu_ag_news/. "$RES/gpu_ag_news_runs/"; pack; } ;;
     bg) if [[ -n ${DRY_RUN:-} ]]; then bash "$0" "$@"; break; fi
+        if [[ -f $BG/pid ]] && kill -0 "$(cat "$BG/pid")" 2> /dev/null; then
+          echo "bg: a background run is still going (pid $(cat "$BG/pid")): bg-finish it first"; exit 2
+        fi
         rm -rf "$BG" && mkdir -p "$BG/out"
         (OUT=$BG/out BUDGET=${BG_BUDGET:-1100} BG_RUN=1 setsid bash "$0" "$@" > "$BG/log" 2>&1 < /dev/null &
          echo $! > "$BG/pid")
@@ -226,6 +229,8 @@ while (($#)); do
         tail -n 20 "$BG/log"  # how far they came, in the call's output
         break ;;
     bg-finish) [[ -n ${DRY_RUN:-} ]] && continue
+               [[ -f $BG/pid ]] || { echo "bg-finish: no background run on this machine (\`bg STEP ...\` starts one; a" \
+                                          "machine given back between the calls starts bare)"; exit 2; }
                sid=$(cat "$BG/pid")  # setsid made it a session leader: its pid is its session's id
                while kill -0 "$sid" 2> /dev/null && ((DEADLINE - SECONDS > 45)); do sleep 5; done
                # the step running now ends at its timeout's SIGTERM, passed on to it (the grid stops its
