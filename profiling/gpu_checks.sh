@@ -22,8 +22,6 @@
 #   ckpt     as setup, the 8B model loaded from a bf16 safetensors checkpoint of it       7 min
 #   matmul   matmul efficiency, uncapped and capped at 32 / 96 GB (target 4)   H200: 16 s a run measured
 #   update   the fused update on the device (target 3)                                     50 s measured
-# Issue 19's DeCAF cells:
-#   decaf    DeCAF's re-factorization, pair by pair against one SVD per core shape on the host    1 min
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3) at 1 x 512, each
 #            run twice in alternating order (--repeats 2: the later of two runs was the slower)  5 min
 #   aggpreset the same at the rtxpro6000 preset's 4 x 512, 2 layers per block                  7 min
@@ -49,6 +47,8 @@
 #            reproduce/results/gpu_ag_news/cells and start the grid's runs directory (a fresh machine
 #            pretrains again, to the same weights on the same GPU type, which the cells' base hash checks)
 #            GRID_ARGS picks the cells: e.g. "--only seed=1 method=deca,dadam --jobs 2"
+#   decaf    DeCAF's re-factorization, pair by pair against one SVD per core shape on the host, for
+#            the grid's DeCAF cells (profiling/decaf_refactor.py)                              1 min
 # Across two calls on one warm machine (a session's 15 minutes then hold about 13 of steps, and the
 # accuracy grid about 630 s of cells after pretraining, against 400 s in one call):
 #   bg STEP ...  (the call's last step) runs the steps named after it in a process session of its own,
@@ -69,6 +69,12 @@ pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
 # run CMD...: CMD, or with DRY_RUN its words, shell-quoted, on one line
 run() {
   if [[ -n ${DRY_RUN:-} ]]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+# collect LINES: a background run's log and results so far into $OUT, and its last LINES lines on stdout
+collect() {
+  cp "$BG/log" "$OUT/"
+  [[ -f $BG/out/results.tgz ]] && cp "$BG/out/results.tgz" "$OUT/"
+  tail -n "$1" "$BG/log"
 }
 # step LIMIT NAME CMD...: CMD with at most LIMIT seconds, fewer if the call's budget is shorter; returns its status
 step() {
@@ -223,10 +229,8 @@ while (($#)); do
         (OUT=$BG/out BUDGET=${BG_BUDGET:-1100} BG_RUN=1 setsid bash "$0" "$@" > "$BG/log" 2>&1 < /dev/null &
          echo $! > "$BG/pid")
         while ((DEADLINE - SECONDS > 15)); do sleep 5; done
-        cp "$BG/log" "$OUT/"
-        [[ -f $BG/out/results.tgz ]] && cp "$BG/out/results.tgz" "$OUT/"
         [[ -d runs/gpu_ag_news ]] && tar czf "$OUT/cells_so_far.tgz" runs/gpu_ag_news
-        tail -n 20 "$BG/log"  # how far they came, in the call's output
+        collect 20
         break ;;
     bg-finish) [[ -n ${DRY_RUN:-} ]] && continue
                [[ -f $BG/pid ]] || { echo "bg-finish: no background run on this machine (\`bg STEP ...\` starts one; a" \
@@ -238,8 +242,7 @@ while (($#)); do
                touch "$BG/stop"
                pkill -TERM -s "$sid" -x timeout
                for _ in {1..40}; do kill -0 "$sid" 2> /dev/null || break; sleep 1; done
-               cp "$BG/log" "$BG"/out/results.tgz "$OUT/"
-               tail -n 30 "$BG/log" ;;
+               collect 30 ;;
     *) echo "unknown step $what"; exit 2 ;;
   esac
 done

@@ -22,7 +22,7 @@ from deca_ds.runtime import options as options_module
 from deca_ds.runtime.options import RunOptions, default_text, dump_config, parse_args
 from deca_ds.runtime.presets import PRESET_DIR, preset_names
 from deca_ds.train import main as train_main
-from helpers import HAS_BNB
+from helpers import HAS_BNB, needs_bnb
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -37,7 +37,7 @@ def run_file(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
 def test_yaml_values_are_converted_to_the_declared_types(tmp_path):
     # YAML 1.1 reads 5e-5 and 1e2 (no dot) as strings; the declared types decide
     path = run_file(tmp_path, "lr: 5e-5\nsteps_per_block: 1e2\nrounds: '3'\nadam_betas: [0.8, 1]\n"
-                              "iid: 'yes'\nstate_bits: '32'\neps: 1e-6\n")  # '8' would need bitsandbytes
+                              "iid: 'yes'\neps: 1e-6\n")
     assert yaml.safe_load(Path(path).read_text())["lr"] == "5e-5"
     opts, _ = parse_args(["--config", path])
     assert opts.lr == 5e-5 and type(opts.lr) is float
@@ -45,7 +45,6 @@ def test_yaml_values_are_converted_to_the_declared_types(tmp_path):
     assert opts.rounds == 3 and type(opts.rounds) is int
     assert opts.adam_betas == (0.8, 1.0) and all(type(b) is float for b in opts.adam_betas)
     assert opts.iid is True
-    assert opts.state_bits == 32 and type(opts.state_bits) is int
     assert opts.eps == 1e-6
     # one module name becomes the list
     opts, _ = parse_args(["--config", run_file(tmp_path, "lora_targets: q_proj\n")])
@@ -424,6 +423,12 @@ def test_a_baseline_runs_decas_local_adam():
         "lr": 3e-3, "adam_betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0, "grad_clip": None,
         "master_dtype": torch.float64, "fused_update": True}
     assert (adam.steps, adam.mix_every) == (5, 2)
+
+
+@needs_bnb  # DecaConfig checks that 8-bit moments can run
+def test_a_yaml_string_becomes_state_bits_int(tmp_path):
+    opts, _ = parse_args(["--config", run_file(tmp_path, "state_bits: '8'\n")])
+    assert opts.state_bits == 8 and type(opts.state_bits) is int
 
 
 def test_an_option_the_method_does_not_read_is_refused():

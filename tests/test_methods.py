@@ -161,6 +161,8 @@ def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
     gives each pair exactly truncated_factors' B and A, whatever mix of core shapes the pairs have:
     kr = 4 clients × rank 3 = 12 is above some fan-ins and fan-outs here, and a client's B may be 0
     (peft's start)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from deca_ds.methods.lora import refactor_pairs
 
     g = torch.Generator().manual_seed(11)
@@ -172,7 +174,6 @@ def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
         pairs.append((torch.empty(r, fan_in), torch.empty(fan_out, r), factors))
         want.append(truncated_factors(torch.cat([w * B for w, _, B in factors], dim=1),
                                       torch.cat([A for _, A, _ in factors], dim=0), r))
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):
         def __init__(self):
