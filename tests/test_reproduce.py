@@ -293,6 +293,8 @@ def test_smooth_is_a_trailing_mean():
     ({"jobs": 0}, r"jobs must be an integer >= 1, got 0"),
     ({"backend": "deepspeed", "ds_config": "ds_configs/cpu_demo.json", "jobs": 2},
      r"jobs 2: a cell of the deepspeed backend takes every GPU"),
+    ({"options": {"model": "tiny", "clients": 3, "checkpoint_interval": 4}},
+     r"checkpoint_interval 4: the simulate backend writes no checkpoints"),
     ({"pretrain": {"output_dir": "x"}}, r"pretrain: unknown key\(s\) \['output_dir'\]"),
     ({"pretrain": {}}, r"pretrain makes the one model every cell fine-tunes.*\['tiny'\]"),
 ])
@@ -473,6 +475,8 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     written = yaml.safe_load((d / "options.yaml").read_text())
     assert written["method"] == "dec_lora" and written["clients"] == 12 and written["dirichlet_alpha"] == 0.25
     assert written["model"] == "Qwen/Qwen2.5-3B-Instruct" and written["output_dir"].endswith("seed0/train")
+    # a cell stopped by a job's time limit goes on from its newest checkpoint (see the resume test below)
+    assert written["checkpoint_interval"] == 576 and written["keep_checkpoints"] == 1
     granularity = load_grid("reproduce/paper_llama-3.1-8b.yaml", runs_dir=tmp_path)
     assert {c.layers_per_block for c in granularity.cells if "granularity" in c.tables} == {1, 2, 4}
     synthetic = load_grid("reproduce/cpu_synthetic.yaml", runs_dir=tmp_path)
@@ -523,6 +527,38 @@ def start_reproduce(grid_file, log):
                                 stderr=subprocess.STDOUT)
 
 
+def stopped_when(argv: list[str], ready, *, poll_s: float, timeout_s: float = 120) -> tuple[int, bool]:
+    """deca-reproduce's main(argv) here, stopped by a SIGTERM that a thread of its own sends (and so
+    takes itself) once ready() is true, or after timeout_s: (the exit code, whether ready() was)."""
+    import signal
+    import threading
+    import time
+
+    from deca_ds.reproduce.cli import main
+
+    came = threading.Event()
+
+    def stopper():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if ready():
+                came.set()
+                break
+            time.sleep(poll_s)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=stopper)
+    try:
+        thread.start()
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        thread.join(timeout=60)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    return stopped.value.code, came.is_set()
+
+
 def test_a_stopped_grid_stops_its_running_cells(tmp_path, capsys):
     """deca-reproduce under SIGTERM (a scheduler's, or Ctrl-C's KeyboardInterrupt the same way) stops
     both cells it runs at once, although each has a session of its own, and exits 143; also when
@@ -531,51 +567,86 @@ def test_a_stopped_grid_stops_its_running_cells(tmp_path, capsys):
     import contextlib
     import os
     import signal
-    import threading
-    import time
 
     import psutil
 
-    from deca_ds.reproduce.cli import main
     from helpers import descendants
 
     grid = tiny_grid("tiny", seeds=[0], jobs=2, runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"),
                      cell_timeout_s=240)
     grid["options"]["steps_per_block"] = 100_000  # runs until stopped
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
-    cells, gave_up = [], threading.Event()
+    cells = []
 
-    def stop_once_both_run():  # on a thread of its own, which then takes the SIGTERM it sends
-        deadline = time.monotonic() + 120
-        while len(cells) < 2:
-            if time.monotonic() > deadline:
-                gave_up.set()
-                break
-            time.sleep(0.2)
-            cells[:] = descendants(os.getpid(), "deca_ds.reproduce.cells", recursive=False)
-        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    def both_run() -> bool:
+        cells[:] = descendants(os.getpid(), "deca_ds.reproduce.cells", recursive=False)
+        return len(cells) == 2
 
-    handler = signal.getsignal(signal.SIGTERM)
-    stopper = threading.Thread(target=stop_once_both_run)
     try:
-        stopper.start()
-        with pytest.raises(SystemExit) as stopped:
-            main([str(tmp_path / "grid.yaml")])
-        stopper.join(timeout=60)
+        code, ran = stopped_when([str(tmp_path / "grid.yaml")], both_run, poll_s=0.2)
         left = [p for p in cells if p.is_running()]
     finally:  # whatever failed, no cell outlives the test
-        signal.signal(signal.SIGTERM, handler)
         for p in cells + descendants(os.getpid(), "deca_ds.reproduce.cells", recursive=False):
             with contextlib.suppress(psutil.Error):
                 p.kill()
     out = capsys.readouterr().out
-    assert not gave_up.is_set(), out
-    assert stopped.value.code == 128 + signal.SIGTERM
+    assert ran, out
+    assert code == 128 + signal.SIGTERM
     assert not left
     assert "over the cell time limit" not in out  # stopped by the signal, not by their time limit
     assert "failed" not in out  # a stopped cell has not failed; the log says how far it came
     assert len(re.findall(r": stopped with the grid at step \d+ of \d+ \(", out)) == 2, out
     assert not list((tmp_path / "runs").rglob("final.json"))
+
+
+def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, capsys):
+    """A deepspeed cell that writes checkpoints (deca-train's checkpoint_interval), stopped by the
+    grid's SIGTERM after its first checkpoint, goes on from it in the next run of the grid instead of
+    starting afresh, and ends with the metrics and scores of an uninterrupted run of the same cell."""
+    import signal
+
+    import psutil
+
+    from deca_ds.reproduce.cells import resume_step
+    from deca_ds.reproduce.cli import main
+
+    grid = tiny_grid("tiny", backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"], seeds=[0],
+                     results_dir=str(tmp_path / "res"), cell_timeout_s=600)
+    # two clients (ranks), 4 blocks x R = 16 x T = 2: 128 steps, of which 120 come after the first checkpoint
+    grid["options"].update(clients=2, topology="ring", steps_per_block=16, rounds=2, checkpoint_interval=8,
+                           consensus_interval=4, eval_limit=16)
+    files = {}
+    for name in ("reference", "stopped"):
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(yaml.safe_dump({**grid, "runs_dir": str(tmp_path / name)}))
+    assert main([str(files["reference"])]) == 0
+    built = load_grid(str(files["stopped"]))
+    cell = built.cells[0]
+    d = built.cell_dir(cell)
+
+    def checkpointed() -> bool:
+        return resume_step(built, cell, d, None) is not None or (d / "final.json").exists()
+
+    code, _ = stopped_when([str(files["stopped"])], checkpointed, poll_s=0.05, timeout_s=300)
+    out = capsys.readouterr().out
+    assert code == 128 + signal.SIGTERM, out
+    assert not (d / "final.json").exists(), "the cell ended before it was stopped: nothing to resume"
+    # a rank its launcher's death left behind would be init's child by now: look at every process
+    left = [q.pid for q in psutil.process_iter(["cmdline"]) if str(d) in " ".join(q.info["cmdline"] or [])]
+    assert not left, f"the stopped cell left processes running: {left}"
+    step = resume_step(built, cell, d, None)
+    assert step is not None and step < 128, out
+
+    assert main([str(files["stopped"])]) == 0
+    out = capsys.readouterr().out
+    assert f"{cell.key} ... (resuming from its checkpoint at step {step})" in out, out
+    reference = load_grid(str(files["reference"])).cell_dir(cell)
+    read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
+    assert read(d / "metrics.jsonl") == read(reference / "metrics.jsonl")  # every step once, the same numbers
+    final, want = (json.loads((x / "final.json").read_text()) for x in (d, reference))
+    assert final.pop("resumed_from") == [step] and "resumed_from" not in want
+    assert {k: v for k, v in final.items() if k != "wall_s"} == {k: v for k, v in want.items() if k != "wall_s"}
+    assert not (d / "train" / "checkpoints").exists()  # a finished cell's checkpoints are removed
 
 
 def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path, capsys):
@@ -640,6 +711,7 @@ def test_deepspeed_outputs_become_the_cell_files(tmp_path):
     (train / "summary.json").write_text(json.dumps({
         "consensus_eval": {"accuracy": 0.75, "macro_f1": 0.5, "n": 8, "chance": 0.25},
         "final_consensus_distance": [0.1, 0.3]}))
+    (tmp_path / "cell.json").write_text(json.dumps({"settings": {}, "resumed_from": [1]}))  # resumed once
     collect_deepspeed(tmp_path, wall_s=12.0)
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [{"step": 0, "round": 0, "block": 0, "r": 0, "loss": 4.0, "consensus_distance": pytest.approx(0.3)},
@@ -647,6 +719,7 @@ def test_deepspeed_outputs_become_the_cell_files(tmp_path):
     final = json.loads((tmp_path / "final.json").read_text())
     assert final["accuracy"] == 0.75 and final["final_consensus_distance"] == pytest.approx(0.2)
     assert final["loss_start"] == 4.0 and final["loss_end"] == 1.5 and final["steps"] == 2 and final["wall_s"] == 12.0
+    assert final["resumed_from"] == [1]
 
 
 def test_settings_changed_compares_what_changes_a_result():

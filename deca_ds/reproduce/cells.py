@@ -180,14 +180,20 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
             if changed is not None:
                 return f"failed: finished meanwhile with other settings ({', '.join(changed[:6])})" if changed \
                     else "skipped"
-            if d.exists():
-                shutil.rmtree(d)  # an unfinished earlier attempt: start clean
-            d.mkdir(parents=True)
-            write_json(d / CELL, {"settings": cell_settings(cell, base), "options": cell.options,
-                                  "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
+            resume = resume_step(grid, cell, d, base)
+            if resume is None:
+                if d.exists():
+                    shutil.rmtree(d)  # an unfinished earlier attempt without a checkpoint to go on from
+                d.mkdir(parents=True)
+                write_json(d / CELL, {"settings": cell_settings(cell, base), "options": cell.options,
+                                      "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
+            else:
+                saved = read_json(d / CELL)
+                write_json(d / CELL, {**saved, "resumed_from": [*saved.get("resumed_from", []), resume]})
             start = time.perf_counter()
-            log(f"[{i}/{len(todo)}] {cell.key} ...")
-            result = _run_one(grid, cell, d, running)
+            log(f"[{i}/{len(todo)}] {cell.key} ..." if resume is None else
+                f"[{i}/{len(todo)}] {cell.key} ... (resuming from its checkpoint at step {resume})")
+            result = _run_one(grid, cell, d, running, resume=resume is not None)
             log(f"[{i}/{len(todo)}] {cell.key}: {result} ({time.perf_counter() - start:.0f} s)")
             return result
 
@@ -356,17 +362,33 @@ def kill_session(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-def _run_one(grid: Grid, cell: Cell, d: Path, running: Running) -> str:
+def resume_step(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
+    """The checkpoint step an unfinished cell of the deepspeed backend goes on from: the newest one
+    complete for every client in its train/ (deca-train's --checkpoint-interval), where the cell was
+    started with the grid's settings; None: the cell starts afresh. Files are checked by size here;
+    deca-train --resume checks their sha256 as well, and goes back to an older step where one fails."""
+    from ..runtime.checkpoint import complete_steps
+
+    train = d / "train"
+    if grid.backend != "deepspeed" or not (train / RUN_CONFIG).is_file() \
+            or settings_changed(saved_settings(d), cell_settings(cell, base)):
+        return None
+    ranks = cell.options.get("ranks_per_client", 1)
+    common = set.intersection(*(set(complete_steps(train, c, ranks, hashes=False)) for c in range(cell.clients)))
+    return max(common, default=None)
+
+
+def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, *, resume: bool = False) -> str:
     if grid.backend == "simulate":
         command = [sys.executable, "-m", "deca_ds.reproduce.cells", str(d)]
     else:
-        command = _deepspeed_command(grid, cell, d)
+        command = _deepspeed_command(grid, cell, d, resume=resume)
     start = time.time()
     # the children import the deca_ds this process runs (a checkout's too, where it is not installed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if grid.threads:
         env["OMP_NUM_THREADS"] = str(grid.threads)
-    with (d / LOG).open("w") as out:
+    with (d / LOG).open("a" if resume else "w") as out:
         # in the caller's directory: the grid's relative paths (runs, models, data) are read from there
         proc = running.start(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         if proc is None:
@@ -380,10 +402,12 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running) -> str:
         return f"failed: exit {proc.returncode}: {tail[0]} (see {d / LOG})"
     if grid.backend == "deepspeed":
         collect_deepspeed(d, wall_s=time.time() - start)
+        if (d / "train" / "checkpoints").exists():  # each holds every client's model, and the cell is done
+            shutil.rmtree(d / "train" / "checkpoints")
     return "done"
 
 
-def _deepspeed_command(grid: Grid, cell: Cell, d: Path) -> list[str]:
+def _deepspeed_command(grid: Grid, cell: Cell, d: Path, *, resume: bool = False) -> list[str]:
     import yaml
 
     options = json.loads(json.dumps(cell.options, allow_nan=False))
@@ -392,7 +416,7 @@ def _deepspeed_command(grid: Grid, cell: Cell, d: Path) -> list[str]:
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     where = grid.deepspeed_args or ["--num_gpus", str(ranks)]  # e.g. --hostfile for cells beyond one node
     return [launcher, *where, "--module", "deca_ds.train", "--ds_config", str(preset_path(grid.ds_config).resolve()),
-            "--config", str(d / "options.yaml"), "--no-export", "--overwrite"]
+            "--config", str(d / "options.yaml"), "--no-export", "--resume" if resume else "--overwrite"]
 
 
 def collect_deepspeed(d: Path, *, wall_s: float) -> None:
@@ -418,11 +442,15 @@ def collect_deepspeed(d: Path, *, wall_s: float) -> None:
 
 
 def finish(d: Path, evaluation: dict, *, wall_s: float, final_distance: float) -> dict:
-    """final.json from the cell's metrics and the consensus model's evaluation."""
+    """final.json from the cell's metrics and the consensus model's evaluation. A resumed cell's
+    wall_s is that of its last attempt, and `resumed_from` names the checkpoint steps it went on from."""
     losses = [json.loads(line)["loss"] for line in (d / METRICS).read_text().splitlines() if line]
     loss_start, loss_end = loss_ends(losses)
     final = {**evaluation, "loss_start": loss_start, "loss_end": loss_end, "steps": len(losses),
              "final_consensus_distance": final_distance, "wall_s": wall_s}
+    resumed = read_json(d / CELL).get("resumed_from")
+    if resumed:
+        final["resumed_from"] = resumed
     write_json(d / FINAL, final)
     return final
 

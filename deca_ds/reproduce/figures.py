@@ -58,7 +58,8 @@ def write_figures(grid: Grid, *, window: int = 8) -> list[Path]:
             if not drawn:
                 plt.close(fig)
                 continue
-            if log:
+            # no log scale for distances that are 0 throughout (two clients on a ring agree after each mix)
+            if log and any(y > 0 for line in ax.get_lines() for y in line.get_ydata()):
                 ax.set_yscale("log")
             ax.set_xlabel("model update step")
             ax.set_ylabel(ylabel)
