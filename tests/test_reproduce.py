@@ -636,6 +636,11 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     assert not left, f"the stopped cell left processes running: {left}"
     step = resume_step(built, cell, d, None)
     assert step is not None and step < 128, out
+    assert re.search(rf": stopped with the grid at step \d+ of 128 \(its checkpoint at step {step} goes on next time\)",
+                     out), out
+    assert main([str(files["stopped"]), "--dry-run"]) == 0
+    assert f"{cell.key}: 128 steps x 4 examples per client step, tables ['main'], to run from its checkpoint at step " \
+           f"{step} of 128" in capsys.readouterr().out
 
     assert main([str(files["stopped"])]) == 0
     out = capsys.readouterr().out

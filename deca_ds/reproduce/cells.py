@@ -396,7 +396,9 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, *, resume: bool 
         if not running.wait(proc, grid.cell_timeout_s):
             return f"failed: over the cell time limit of {grid.cell_timeout_s:g} s (see {d / LOG})"
     if proc.returncode != 0 and running.stopped:  # killed by stop_all, not failed: say how far it came
-        return f"stopped with the grid at step {steps_done(d)} of {grid.budgets[cell.key][0]}"
+        resume = resume_step(grid, cell, d, base_weights(grid))
+        return (f"stopped with the grid at step {steps_done(d)} of {grid.budgets[cell.key][0]}"
+                + (f" (its checkpoint at step {resume} goes on next time)" if resume is not None else ""))
     if proc.returncode != 0:
         tail = (d / LOG).read_text().strip().splitlines()[-1:] or [""]
         return f"failed: exit {proc.returncode}: {tail[0]} (see {d / LOG})"

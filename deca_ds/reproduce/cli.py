@@ -8,7 +8,7 @@ import sys
 from functools import partial
 
 from ..reporting import invocation
-from .cells import base_state, check_finished, holder, pretrain_base, run_grid, steps_done
+from .cells import base_state, base_weights, check_finished, holder, pretrain_base, resume_step, run_grid, steps_done
 from .figures import write_figures
 from .footprint import estimate_cells
 from .grid import GridError, grid_names, load_grid
@@ -52,11 +52,18 @@ def main(argv: list[str] | None = None) -> int:
         if base:
             log(f"model {grid.pretrain.output_dir}: {base}" + (f" ({grid.pretrain.steps} steps, before the first "
                                                                 "cell)" if base == "to pretrain" else ""))
+        sha = base_weights(grid)
         for cell in grid.cells:
             steps, examples = grid.budgets[cell.key]
-            held = None if cell in done else holder(grid.cell_dir(cell))
-            state = ("finished" if cell in done else "not selected" if not select(cell) else "to run" if held is None
-                     else f"running ({held}), step {steps_done(grid.cell_dir(cell))} of {steps}")
+            d = grid.cell_dir(cell)
+            held = None if cell in done else holder(d)
+            if cell in done or not select(cell):
+                state = "finished" if cell in done else "not selected"
+            elif held:
+                state = f"running ({held}), step {steps_done(d)} of {steps}"
+            else:
+                resume = resume_step(grid, cell, d, sha)
+                state = "to run" if resume is None else f"to run from its checkpoint at step {resume} of {steps}"
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
         log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
             f"timeout {grid.cell_timeout_s:g} s per cell)")
