@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         traceback.print_exc()
         cleanup.exit_now(1)
+    if cleanup.installed():
+        # Finished: every output closed and the process groups destroyed (Job.finish). Out without the
+        # interpreter's teardown, in which a native thread left joinable aborted a finished CPU rank once
+        # ("terminate called without an active exception", SIGABRT), and the launcher failed the run.
+        cleanup.exit_now(0)
 
 
 if __name__ == "__main__":
