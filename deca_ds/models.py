@@ -149,12 +149,22 @@ def _draw(module: nn.Module, initialize, device: torch.device, custom_code: bool
         t.data = t.data.to(home)
 
 
+def _looks_local(name_or_path: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else can only be a filesystem path.
+    return os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
+
+
 def _check_local(name_or_path: str, what: str) -> None:
     # Anything that can only be a filesystem path fails here, before transformers would take it
-    # for a hub id and go to the network. Hub ids are "name" or "org/name".
-    looks_local = os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
-    if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
+    # for a hub id and go to the network.
+    if _looks_local(name_or_path) and not os.path.exists(os.path.expanduser(name_or_path)):
         raise ValueError(f"{what} {name_or_path!r}: no such file or directory. {_ALTERNATIVES}")
+
+
+def is_hub_id(name_or_path: str) -> bool:
+    """Whether load_model would read `name_or_path` from the hub (or its cache): not 'tiny', not a
+    path, nothing there on disk."""
+    return name_or_path != "tiny" and not _looks_local(name_or_path) and not os.path.exists(name_or_path)
 
 
 def _has_safetensors(name_or_path: str) -> bool | None:

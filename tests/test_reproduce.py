@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -652,6 +653,62 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     assert final.pop("resumed_from") == [step] and "resumed_from" not in want
     assert {k: v for k, v in final.items() if k != "wall_s"} == {k: v for k, v in want.items() if k != "wall_s"}
     assert not (d / "train" / "checkpoints").exists()  # a finished cell's checkpoints are removed
+
+
+def test_fetch_names_the_hub_models_and_tasks_a_grid_reads(tmp_path):
+    from deca_ds.reproduce.fetch import CONFIG_FILES, WEIGHTS, hub_needs
+
+    paper = load_grid("paper_qwen2.5-3b", runs_dir=tmp_path)
+    assert hub_needs(paper.cells) == ({"Qwen/Qwen2.5-3B-Instruct": sorted({*CONFIG_FILES, WEIGHTS})},
+                                      ["nwgi", "agnews", "tfns", "mnli"])
+    for scaled in ("cpu_synthetic", "cpu_ag_news", "gpu_ag_news"):  # built-in task or local files, a local model
+        assert hub_needs(load_grid(scaled, runs_dir=tmp_path).cells) == ({}, [])
+    drawn = tiny_grid("org/model", options={**tiny_grid("")["options"], "model": "org/model", "from_config": True,
+                                             "trust_remote_code": True})
+    assert hub_needs(build_grid(drawn, runs_dir=tmp_path).cells) == ({"org/model": sorted({*CONFIG_FILES, "*.py"})},
+                                                                     [])
+
+
+def test_fetch_fills_the_cache_that_cells_read_offline(tmp_path):
+    """deca-reproduce --fetch through the real snapshot_download and task loader, offline: a model
+    in the hub cache (a tiny Llama the test writes under a hub id) is found, and load_model then
+    reads it by its id; a model that is not cached, and a hub task that is not, are named with
+    why. Each command in a process of its own, whose Hugging Face caches are the test's."""
+    import subprocess
+    import sys
+
+    commit = "0" * 40
+    snapshot = tmp_path / "hf" / "hub" / "models--deca-test--tiny" / "snapshots" / commit
+    from deca_ds.models import tiny_llama
+
+    tiny_llama(64).save_pretrained(snapshot, safe_serialization=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(commit)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+
+    def fetch(model: str, dataset: str = "synthetic") -> subprocess.CompletedProcess:
+        grid = tiny_grid(model, methods=["deca"], seeds=[0], runs_dir=str(tmp_path / "runs"))
+        grid["options"]["dataset"] = dataset
+        path = tmp_path / f"{model.replace('/', '_')}-{dataset}.yaml"
+        path.write_text(yaml.safe_dump(grid))
+        return subprocess.run([sys.executable, str(ROOT / "launch" / "reproduce.py"), str(path), "--fetch"], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    done = fetch("deca-test/tiny")
+    assert done.returncode == 0, done.stderr
+    assert f"model deca-test/tiny: 0.00 GiB in {snapshot}" in done.stdout
+    assert "run the grid with HF_HUB_OFFLINE=1" in done.stdout and not (tmp_path / "runs").exists()
+    loaded = subprocess.run([sys.executable, "-c", "import torch; from deca_ds.models import load_model; "
+                             "print(sum(p.numel() for p in load_model('deca-test/tiny', dtype=torch.float32)"
+                             ".parameters()))"], env=env, capture_output=True, text=True, timeout=300)
+    assert loaded.stdout.split() == [str(sum(p.numel() for p in tiny_llama(64).parameters()))], loaded.stderr
+    missing = fetch("deca-test/absent")
+    assert missing.returncode == 2
+    assert "error: --fetch: model deca-test/absent: LocalEntryNotFoundError" in missing.stderr, missing.stderr
+    task = fetch("deca-test/tiny", "agnews")
+    assert task.returncode == 2
+    assert "error: --fetch: task agnews: could not load fancyzhx/ag_news split 'train' (offline mode is on and it " \
+           "is not in the local cache" in task.stderr, task.stderr
 
 
 def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path, capsys):

@@ -9,6 +9,7 @@ from functools import partial
 
 from ..reporting import invocation
 from .cells import base_state, base_weights, check_finished, holder, pretrain_base, resume_step, run_grid, steps_done
+from .fetch import fetch_cells
 from .figures import write_figures
 from .footprint import estimate_cells
 from .grid import GridError, grid_names, load_grid
@@ -21,12 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", help="where the cells run (default: the grid's runs_dir)")
     p.add_argument("--results-dir", help="where tables and figures go (default: the grid's results_dir)")
     p.add_argument("--jobs", type=int, help="cells run at once (simulate backend; default: the grid's jobs, else 1)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="check the grid and list its cells (finished, running where and how far, to run); run nothing")
-    p.add_argument("--report-only", action="store_true", help="write tables and figures of the finished cells only")
-    p.add_argument("--estimate", action="store_true",
-                   help="each cell's estimated GPU memory per client (deca-train --estimate) and the cards it fits "
-                        "(deepspeed backend); run nothing")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true",
+                      help="check the grid and list its cells (finished, running where and how far, to run); "
+                           "run nothing")
+    mode.add_argument("--report-only", action="store_true",
+                      help="write tables and figures of the finished cells only")
+    mode.add_argument("--estimate", action="store_true",
+                      help="each cell's estimated GPU memory per client (deca-train --estimate) and the cards it "
+                           "fits (deepspeed backend); run nothing")
+    mode.add_argument("--fetch", action="store_true",
+                      help="download the hub models and tasks the cells read into the Hugging Face caches, for "
+                           "compute nodes without a network (then HF_HUB_OFFLINE=1); run nothing")
     p.add_argument("--only", nargs="+", default=[], metavar="KEY=VALUE[,VALUE]",
                    help="run only the cells with these values (task, method, topology, clients, layers_per_block, "
                         "seed), e.g. --only seed=0 method=deca,dec_lora; the tables still take every finished cell")
@@ -41,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     command = invocation("deca-reproduce", argv)
-    if args.estimate:
+    if args.estimate or args.fetch:
         try:
-            estimate_cells(grid, select, log=log)
+            (estimate_cells if args.estimate else fetch_cells)(grid, select, log=log)
         except GridError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
