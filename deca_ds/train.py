@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 -m deca_ds.train --preset cpu_demo      # or: torchrun --no-python deca-train
     deca-train --config run.yaml --print-config                         # the resolved config, as a run file
     deca-train --config run.yaml --clients 8 --estimate                 # one client's estimated GPU memory
+    deca-train --config run.yaml --fetch                                # its hub model and task, for offline runs
 
 The command line is parsed (and `--help` / `--print-config` answered) before torch, transformers
 or deepspeed are imported; the trainer loads only when there is something to train.
@@ -49,11 +50,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_config:
         print(dump_config(opts, ds_config), end="")
         return
-    if args.estimate:
-        from .runtime import footprint
+    if args.estimate or args.fetch:
+        from dataclasses import asdict
+
+        from .runtime import fetch, footprint
 
         try:
-            footprint.main(opts, ds_config)
+            if args.estimate:
+                footprint.main(opts, ds_config)
+            else:
+                fetch.fetch_hub([asdict(opts)])
         except ValueError as err:
             _fail(err)
         return

@@ -656,17 +656,19 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
 
 
 def test_fetch_names_the_hub_models_and_tasks_a_grid_reads(tmp_path):
-    from deca_ds.reproduce.fetch import CONFIG_FILES, WEIGHTS, hub_needs
+    from deca_ds.runtime.fetch import CONFIG_FILES, WEIGHTS, hub_needs
 
-    paper = load_grid("paper_qwen2.5-3b", runs_dir=tmp_path)
-    assert hub_needs(paper.cells) == ({"Qwen/Qwen2.5-3B-Instruct": sorted({*CONFIG_FILES, WEIGHTS})},
-                                      ["nwgi", "agnews", "tfns", "mnli"])
+    def needs(grid) -> tuple[dict, list]:
+        models, tasks = hub_needs([c.options for c in grid.cells])
+        return models, list(tasks)
+
+    assert needs(load_grid("paper_qwen2.5-3b", runs_dir=tmp_path)) == (
+        {"Qwen/Qwen2.5-3B-Instruct": sorted({*CONFIG_FILES, WEIGHTS})}, ["nwgi", "agnews", "tfns", "mnli"])
     for scaled in ("cpu_synthetic", "cpu_ag_news", "gpu_ag_news"):  # built-in task or local files, a local model
-        assert hub_needs(load_grid(scaled, runs_dir=tmp_path).cells) == ({}, [])
+        assert needs(load_grid(scaled, runs_dir=tmp_path)) == ({}, [])
     drawn = tiny_grid("org/model", options={**tiny_grid("")["options"], "model": "org/model", "from_config": True,
                                              "trust_remote_code": True})
-    assert hub_needs(build_grid(drawn, runs_dir=tmp_path).cells) == ({"org/model": sorted({*CONFIG_FILES, "*.py"})},
-                                                                     [])
+    assert needs(build_grid(drawn, runs_dir=tmp_path)) == ({"org/model": sorted({*CONFIG_FILES, "*.py"})}, [])
 
 
 def test_fetch_fills_the_cache_that_cells_read_offline(tmp_path):
@@ -697,11 +699,15 @@ def test_fetch_fills_the_cache_that_cells_read_offline(tmp_path):
     done = fetch("deca-test/tiny")
     assert done.returncode == 0, done.stderr
     assert f"model deca-test/tiny: 0.00 GiB in {snapshot}" in done.stdout
-    assert "run the grid with HF_HUB_OFFLINE=1" in done.stdout and not (tmp_path / "runs").exists()
+    assert "runs without a network read them with HF_HUB_OFFLINE=1" in done.stdout and not (tmp_path / "runs").exists()
     loaded = subprocess.run([sys.executable, "-c", "import torch; from deca_ds.models import load_model; "
                              "print(sum(p.numel() for p in load_model('deca-test/tiny', dtype=torch.float32)"
                              ".parameters()))"], env=env, capture_output=True, text=True, timeout=300)
     assert loaded.stdout.split() == [str(sum(p.numel() for p in tiny_llama(64).parameters()))], loaded.stderr
+    # deca-train --fetch: the same for one run
+    train = subprocess.run([sys.executable, "-m", "deca_ds.train", "--model", "deca-test/tiny", "--fetch"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0 and f"model deca-test/tiny: 0.00 GiB in {snapshot}" in train.stdout, train.stderr
     missing = fetch("deca-test/absent")
     assert missing.returncode == 2
     assert "error: --fetch: model deca-test/absent: LocalEntryNotFoundError" in missing.stderr, missing.stderr

@@ -8,8 +8,8 @@ import sys
 from functools import partial
 
 from ..reporting import invocation
+from ..runtime.fetch import fetch_hub
 from .cells import base_state, base_weights, check_finished, holder, pretrain_base, resume_step, run_grid, steps_done
-from .fetch import fetch_cells
 from .figures import write_figures
 from .footprint import estimate_cells
 from .grid import GridError, grid_names, load_grid
@@ -50,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     command = invocation("deca-reproduce", argv)
     if args.estimate or args.fetch:
         try:
-            (estimate_cells if args.estimate else fetch_cells)(grid, select, log=log)
-        except GridError as err:
+            if args.estimate:
+                estimate_cells(grid, select, log=log)
+            else:
+                fetch_hub([c.options for c in grid.cells if select(c)], log=log)
+        except ValueError as err:  # GridError too
             print(f"error: {err}", file=sys.stderr)
             return 2
         return 0

@@ -503,8 +503,8 @@ def build_parser(prog: str = "deca-train",
     """The command line of deca-train (and of deca-split, whose run is not trained: estimate=False)."""
     p = argparse.ArgumentParser(
         prog=prog,
-        usage=f"%(prog)s [--config RUN_FILE] [--preset NAME_OR_JSON] [--print-config{' | --estimate' * estimate}] "
-              "[--OPTION VALUE ...]",
+        usage=f"%(prog)s [--config RUN_FILE] [--preset NAME_OR_JSON] "
+              f"[--print-config{' | --estimate | --fetch' * estimate}] [--OPTION VALUE ...]",
         description=f"{description} Options come from, lowest first: the defaults shown, the preset's \"deca\" "
                     "section, the run file (--config), the command line.",
         epilog="DeepSpeed keys honored in a preset or a run file's `deepspeed:`: "
@@ -517,12 +517,16 @@ def build_parser(prog: str = "deca-train",
                    help=f"DeepSpeed preset: a shipped one by name ({', '.join(preset_names())}) or a JSON file; "
                         f"wins over the run file's `deepspeed:` (default: that, else '{NO_PRESET}': DeepSpeed's "
                         "defaults, micro-batch 1, no clipping)")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config as a run file (YAML) and exit without training")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--print-config", action="store_true",
+                      help="print the resolved config as a run file (YAML) and exit without training")
     if estimate:
-        p.add_argument("--estimate", action="store_true",
-                       help="print one client's estimated GPU memory for this run (deca_ds.memory, from the "
-                            "model's config, the task and the graph; no weights loaded) and exit without training")
+        mode.add_argument("--estimate", action="store_true",
+                          help="print one client's estimated GPU memory for this run (deca_ds.memory, from the "
+                               "model's config, the task and the graph; no weights loaded) and exit without training")
+        mode.add_argument("--fetch", action="store_true",
+                          help="download the hub model and task this run reads into the Hugging Face caches, for "
+                               "machines without a network (then HF_HUB_OFFLINE=1), and exit without training")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     for title, fields in option_groups():
         group = p.add_argument_group(title)
@@ -560,7 +564,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, dict]:
     """(options, DeepSpeed config) of parsed command-line arguments, every source merged and validated."""
     args = dict(vars(args))
     cli_preset, run_file = args.pop("ds_config"), args.pop("config")
-    for key in ("local_rank", "print_config", "estimate"):
+    for key in ("local_rank", "print_config", "estimate", "fetch"):
         args.pop(key, None)
     file_values = read_run_file(run_file) if run_file else {}
     file_preset = file_values.pop("deepspeed", NO_PRESET)
