@@ -604,6 +604,7 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     """A deepspeed cell that writes checkpoints (deca-train's checkpoint_interval), stopped by the
     grid's SIGTERM after its first checkpoint, goes on from it in the next run of the grid instead of
     starting afresh, and ends with the metrics and scores of an uninterrupted run of the same cell."""
+    import contextlib
     import signal
 
     import psutil
@@ -625,15 +626,23 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     cell = built.cells[0]
     d = built.cell_dir(cell)
 
+    def cell_processes() -> list:  # the launcher and its ranks: their command lines name the cell's directory
+        return [q for q in psutil.process_iter(["cmdline"]) if str(d) in " ".join(q.info["cmdline"] or [])]
+
     def checkpointed() -> bool:
-        return resume_step(built, cell, d, None) is not None or (d / "final.json").exists()
+        if resume_step(built, cell, d, None) is None:
+            return (d / "final.json").exists()
+        for q in cell_processes():  # frozen at once: the grid's SIGTERM reaches them within a second
+            with contextlib.suppress(psutil.Error):
+                q.suspend()
+        return True
 
     code, _ = stopped_when([str(files["stopped"])], checkpointed, poll_s=0.05, timeout_s=300)
     out = capsys.readouterr().out
     assert code == 128 + signal.SIGTERM, out
     assert not (d / "final.json").exists(), "the cell ended before it was stopped: nothing to resume"
     # a rank its launcher's death left behind would be init's child by now: look at every process
-    left = [q.pid for q in psutil.process_iter(["cmdline"]) if str(d) in " ".join(q.info["cmdline"] or [])]
+    left = [q.pid for q in cell_processes()]
     assert not left, f"the stopped cell left processes running: {left}"
     step = resume_step(built, cell, d, None)
     assert step is not None and step < 128, out
