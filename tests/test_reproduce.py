@@ -455,6 +455,7 @@ def test_generation_tasks_and_stray_sweep_tasks_are_refused(tmp_path):
 def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     from deca_ds.reproduce import load_grid
     from deca_ds.reproduce.cells import _deepspeed_command
+    from deca_ds.reproduce.placement import placement
 
     grid = load_grid("reproduce/paper_qwen2.5-3b.yaml", runs_dir=tmp_path)
     # the same file by its shipped name (deca-reproduce paper_qwen2.5-3b), from any directory
@@ -469,10 +470,11 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     cell = next(c for c in grid.cells if c.clients == 12 and c.method == "dec_lora")
     d = tmp_path / "cell"
     d.mkdir()
-    command = _deepspeed_command(grid, cell, d)
+    command = _deepspeed_command(grid, cell, d, placement(grid, grid.cells, env={}))
     # deca-train as a module: no checkout's launch/ needed; the preset by its path in the package or checkout
-    assert command[1:5] == ["--num_gpus", "12", "--module", "deca_ds.train"]
-    assert command[5:7] == ["--ds_config", str((ROOT / "ds_configs" / "rtx5090_qwen2.5-3b.json").resolve())]
+    # (here on CPU ranks, 12 of them: tests/test_placement.py places them on GPUs and hosts)
+    assert command[1:4] == ["--num_gpus", "12", "--master_port"] and command[5:7] == ["--module", "deca_ds.train"]
+    assert command[7:9] == ["--ds_config", str((ROOT / "ds_configs" / "rtx5090_qwen2.5-3b.json").resolve())]
     written = yaml.safe_load((d / "options.yaml").read_text())
     assert written["method"] == "dec_lora" and written["clients"] == 12 and written["dirichlet_alpha"] == 0.25
     assert written["model"] == "Qwen/Qwen2.5-3B-Instruct" and written["output_dir"].endswith("seed0/train")

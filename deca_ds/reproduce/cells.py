@@ -40,6 +40,7 @@ from ..runtime.checkpoint import atomic_write, sha256
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
 from .grid import Cell, Grid, GridError
+from .placement import Placement, placement
 from .pretrain import WEIGHTS, pretrain, pretrained_state
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
@@ -150,8 +151,10 @@ def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
     return todo, done
 
 
-def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = None) -> dict[str, str]:
-    """Run every unfinished cell (of those `select` keeps, e.g. Grid.select), `grid.jobs` at a time;
+def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = None,
+             place: Placement | None = None) -> dict[str, str]:
+    """Run every unfinished cell (of those `select` keeps, e.g. Grid.select), `grid.jobs` at a time,
+    the deepspeed backend's where `place` says (default: placement.placement for those cells);
     returns cell key -> 'done' / 'skipped' / 'not selected' / 'elsewhere: who' (another grid run
     holds it) / 'stopped …' (the grid was) / 'failed: why', in the grid's order.
 
@@ -166,8 +169,10 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
     if select is not None:
         status |= {c.key: "not selected" for c in todo if not select(c)}
         todo = [c for c in todo if select(c)]
+    if grid.backend == "deepspeed" and place is None:
+        place = placement(grid, todo)
     log(f"{grid.name}: {len(grid.cells)} cells, {len(done)} finished, {len(todo)} to run ({grid.backend}"
-        + (f", {grid.jobs} at a time)" if grid.jobs > 1 else ")"))
+        + (f", {grid.jobs} at a time)" if grid.jobs > 1 else ")") + (f", on {place.where}" if place else ""))
     running = Running()
 
     def run(i: int, cell: Cell) -> str:
@@ -193,7 +198,7 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
             start = time.perf_counter()
             log(f"[{i}/{len(todo)}] {cell.key} ..." if resume is None else
                 f"[{i}/{len(todo)}] {cell.key} ... (resuming from its checkpoint at step {resume})")
-            result = _run_one(grid, cell, d, running, resume=resume is not None)
+            result = _run_one(grid, cell, d, running, place, resume=resume is not None)
             log(f"[{i}/{len(todo)}] {cell.key}: {result} ({time.perf_counter() - start:.0f} s)")
             return result
 
@@ -378,11 +383,12 @@ def resume_step(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None
     return max(common, default=None)
 
 
-def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, *, resume: bool = False) -> str:
+def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, place: Placement | None, *,
+             resume: bool = False) -> str:
     if grid.backend == "simulate":
         command = [sys.executable, "-m", "deca_ds.reproduce.cells", str(d)]
     else:
-        command = _deepspeed_command(grid, cell, d, resume=resume)
+        command = _deepspeed_command(grid, cell, d, place, resume=resume)
     start = time.time()
     # the children import the deca_ds this process runs (a checkout's too, where it is not installed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -409,14 +415,13 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, *, resume: bool 
     return "done"
 
 
-def _deepspeed_command(grid: Grid, cell: Cell, d: Path, *, resume: bool = False) -> list[str]:
+def _deepspeed_command(grid: Grid, cell: Cell, d: Path, place: Placement, *, resume: bool = False) -> list[str]:
     import yaml
 
     options = json.loads(json.dumps(cell.options, allow_nan=False))
     (d / "options.yaml").write_text(yaml.safe_dump(options))
-    ranks = cell.clients * cell.options["ranks_per_client"]
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    where = grid.deepspeed_args or ["--num_gpus", str(ranks)]  # e.g. --hostfile for cells beyond one node
+    where = place.args(cell.clients, cell.options["ranks_per_client"])
     return [launcher, *where, "--module", "deca_ds.train", "--ds_config", str(preset_path(grid.ds_config).resolve()),
             "--config", str(d / "options.yaml"), "--no-export", "--resume" if resume else "--overwrite"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 from functools import partial
@@ -13,6 +14,7 @@ from .cells import base_state, base_weights, check_finished, holder, pretrain_ba
 from .figures import write_figures
 from .footprint import estimate_cells
 from .grid import GridError, grid_names, load_grid
+from .placement import placement
 from .report import write_report
 
 
@@ -22,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", help="where the cells run (default: the grid's runs_dir)")
     p.add_argument("--results-dir", help="where tables and figures go (default: the grid's results_dir)")
     p.add_argument("--jobs", type=int, help="cells run at once (simulate backend; default: the grid's jobs, else 1)")
+    p.add_argument("--deepspeed-args", metavar="ARGS", type=shlex.split,
+                   help="the deepspeed launcher's arguments for this run, in place of the grid's deepspeed_args "
+                        "(deepspeed backend), e.g. --deepspeed-args='--hostfile hosts.$SLURM_JOB_ID'")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true",
                       help="check the grid and list its cells (finished, running where and how far, to run); "
@@ -40,10 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     log = partial(print, flush=True)
     try:
-        grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs)
+        grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs,
+                         deepspeed_args=args.deepspeed_args)
         select = grid.select(args.only)
         todo, done = check_finished(grid)
         base = base_state(grid)
+        # where the deepspeed cells to run go, checked before pretraining or any cell
+        running = not (args.estimate or args.fetch or args.report_only) and grid.backend == "deepspeed"
+        place = placement(grid, [c for c in todo if select(c)]) if running else None
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -76,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = "to run" if resume is None else f"to run from its checkpoint at step {resume} of {steps}"
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
         log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
-            f"timeout {grid.cell_timeout_s:g} s per cell)")
+            f"timeout {grid.cell_timeout_s:g} s per cell" + (f", on {place.where})" if place else ")"))
         return 0
     # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells. Unblocked
     # first: a mask inherited through exec (a job runner's) would hold it pending for ever.
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.report_only:
             if any(map(select, todo)):
                 pretrain_base(grid, log=log, command=command)
-            status = run_grid(grid, log=log, select=select)
+            status = run_grid(grid, log=log, select=select, place=place)
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -105,7 +105,7 @@ class Grid:
     ranks: int  # deepspeed backend: ranks per cell (one per client unless ranks_per_client > 1)
     threads: int | None  # torch threads of each cell's process (None: torch's default)
     jobs: int  # cells run at once (simulate backend only)
-    deepspeed_args: list[str]  # the deepspeed launcher's arguments (default: --num_gpus <ranks of the cell>)
+    deepspeed_args: list[str]  # the deepspeed launcher's, besides those placement adds for each cell
     pretrain: PretrainOptions | None = None  # how the cells' model is made, when the grid makes it
     source: dict = field(repr=False, default_factory=dict)
 
@@ -227,15 +227,16 @@ def grid_path(spec: str | Path) -> Path:
 
 
 def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_dir: str | Path | None = None,
-              jobs: int | None = None) -> Grid:
-    """Read and check a grid file (a path, or a shipped grid's name); `runs_dir`, `results_dir` and
-    `jobs` override the file's."""
+              jobs: int | None = None, deepspeed_args: list[str] | None = None) -> Grid:
+    """Read and check a grid file (a path, or a shipped grid's name); `runs_dir`, `results_dir`,
+    `jobs` and `deepspeed_args` override the file's."""
     path = grid_path(path)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise GridError(f"{path} is not valid YAML: {err}") from None
-    return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, where=str(path))
+    return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, deepspeed_args=deepspeed_args,
+                      where=str(path))
 
 
 def _seeds(values, where: str) -> list[int]:
@@ -246,7 +247,8 @@ def _seeds(values, where: str) -> list[int]:
     return seeds
 
 
-def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where: str = "grid") -> Grid:
+def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepspeed_args=None,
+               where: str = "grid") -> Grid:
     _check_keys(where, data, _TOP)
     text = [k for k in ("name", "backend", "runs_dir", "results_dir", "ds_config")
             if k in data and not isinstance(data[k], str)]
@@ -347,7 +349,14 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
         raise GridError(f"{where}: jobs must be an integer >= 1, got {jobs!r}")
     if jobs > 1 and backend != "simulate":
         raise GridError(f"{where}: jobs {jobs}: a cell of the deepspeed backend takes every GPU its launch names, so "
-                        "its cells run one at a time (jobs 1); run several grids with other deepspeed_args instead")
+                        "its cells run one at a time (jobs 1); run several grid runs instead, each on GPUs of its "
+                        "own (CUDA_VISIBLE_DEVICES) or hosts of its own (--deepspeed-args '--hostfile FILE')")
+    deepspeed_args = data.get("deepspeed_args") if deepspeed_args is None else deepspeed_args
+    if deepspeed_args is not None and not isinstance(deepspeed_args, list):
+        raise GridError(f"{where}: deepspeed_args must be a list of the launcher's arguments, e.g. [--hostfile, "
+                        f"hosts], got {deepspeed_args!r}")
+    if deepspeed_args and backend != "deepspeed":
+        raise GridError(f"{where}: deepspeed_args {deepspeed_args}: the {backend} backend starts no deepspeed launcher")
     timeout = data.get("cell_timeout_s", 3600)
     if not isinstance(timeout, (int, float)) or not timeout > 0:
         raise GridError(f"{where}: cell_timeout_s must be a number > 0, got {timeout!r}")
@@ -355,7 +364,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, where:
                 results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, ranks=ranks, threads=threads, jobs=jobs,
-                deepspeed_args=[str(a) for a in data.get("deepspeed_args") or []], pretrain=pretrain, source=data)
+                deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, source=data)
 
 
 def _pretrain(section, cells: list[Cell], where: str) -> PretrainOptions | None:

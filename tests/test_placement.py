@@ -1,0 +1,128 @@
+"""deca_ds.reproduce.placement: where each deepspeed cell's ranks go, resolved by DeepSpeed's own
+launcher code (its hostfile parser and --include filter) to the slots meant, and every cell that
+cannot fit refused before any runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepspeed.launcher.runner import fetch_hostfile, parse_inclusion_exclusion
+
+from deca_ds.reproduce import GridError, build_grid
+from deca_ds.reproduce.placement import placement
+
+
+def grid(tmp_path, clients=(8,), **top):
+    """A deepspeed grid of one method whose clients table has these numbers of clients."""
+    return build_grid({"name": "placed", "backend": "deepspeed", "ds_config": "ds_configs/cpu_demo.json",
+                       "options": {"model": "tiny", "dataset": "synthetic", "clients": clients[0]},
+                       "tasks": {"synthetic": {}}, "methods": ["deca"], "seeds": [0],
+                       "sweeps": [{"table": "main"}, {"table": "clients", "clients": list(clients)}], **top},
+                      runs_dir=tmp_path / "runs")
+
+
+def resolved(args: list[str], pool: dict[str, int]) -> dict[str, list[int]]:
+    """The slots the deepspeed launcher gives a launch with these arguments, from its pool."""
+    include = args[args.index("--include") + 1]
+    return dict(parse_inclusion_exclusion(pool, include, ""))
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """A machine with 8 GPUs, as torch sees it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+
+
+def test_cpu_ranks_are_started_by_count_each_launch_on_its_own_port(tmp_path):
+    g = grid(tmp_path, clients=(2, 3))
+    place = placement(g, g.cells, env={})
+    assert place.where == "CPU ranks"
+    args = place.args(3, 1)
+    assert args[:3] == ["--num_gpus", "3", "--master_port"] and 0 < int(args[3]) < 65536 and len(args) == 4
+
+
+def test_a_cell_takes_the_first_gpus_a_scheduler_gave_the_grid(tmp_path, gpus):
+    g = grid(tmp_path, clients=(2, 4))
+    # deepspeed's --num_gpus would drop CUDA_VISIBLE_DEVICES and take GPUs 0 and 1
+    place = placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert place.where == "GPUs 4,5,6,7 of this machine (CUDA_VISIBLE_DEVICES)"
+    assert resolved(place.args(2, 1), {"localhost": 8}) == {"localhost": [4, 5]}
+    assert resolved(place.args(4, 1), {"localhost": 8}) == {"localhost": [4, 5, 6, 7]}
+    assert "--master_port" in place.args(2, 1)
+    # all of the machine's when nothing restricts them; two ranks per client, each on a GPU of its own
+    assert resolved(placement(g, g.cells, env={}).args(3, 2), {"localhost": 8}) == {"localhost": [0, 1, 2, 3, 4, 5]}
+
+
+def test_cells_beyond_the_gpus_are_refused_before_any_runs(tmp_path, gpus):
+    g = grid(tmp_path, clients=(4, 6, 8))
+    with pytest.raises(GridError, match=r"2 cell\(s\) need more GPUs than GPUs 4,5,6,7 of this machine "
+                                        r"\(CUDA_VISIBLE_DEVICES\), e\.g\. synthetic/ring-n6-lpb1/deca/seed0: "
+                                        r"6 clients x 1 rank\(s\).*--hostfile.*--only"):
+        placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    # the cells that fit go on where --only leaves out the others
+    assert placement(g, [c for c in g.cells if c.clients == 4], env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    with pytest.raises(GridError, match=r"CUDA_VISIBLE_DEVICES=GPU-1a2b: .* by GPU index"):
+        placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "GPU-1a2b"})
+
+
+def test_a_hostfile_gives_each_cell_the_fewest_hosts_clients_spread_evenly(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# two 8-GPU nodes and a small one\nnode-a slots=8\nnode-b slots=8\nnode-c slots=4\n")
+    g = grid(tmp_path, clients=(8, 12, 16, 20), deepspeed_args=["--hostfile", str(hosts), "--ssh_port", "2222"])
+    place = placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "0"})  # a hostfile's slots are not this machine's
+    pool = fetch_hostfile(str(hosts))
+    every = list(range(8))
+    assert resolved(place.args(8, 1), pool) == {"node-a": every}
+    assert resolved(place.args(12, 1), pool) == {"node-a": every[:6], "node-b": every[:6]}
+    assert resolved(place.args(16, 1), pool) == {"node-a": every, "node-b": every}
+    assert resolved(place.args(20, 1), pool) == {"node-a": every, "node-b": every, "node-c": [0, 1, 2, 3]}
+    # two ranks per client, a client on one host: 3 clients on node-a, 3 on node-b
+    assert resolved(place.args(6, 2), pool) == {"node-a": every[:6], "node-b": every[:6]}
+    args = place.args(12, 1)
+    assert args[:4] == ["--hostfile", str(hosts), "--ssh_port", "2222"] and "--master_port" not in args
+    g = grid(tmp_path, clients=(8, 24), deepspeed_args=["--hostfile", str(hosts)])
+    with pytest.raises(GridError, match=rf"1 cell\(s\) need more GPUs than hostfile {hosts} \(node-a: 8, node-b: 8, "
+                                        r"node-c: 4 slots\), e\.g\. synthetic/ring-n24-lpb1/deca/seed0: 24"):
+        placement(g, g.cells, env={})
+
+
+def test_deepspeed_args_that_place_or_name_the_port_are_kept_and_bad_ones_refused(tmp_path):
+    g = grid(tmp_path, deepspeed_args=["--include", "localhost:2,3", "--master_port", "29612"])
+    assert placement(g, g.cells, env={}).args(2, 1) == ["--include", "localhost:2,3", "--master_port", "29612"]
+    g = grid(tmp_path, deepspeed_args=["--hostfile", str(tmp_path / "nowhere")])
+    with pytest.raises(GridError, match=r"hostfile .*nowhere does not exist"):
+        placement(g, g.cells, env={})
+    g = grid(tmp_path, deepspeed_args=["--num_gpu", "2", "--no-such-flag"])
+    with pytest.raises(GridError, match=r"deepspeed_args \['--num_gpu', '2', '--no-such-flag'\]: the deepspeed "
+                                        "launcher refuses them"):
+        placement(g, g.cells, env={})
+
+
+def test_deca_reproduce_places_a_run_by_its_own_hostfile(tmp_path, capsys):
+    """--deepspeed-args replaces the grid's for one run (a cluster job's own hosts); --dry-run says
+    where the cells go, and a hostfile too small for a cell stops the command before anything runs."""
+    import yaml
+
+    from deca_ds.reproduce.cli import main
+
+    hosts = tmp_path / "hosts.1234"
+    hosts.write_text("node-a slots=8\nnode-b slots=8\n")
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump({"name": "placed", "backend": "deepspeed", "ds_config": "ds_configs/cpu_demo.json",
+                                    "runs_dir": str(tmp_path / "runs"), "deepspeed_args": ["--hostfile", "nowhere"],
+                                    "options": {"model": "tiny", "dataset": "synthetic", "clients": 12},
+                                    "tasks": {"synthetic": {}}, "methods": ["deca"], "seeds": [0]}))
+    assert main([str(path), "--dry-run", f"--deepspeed-args=--hostfile {hosts}"]) == 0
+    assert f"(deepspeed, 1 at a time, timeout 3600 s per cell, on hostfile {hosts} (node-a: 8, node-b: 8 slots))" \
+        in capsys.readouterr().out
+    hosts.write_text("node-a slots=8\n")
+    assert main([str(path), f"--deepspeed-args=--hostfile {hosts}"]) == 2
+    assert "need more GPUs than hostfile" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+    assert main([str(path), "--dry-run"]) == 2  # the grid's own hostfile is not there
+    assert "hostfile nowhere does not exist" in capsys.readouterr().err
+    with pytest.raises(GridError, match=r"deepspeed_args must be a list .* got '--hostfile hosts'"):
+        grid(tmp_path, deepspeed_args="--hostfile hosts")
+    with pytest.raises(GridError, match=r"deepspeed_args \['--hostfile', 'hosts'\]: the simulate backend starts no"):
+        build_grid({"options": {"model": "tiny", "clients": 2}, "tasks": {"synthetic": {}}, "methods": ["deca"],
+                    "seeds": [0], "deepspeed_args": ["--hostfile", "hosts"]})
