@@ -90,6 +90,10 @@ def test_a_hostfile_gives_each_cell_the_fewest_hosts_clients_spread_evenly(tmp_p
 def test_deepspeed_args_that_place_or_name_the_port_are_kept_and_bad_ones_refused(tmp_path):
     g = grid(tmp_path, deepspeed_args=["--include", "localhost:2,3", "--master_port", "29612"])
     assert placement(g, g.cells, env={}).args(2, 1) == ["--include", "localhost:2,3", "--master_port", "29612"]
+    (tmp_path / "hosts").write_text("node-a 8\n")
+    g = grid(tmp_path, deepspeed_args=["--hostfile", str(tmp_path / "hosts")])
+    with pytest.raises(GridError, match=r"hostfile .*hosts: Hostfile contains a bad entry: node-a 8"):
+        placement(g, g.cells, env={})
     g = grid(tmp_path, deepspeed_args=["--hostfile", str(tmp_path / "nowhere")])
     with pytest.raises(GridError, match=r"hostfile .*nowhere does not exist"):
         placement(g, g.cells, env={})

@@ -74,7 +74,10 @@ def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None =
     if args.include or args.exclude or args.num_nodes > 0 or args.num_gpus > 0:
         return Placement(given, None, False, own_port, "as deepspeed_args place them")
     if hostfile:
-        hosts = fetch_hostfile(args.hostfile)
+        try:
+            hosts = fetch_hostfile(args.hostfile)
+        except ValueError as err:
+            raise GridError(f"deepspeed_args: hostfile {args.hostfile}: {err}") from None
         found = Placement(given, {h: list(range(n)) for h, n in hosts.items()}, False, False,
                           f"hostfile {args.hostfile} ({', '.join(f'{h}: {n}' for h, n in hosts.items())} slots)")
     else:
