@@ -1,15 +1,19 @@
-"""deca_ds.reproduce.placement: where each deepspeed cell's ranks go, resolved by DeepSpeed's own
-launcher code (its hostfile parser and --include filter) to the slots meant, and every cell that
+"""deca_ds.reproduce.placement: where each cell goes. A deepspeed cell's ranks, resolved by
+DeepSpeed's own launcher code (its hostfile parser and --include filter) to the slots meant, held
+while it runs so that cells at once never share a GPU; a simulated cell's GPU; and every cell that
 cannot fit refused before any runs."""
 
 from __future__ import annotations
+
+import threading
+from contextlib import ExitStack
 
 import pytest
 import torch
 from deepspeed.launcher.runner import fetch_hostfile, parse_inclusion_exclusion
 
-from deca_ds.reproduce import GridError, build_grid
-from deca_ds.reproduce.placement import placement
+from deca_ds.reproduce import Cell, GridError, build_grid
+from deca_ds.reproduce.placement import Launch, placement
 
 
 def grid(tmp_path, clients=(8,), **top):
@@ -21,10 +25,24 @@ def grid(tmp_path, clients=(8,), **top):
                       runs_dir=tmp_path / "runs")
 
 
+def cell(clients: int, ranks_per_client: int = 1) -> Cell:
+    return Cell("synthetic", "deca", "ring", clients, 1, 0, options={"ranks_per_client": ranks_per_client})
+
+
+def args_of(place, clients: int, ranks_per_client: int = 1) -> list[str]:
+    """The launcher's arguments of a cell that runs alone."""
+    with place.cell(cell(clients, ranks_per_client), lambda: False) as launch:
+        return launch.args
+
+
 def resolved(args: list[str], pool: dict[str, int]) -> dict[str, list[int]]:
     """The slots the deepspeed launcher gives a launch with these arguments, from its pool."""
     include = args[args.index("--include") + 1]
     return dict(parse_inclusion_exclusion(pool, include, ""))
+
+
+def port(args: list[str]) -> int:
+    return int(args[args.index("--master_port") + 1])
 
 
 @pytest.fixture
@@ -38,20 +56,45 @@ def test_cpu_ranks_are_started_by_count_each_launch_on_its_own_port(tmp_path):
     g = grid(tmp_path, clients=(2, 3))
     place = placement(g, g.cells, env={})
     assert place.where == "CPU ranks"
-    args = place.args(3, 1)
-    assert args[:3] == ["--num_gpus", "3", "--master_port"] and 0 < int(args[3]) < 65536 and len(args) == 4
+    args = args_of(place, 3)
+    assert args[:3] == ["--num_gpus", "3", "--master_port"] and 0 < port(args) < 65536 and len(args) == 4
 
 
-def test_a_cell_takes_the_first_gpus_a_scheduler_gave_the_grid(tmp_path, gpus):
+def test_a_cell_takes_the_first_free_gpus_a_scheduler_gave_the_grid(tmp_path, gpus):
     g = grid(tmp_path, clients=(2, 4))
     # deepspeed's --num_gpus would drop CUDA_VISIBLE_DEVICES and take GPUs 0 and 1
     place = placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
     assert place.where == "GPUs 4,5,6,7 of this machine (CUDA_VISIBLE_DEVICES)"
-    assert resolved(place.args(2, 1), {"localhost": 8}) == {"localhost": [4, 5]}
-    assert resolved(place.args(4, 1), {"localhost": 8}) == {"localhost": [4, 5, 6, 7]}
-    assert "--master_port" in place.args(2, 1)
+    assert resolved(args_of(place, 2), {"localhost": 8}) == {"localhost": [4, 5]}
+    assert resolved(args_of(place, 4), {"localhost": 8}) == {"localhost": [4, 5, 6, 7]}
+    assert "--master_port" in args_of(place, 2)
     # all of the machine's when nothing restricts them; two ranks per client, each on a GPU of its own
-    assert resolved(placement(g, g.cells, env={}).args(3, 2), {"localhost": 8}) == {"localhost": [0, 1, 2, 3, 4, 5]}
+    assert resolved(args_of(placement(g, g.cells, env={}), 3, 2), {"localhost": 8}) == {"localhost": [0, 1, 2, 3, 4, 5]}
+
+
+def test_cells_at_once_hold_gpus_of_their_own_and_a_cell_waits_for_enough(tmp_path, gpus):
+    g = grid(tmp_path, clients=(4,), jobs=3)
+    place = placement(g, g.cells, env={})
+    pool = {"localhost": 8}
+    got, started = [], threading.Event()
+
+    def third() -> None:  # 4 clients, while only GPUs 6 and 7 are free
+        with place.cell(cell(4), lambda: False) as launch:
+            got.append(resolved(launch.args, pool))
+            started.set()
+
+    waiting = threading.Thread(target=third)
+    with ExitStack() as second:
+        with place.cell(cell(4), lambda: False) as first:
+            launch = second.enter_context(place.cell(cell(2), lambda: False))
+            assert resolved(first.args, pool) == {"localhost": [0, 1, 2, 3]}
+            assert resolved(launch.args, pool) == {"localhost": [4, 5]} and port(launch.args) != port(first.args)
+            with place.cell(cell(4), lambda: True) as stopped:  # the grid stopped while it waited
+                assert stopped is None
+            waiting.start()
+            assert not started.wait(timeout=0.5)
+        waiting.join(timeout=60)  # the first cell has ended: its GPUs, not the second's
+        assert got == [{"localhost": [0, 1, 2, 3]}]
 
 
 def test_cells_beyond_the_gpus_are_refused_before_any_runs(tmp_path, gpus):
@@ -73,23 +116,46 @@ def test_a_hostfile_gives_each_cell_the_fewest_hosts_clients_spread_evenly(tmp_p
     place = placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "0"})  # a hostfile's slots are not this machine's
     pool = fetch_hostfile(str(hosts))
     every = list(range(8))
-    assert resolved(place.args(8, 1), pool) == {"node-a": every}
-    assert resolved(place.args(12, 1), pool) == {"node-a": every[:6], "node-b": every[:6]}
-    assert resolved(place.args(16, 1), pool) == {"node-a": every, "node-b": every}
-    assert resolved(place.args(20, 1), pool) == {"node-a": every, "node-b": every, "node-c": [0, 1, 2, 3]}
+    assert resolved(args_of(place, 8), pool) == {"node-a": every}
+    assert resolved(args_of(place, 12), pool) == {"node-a": every[:6], "node-b": every[:6]}
+    assert resolved(args_of(place, 16), pool) == {"node-a": every, "node-b": every}
+    assert resolved(args_of(place, 20), pool) == {"node-a": every, "node-b": every, "node-c": [0, 1, 2, 3]}
     # two ranks per client, a client on one host: 3 clients on node-a, 3 on node-b
-    assert resolved(place.args(6, 2), pool) == {"node-a": every[:6], "node-b": every[:6]}
-    args = place.args(12, 1)
-    assert args[:4] == ["--hostfile", str(hosts), "--ssh_port", "2222"] and "--master_port" not in args
+    assert resolved(args_of(place, 6, 2), pool) == {"node-a": every[:6], "node-b": every[:6]}
+    args = args_of(place, 12)
+    assert args[:4] == ["--hostfile", str(hosts), "--ssh_port", "2222"] and port(args) == 29500
+    # cells at once: the freest hosts first, and on a host another cell uses, a port of their own
+    with place.cell(cell(4), lambda: False) as first, place.cell(cell(4), lambda: False) as second, \
+            place.cell(cell(4), lambda: False) as third:
+        assert [(resolved(launch.args, pool), port(launch.args)) for launch in (first, second, third)] == [
+            ({"node-a": [0, 1, 2, 3]}, 29500), ({"node-b": [0, 1, 2, 3]}, 29500), ({"node-a": [4, 5, 6, 7]}, 29504)]
     g = grid(tmp_path, clients=(8, 24), deepspeed_args=["--hostfile", str(hosts)])
     with pytest.raises(GridError, match=rf"1 cell\(s\) need more GPUs than hostfile {hosts} \(node-a: 8, node-b: 8, "
                                         r"node-c: 4 slots\), e\.g\. synthetic/ring-n24-lpb1/deca/seed0: 24"):
         placement(g, g.cells, env={})
 
 
+def test_simulated_cells_spread_over_the_gpus(tmp_path, gpus):
+    g = build_grid({"options": {"model": "tiny", "clients": 2}, "tasks": {"synthetic": {}}, "methods": ["deca"],
+                    "seeds": [0], "jobs": 3}, runs_dir=tmp_path)
+    place = placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert place.where == "GPUs 2,3 of this machine (CUDA_VISIBLE_DEVICES)"
+    with place.cell(cell(8), lambda: False) as first, place.cell(cell(8), lambda: False) as second, \
+            place.cell(cell(8), lambda: False) as third:
+        assert [first, second, third] == [Launch(env={"CUDA_VISIBLE_DEVICES": gpu}) for gpu in ("2", "3", "2")]
+    with place.cell(cell(8), lambda: False) as after:  # the least busy again
+        assert after == Launch(env={"CUDA_VISIBLE_DEVICES": "2"})
+    with placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "3"}).cell(cell(8), lambda: False) as alone:
+        assert alone == Launch()  # one GPU: the cell's process sees it as it is
+
+
 def test_deepspeed_args_that_place_or_name_the_port_are_kept_and_bad_ones_refused(tmp_path):
     g = grid(tmp_path, deepspeed_args=["--include", "localhost:2,3", "--master_port", "29612"])
-    assert placement(g, g.cells, env={}).args(2, 1) == ["--include", "localhost:2,3", "--master_port", "29612"]
+    assert args_of(placement(g, g.cells, env={}), 2) == ["--include", "localhost:2,3", "--master_port", "29612"]
+    g = grid(tmp_path, deepspeed_args=["--num_gpus", "2"], jobs=2)
+    with pytest.raises(GridError, match=r"jobs 2: deepspeed_args \['--num_gpus', '2'\] place every cell's ranks on "
+                                        "the same GPUs"):
+        placement(g, g.cells, env={})
     (tmp_path / "hosts").write_text("node-a 8\n")
     g = grid(tmp_path, deepspeed_args=["--hostfile", str(tmp_path / "hosts")])
     with pytest.raises(GridError, match=r"hostfile .*hosts: Hostfile contains a bad entry: node-a 8"):

@@ -292,8 +292,6 @@ def test_smooth_is_a_trailing_mean():
     ({"seeds": [0, "a"]}, r"seeds must be integers, got \['a'\]"),
     ({"results_dir": 5}, r"results_dir must be text, got \[5\]"),
     ({"jobs": 0}, r"jobs must be an integer >= 1, got 0"),
-    ({"backend": "deepspeed", "ds_config": "ds_configs/cpu_demo.json", "jobs": 2},
-     r"jobs 2: a cell of the deepspeed backend takes every GPU"),
     ({"options": {"model": "tiny", "clients": 3, "checkpoint_interval": 4}},
      r"checkpoint_interval 4: the simulate backend writes no checkpoints"),
     ({"pretrain": {"output_dir": "x"}}, r"pretrain: unknown key\(s\) \['output_dir'\]"),
@@ -470,7 +468,8 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     cell = next(c for c in grid.cells if c.clients == 12 and c.method == "dec_lora")
     d = tmp_path / "cell"
     d.mkdir()
-    command = _deepspeed_command(grid, cell, d, placement(grid, grid.cells, env={}))
+    with placement(grid, grid.cells, env={}).cell(cell, lambda: False) as launch:
+        command = _deepspeed_command(grid, cell, d, launch.args)
     # deca-train as a module: no checkout's launch/ needed; the preset by its path in the package or checkout
     # (here on CPU ranks, 12 of them: tests/test_placement.py places them on GPUs and hosts)
     assert command[1:4] == ["--num_gpus", "12", "--master_port"] and command[5:7] == ["--module", "deca_ds.train"]
@@ -600,6 +599,23 @@ def test_a_stopped_grid_stops_its_running_cells(tmp_path, capsys):
     assert "failed" not in out  # a stopped cell has not failed; the log says how far it came
     assert len(re.findall(r": stopped with the grid at step \d+ of \d+ \(", out)) == 2, out
     assert not list((tmp_path / "runs").rglob("final.json"))
+
+
+def test_deepspeed_cells_run_side_by_side_each_at_its_own_rendezvous(tmp_path, capsys):
+    """jobs 2 in the deepspeed backend: two cells of CPU ranks at once, each launch at a port of its
+    own (at the launcher's one default port the second would fail to bind it)."""
+    from deca_ds.reproduce.cli import main
+
+    grid = tiny_grid("tiny", backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"], jobs=2,
+                     runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
+    grid["options"].update(clients=2, topology="ring", eval_limit=8)
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    assert main([str(tmp_path / "grid.yaml")]) == 0
+    assert "tiny: 2 cells, 0 finished, 2 to run (deepspeed, 2 at a time, on CPU ranks)" in capsys.readouterr().out
+    built = load_grid(str(tmp_path / "grid.yaml"))
+    ports = {re.search(r"--master_port=(\d+)", (built.cell_dir(c) / "log.txt").read_text()).group(1)
+             for c in built.cells}
+    assert len(ports) == 2 and all((built.cell_dir(c) / "final.json").is_file() for c in built.cells)
 
 
 def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, capsys):

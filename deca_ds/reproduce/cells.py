@@ -40,10 +40,11 @@ from ..runtime.checkpoint import atomic_write, sha256
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
 from .grid import Cell, Grid, GridError
-from .placement import Placement, placement
+from .placement import Launch, Placement, placement
 from .pretrain import WEIGHTS, pretrain, pretrained_state
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
+STOPPED = "stopped: the grid was stopped before this cell started"
 
 
 def read_json(path: Path):
@@ -154,7 +155,7 @@ def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
 def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = None,
              place: Placement | None = None) -> dict[str, str]:
     """Run every unfinished cell (of those `select` keeps, e.g. Grid.select), `grid.jobs` at a time,
-    the deepspeed backend's where `place` says (default: placement.placement for those cells);
+    each on the GPUs `place` gives it (default: placement.placement's for those cells);
     returns cell key -> 'done' / 'skipped' / 'not selected' / 'elsewhere: who' (another grid run
     holds it) / 'stopped …' (the grid was) / 'failed: why', in the grid's order.
 
@@ -169,10 +170,9 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
     if select is not None:
         status |= {c.key: "not selected" for c in todo if not select(c)}
         todo = [c for c in todo if select(c)]
-    if grid.backend == "deepspeed" and place is None:
-        place = placement(grid, todo)
+    place = placement(grid, todo) if place is None else place
     log(f"{grid.name}: {len(grid.cells)} cells, {len(done)} finished, {len(todo)} to run ({grid.backend}"
-        + (f", {grid.jobs} at a time)" if grid.jobs > 1 else ")") + (f", on {place.where}" if place else ""))
+        + (f", {grid.jobs} at a time" if grid.jobs > 1 else "") + f", on {place.where})")
     running = Running()
 
     def run(i: int, cell: Cell) -> str:
@@ -185,22 +185,16 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
             if changed is not None:
                 return f"failed: finished meanwhile with other settings ({', '.join(changed[:6])})" if changed \
                     else "skipped"
-            resume = resume_step(grid, cell, d, base)
-            if resume is None:
-                if d.exists():
-                    shutil.rmtree(d)  # an unfinished earlier attempt without a checkpoint to go on from
-                d.mkdir(parents=True)
-                write_json(d / CELL, {"settings": cell_settings(cell, base), "options": cell.options,
-                                      "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
-            else:
-                saved = read_json(d / CELL)
-                write_json(d / CELL, {**saved, "resumed_from": [*saved.get("resumed_from", []), resume]})
-            start = time.perf_counter()
-            log(f"[{i}/{len(todo)}] {cell.key} ..." if resume is None else
-                f"[{i}/{len(todo)}] {cell.key} ... (resuming from its checkpoint at step {resume})")
-            result = _run_one(grid, cell, d, running, place, resume=resume is not None)
-            log(f"[{i}/{len(todo)}] {cell.key}: {result} ({time.perf_counter() - start:.0f} s)")
-            return result
+            with place.cell(cell, lambda: running.stopped) as launch:  # waits for free GPUs where it needs them
+                if launch is None:
+                    return STOPPED
+                resume = _prepare(grid, cell, d, base)
+                start = time.perf_counter()
+                log(f"[{i}/{len(todo)}] {cell.key} ..." if resume is None else
+                    f"[{i}/{len(todo)}] {cell.key} ... (resuming from its checkpoint at step {resume})")
+                result = _run_one(grid, cell, d, running, launch, resume=resume is not None)
+                log(f"[{i}/{len(todo)}] {cell.key}: {result} ({time.perf_counter() - start:.0f} s)")
+                return result
 
     # threads only wait: each cell is a process of its own
     with ThreadPoolExecutor(max_workers=grid.jobs) as pool:
@@ -383,22 +377,38 @@ def resume_step(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None
     return max(common, default=None)
 
 
-def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, place: Placement | None, *,
-             resume: bool = False) -> str:
+def _prepare(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
+    """The cell's directory, ready to run it: afresh, or kept where the cell goes on from a
+    checkpoint (resume_step), whose step is returned."""
+    resume = resume_step(grid, cell, d, base)
+    if resume is None:
+        if d.exists():
+            shutil.rmtree(d)  # an unfinished earlier attempt without a checkpoint to go on from
+        d.mkdir(parents=True)
+        write_json(d / CELL, {"settings": cell_settings(cell, base), "options": cell.options,
+                              "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
+    else:
+        saved = read_json(d / CELL)
+        write_json(d / CELL, {**saved, "resumed_from": [*saved.get("resumed_from", []), resume]})
+    return resume
+
+
+def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, launch: Launch, *, resume: bool = False) -> str:
     if grid.backend == "simulate":
         command = [sys.executable, "-m", "deca_ds.reproduce.cells", str(d)]
     else:
-        command = _deepspeed_command(grid, cell, d, place, resume=resume)
+        command = _deepspeed_command(grid, cell, d, launch.args, resume=resume)
     start = time.time()
     # the children import the deca_ds this process runs (a checkout's too, where it is not installed)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           **launch.env}
     if grid.threads:
         env["OMP_NUM_THREADS"] = str(grid.threads)
     with (d / LOG).open("a" if resume else "w") as out:
         # in the caller's directory: the grid's relative paths (runs, models, data) are read from there
         proc = running.start(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         if proc is None:
-            return "stopped: the grid was stopped before this cell started"
+            return STOPPED
         if not running.wait(proc, grid.cell_timeout_s):
             return f"failed: over the cell time limit of {grid.cell_timeout_s:g} s (see {d / LOG})"
     if proc.returncode != 0 and running.stopped:  # killed by stop_all, not failed: say how far it came
@@ -415,13 +425,13 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, place: Placement
     return "done"
 
 
-def _deepspeed_command(grid: Grid, cell: Cell, d: Path, place: Placement, *, resume: bool = False) -> list[str]:
+def _deepspeed_command(grid: Grid, cell: Cell, d: Path, where: list[str], *, resume: bool = False) -> list[str]:
+    """The deepspeed launcher, with `where`'s arguments (Placement.cell's), starting deca-train on the cell."""
     import yaml
 
     options = json.loads(json.dumps(cell.options, allow_nan=False))
     (d / "options.yaml").write_text(yaml.safe_dump(options))
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    where = place.args(cell.clients, cell.options["ranks_per_client"])
     return [launcher, *where, "--module", "deca_ds.train", "--ds_config", str(preset_path(grid.ds_config).resolve()),
             "--config", str(d / "options.yaml"), "--no-export", "--resume" if resume else "--overwrite"]
 

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("grid", help=f"grid file (YAML), or a shipped grid's name ({', '.join(grid_names())})")
     p.add_argument("--runs-dir", help="where the cells run (default: the grid's runs_dir)")
     p.add_argument("--results-dir", help="where tables and figures go (default: the grid's results_dir)")
-    p.add_argument("--jobs", type=int, help="cells run at once (simulate backend; default: the grid's jobs, else 1)")
+    p.add_argument("--jobs", type=int, help="cells run at once, each on GPUs of its own in the deepspeed backend "
+                                            "(default: the grid's jobs, else 1)")
     p.add_argument("--deepspeed-args", metavar="ARGS", type=shlex.split,
                    help="the deepspeed launcher's arguments for this run, in place of the grid's deepspeed_args "
                         "(deepspeed backend), e.g. --deepspeed-args='--hostfile hosts.$SLURM_JOB_ID'")
@@ -50,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         select = grid.select(args.only)
         todo, done = check_finished(grid)
         base = base_state(grid)
-        # where the deepspeed cells to run go, checked before pretraining or any cell
-        running = not (args.estimate or args.fetch or args.report_only) and grid.backend == "deepspeed"
+        # where the cells to run go, checked before pretraining or any cell
+        running = not (args.estimate or args.fetch or args.report_only)
         place = placement(grid, [c for c in todo if select(c)]) if running else None
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = "to run" if resume is None else f"to run from its checkpoint at step {resume} of {steps}"
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
         log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
-            f"timeout {grid.cell_timeout_s:g} s per cell" + (f", on {place.where})" if place else ")"))
+            f"timeout {grid.cell_timeout_s:g} s per cell, on {place.where})")
         return 0
     # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells. Unblocked
     # first: a mask inherited through exec (a job runner's) would hold it pending for ever.

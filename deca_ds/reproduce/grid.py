@@ -104,7 +104,7 @@ class Grid:
     ds_config: str | None
     ranks: int  # deepspeed backend: ranks per cell (one per client unless ranks_per_client > 1)
     threads: int | None  # torch threads of each cell's process (None: torch's default)
-    jobs: int  # cells run at once (simulate backend only)
+    jobs: int  # cells run at once (deepspeed backend: each on GPUs of its own, reproduce.placement)
     deepspeed_args: list[str]  # the deepspeed launcher's, besides those placement adds for each cell
     pretrain: PretrainOptions | None = None  # how the cells' model is made, when the grid makes it
     source: dict = field(repr=False, default_factory=dict)
@@ -347,10 +347,6 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
     jobs = data.get("jobs", 1) if jobs is None else jobs
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise GridError(f"{where}: jobs must be an integer >= 1, got {jobs!r}")
-    if jobs > 1 and backend != "simulate":
-        raise GridError(f"{where}: jobs {jobs}: a cell of the deepspeed backend takes every GPU its launch names, so "
-                        "its cells run one at a time (jobs 1); run several grid runs instead, each on GPUs of its "
-                        "own (CUDA_VISIBLE_DEVICES) or hosts of its own (--deepspeed-args '--hostfile FILE')")
     deepspeed_args = data.get("deepspeed_args") if deepspeed_args is None else deepspeed_args
     if deepspeed_args is not None and not isinstance(deepspeed_args, list):
         raise GridError(f"{where}: deepspeed_args must be a list of the launcher's arguments, e.g. [--hostfile, "
