@@ -160,6 +160,11 @@ def test_deepspeed_args_that_place_or_name_the_port_are_kept_and_bad_ones_refuse
     g = grid(tmp_path, deepspeed_args=["--hostfile", str(tmp_path / "hosts")])
     with pytest.raises(GridError, match=r"hostfile .*hosts: Hostfile contains a bad entry: node-a 8"):
         placement(g, g.cells, env={})
+    (tmp_path / "hosts").write_text("node-a slots=8\n")
+    g = grid(tmp_path, deepspeed_args=["--hostfile", str(tmp_path / "hosts"), "--launcher", "slurm"])
+    with pytest.raises(GridError, match=r"--launcher slurm: deca-train joins its job through RANK, WORLD_SIZE and "
+                                        r"MASTER_ADDR, which the pdsh launcher \(the default\) sets"):
+        placement(g, g.cells, env={})
     g = grid(tmp_path, deepspeed_args=["--hostfile", str(tmp_path / "nowhere")])
     with pytest.raises(GridError, match=r"hostfile .*nowhere does not exist"):
         placement(g, g.cells, env={})

@@ -127,6 +127,7 @@ def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None =
         if gpus is None or len(gpus[0]) == 1:
             return Placement(gpus[1] if gpus else "the CPU")
         return Placement(gpus[1], {"localhost": gpus[0]}, shared=True)
+    from deepspeed.launcher.constants import PDSH_LAUNCHER
     from deepspeed.launcher.runner import DLTS_HOSTFILE, fetch_hostfile, parse_args
 
     given = tuple(grid.deepspeed_args)
@@ -137,6 +138,10 @@ def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None =
     hostfile = Path(args.hostfile).is_file()
     if not hostfile and args.hostfile != DLTS_HOSTFILE:  # the launcher would only warn, and run every rank here
         raise GridError(f"deepspeed_args: hostfile {args.hostfile} does not exist")
+    if hostfile and args.launcher.lower() != PDSH_LAUNCHER:
+        raise GridError(f"deepspeed_args: --launcher {args.launcher}: deca-train joins its job through RANK, "
+                        f"WORLD_SIZE and MASTER_ADDR, which the {PDSH_LAUNCHER} launcher (the default) sets on every "
+                        "host and the MPI and slurm ones do not")
     named = any(a.split("=", 1)[0].startswith("--master_p") for a in given)
     port = "given" if named else "slot" if hostfile else "free"
     if args.include or args.exclude or args.num_nodes > 0 or args.num_gpus > 0:
