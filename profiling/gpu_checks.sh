@@ -40,6 +40,8 @@
 #   fits     each preset trained under its card's memory (--card; target 4); an H100 refuses
 #            the RTX PRO 6000 ones at once (their cap is above its memory): an H200's     4 x 2 min
 #            (H200: about 55 s a preset measured)
+#   fitsn    the two RTX 5090 presets with real neighbours: 3 clients on a ring share the GPU, each
+#            capped at the card (an H200's: an H100 refuses 3 x 32 GB at once)          2 x 3-5 min
 # Issue 19, the scaled accuracy grid (reproduce/gpu_ag_news.yaml; data/ag_news carried):
 #   reproduce  pretrain the 88M Llama (once per machine, 143 s), then the grid's cells within the
 #            budget, seed 0 of every method first (four at a time: 400 s each for DECA and its ablations,
@@ -109,7 +111,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events fused4 fits decaf reproduce bg bg-finish"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events fused4 fits fitsn decaf reproduce bg bg-finish"; exit 2; }
 while (($#)); do
   what=$1
   shift
@@ -197,6 +199,15 @@ while (($#)); do
               --train-args --from-config --model "profiling/configs/${preset#*:}.json" --dataset synthetic \
               --synthetic-words 600
           done ;;
+    fitsn) # each client's peak with two neighbours (their mixing buffers), under the card's cap: over gloo, which
+           # ranks sharing a GPU need (NCCL's own device buffers are not in it)
+           for preset in rtx5090_qwen2-1.5b:qwen2-1.5b rtx5090_qwen2.5-3b:qwen2.5-3b-instruct; do
+             name=${preset%%:*}
+             step 300 "fitsn $name" python3 profiling/profile_memory.py --ds-config "ds_configs/$name.json" \
+               --card "RTX 5090" --ranks 3 --layers-per-block 2 --steps-per-block 2 --warmup 1 --out "$RES" \
+               --name "fits_3clients_$name" --train-args --from-config --model "profiling/configs/${preset#*:}.json" \
+               --dataset synthetic --synthetic-words 600 --topology ring --transport gloo
+           done ;;
     reproduce) [[ -f data/ag_news/train.jsonl || -n ${DRY_RUN:-} ]] || { echo "reproduce: no data/ag_news (carry it)"; exit 2; }
                # the cells earlier calls finished (committed in reproduce/results/gpu_ag_news/cells), unless this
                # machine holds its own; the grid pretrains its model first (once per machine) and runs

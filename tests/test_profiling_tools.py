@@ -272,8 +272,9 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     from deca_ds.reproduce import cli
     from deca_ds.runtime.options import parse_args as parse_run_args
 
+    # bg: the steps after it, in the background
     steps = ("exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events "
-             "fused4 fits decaf reproduce bg-finish bg reproduce").split()  # bg: the steps after it, in the background
+             "fused4 fits fitsn decaf reproduce bg-finish bg reproduce").split()
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out")}
     done = subprocess.run(["bash", "profiling/gpu_checks.sh", *steps], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
@@ -295,7 +296,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
         ds_config = ["--ds_config", parsed.ds_config] if hasattr(parsed, "ds_config") else []
         if parsed.__dict__.get("train_args") and "--ds_config" not in parsed.train_args:
             parse_run_args([*ds_config, *parsed.train_args])
-    assert len(commands) == 35 and len(tools) == 9, sorted(tools)
+    assert len(commands) == 37 and len(tools) == 9, sorted(tools)
 
 
 def test_profile_resources_says_where_clients_time_share_a_gpu():

@@ -182,6 +182,8 @@ def _visible_gpus(env: Mapping[str, str]) -> tuple[list[str], str] | None:
         return None
     visible = env.get("CUDA_VISIBLE_DEVICES")
     gpus = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if not gpus:
+        return None
     where = f"GPU{'s' * (len(gpus) > 1)} {','.join(gpus)} of this machine" + (" (CUDA_VISIBLE_DEVICES)" * bool(visible))
     return gpus, where
 
