@@ -372,8 +372,8 @@ def resume_step(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None
     if grid.backend != "deepspeed" or not (train / RUN_CONFIG).is_file() \
             or settings_changed(saved_settings(d), cell_settings(cell, base)):
         return None
-    ranks = cell.options.get("ranks_per_client", 1)
-    common = set.intersection(*(set(complete_steps(train, c, ranks, hashes=False)) for c in range(cell.clients)))
+    common = set.intersection(*(set(complete_steps(train, c, cell.ranks_per_client, hashes=False))
+                                for c in range(cell.clients)))
     return max(common, default=None)
 
 

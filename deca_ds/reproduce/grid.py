@@ -82,6 +82,10 @@ class Cell:
         return f"{self.task}/{self.topology}-n{self.clients}-lpb{self.layers_per_block}/{self.method}/seed{self.seed}"
 
     @property
+    def ranks_per_client(self) -> int:
+        return self.options.get("ranks_per_client", 1)
+
+    @property
     def group(self) -> tuple:
         """The comparison this cell belongs to: everything but the method."""
         return (self.task, self.topology, self.clients, self.layers_per_block, self.seed)
@@ -102,7 +106,6 @@ class Grid:
     budgets: dict[str, tuple[int, int]]  # cell key -> (model update steps, examples per client step)
     cell_timeout_s: float
     ds_config: str | None
-    ranks: int  # deepspeed backend: ranks per cell (one per client unless ranks_per_client > 1)
     threads: int | None  # torch threads of each cell's process (None: torch's default)
     jobs: int  # cells run at once (deepspeed backend: each on GPUs of its own, reproduce.placement)
     deepspeed_args: list[str]  # the deepspeed launcher's, besides those placement adds for each cell
@@ -331,14 +334,13 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
     _check_budgets(list(cells.values()), budgets, where)
     if backend == "simulate":
         for c in cells.values():
-            if (c.options.get("grad_accum") or 1) != 1 or c.options.get("ranks_per_client", 1) != 1:
+            if (c.options.get("grad_accum") or 1) != 1 or c.ranks_per_client != 1:
                 raise GridError(f"{where}: cell {c.key}: the simulate backend takes one micro-batch per client step "
                                 "(grad_accum 1, ranks_per_client 1); use the deepspeed backend")
             if c.options.get("checkpoint_interval"):
                 raise GridError(f"{where}: cell {c.key}: checkpoint_interval {c.options['checkpoint_interval']}: the "
                                 "simulate backend writes no checkpoints (an interrupted cell starts afresh); "
                                 "deepspeed cells resume from theirs")
-    ranks = max(c.clients * c.options.get("ranks_per_client", 1) for c in cells.values())
     # One thread per cell by default: on a shared CPU, torch's threads spinning against other processes
     # cost several times the work (measured here: 21 s with one thread, minutes with two under load).
     threads = data.get("threads", 1 if backend == "simulate" else None)
@@ -359,7 +361,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
     return Grid(name=data.get("name", path_stem(where)), backend=backend, runs_dir=runs,
                 results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
                 cells=list(cells.values()), budgets=budgets,
-                cell_timeout_s=float(timeout), ds_config=ds_config, ranks=ranks, threads=threads, jobs=jobs,
+                cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, jobs=jobs,
                 deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, source=data)
 
 

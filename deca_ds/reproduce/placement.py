@@ -72,9 +72,8 @@ class Placement:
         """How `cell` starts, its slots held until the block ends; None if the grid stopped while it
         waited for slots (every wait a second long: the cells that hold them end within their time
         limit)."""
-        ranks_per_client = cell.options.get("ranks_per_client", 1)
         with self._changed:
-            while (taken := self._take(cell.clients, ranks_per_client)) is None and not stopped():
+            while (taken := self._take(cell.clients, cell.ranks_per_client)) is None and not stopped():
                 self._changed.wait(timeout=1.0)
             for host, slots in (taken or {}).items():
                 self._held[host].update(slots)
@@ -82,7 +81,7 @@ class Placement:
             yield None
             return
         try:
-            yield self._launch(taken, cell.clients * ranks_per_client)
+            yield self._launch(taken, cell.clients * cell.ranks_per_client)
         finally:
             with self._changed:
                 for host, slots in taken.items():
@@ -148,7 +147,7 @@ def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None =
         if grid.jobs > 1:
             raise GridError(f"jobs {grid.jobs}: deepspeed_args {list(given)} place every cell's ranks on the same "
                             "GPUs; leave the placing to the grid, or run one cell at a time")
-        return Placement("as deepspeed_args place them", given=given, port="given" if named or hostfile else "free")
+        return Placement("as deepspeed_args place them", given=given, port="given" if port == "slot" else port)
     if hostfile:
         try:
             hosts = fetch_hostfile(args.hostfile)
@@ -163,12 +162,12 @@ def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None =
                         "ranks by GPU index; name the GPUs by index")
     else:
         found = Placement(gpus[1], {"localhost": gpus[0]}, given=given, port=port)
-    short = [c for c in cells if c.clients > found.capacity(c.options.get("ranks_per_client", 1))]
+    short = [c for c in cells if c.clients > found.capacity(c.ranks_per_client)]
     if short:
         c = short[0]
         raise GridError(
             f"{len(short)} cell(s) need more GPUs than {found.where}, e.g. {c.key}: {c.clients} clients x "
-            f"{c.options.get('ranks_per_client', 1)} rank(s), each on a GPU of its own. Give the grid a hostfile "
+            f"{c.ranks_per_client} rank(s), each on a GPU of its own. Give the grid a hostfile "
             "of more nodes (deepspeed_args: [--hostfile, FILE]), or run those cells where they fit (--only)")
     return found
 
