@@ -299,6 +299,7 @@ def test_wheel_ships_the_presets_grids_and_commands(tmp_path):
         z.extractall(tmp_path / "site")
     assert {f"deca_ds/presets/{p}.json" for p in preset_names()} <= set(names)
     assert {f"deca_ds/grids/{p.name}" for p in (ROOT / "reproduce").glob("*.yaml")} <= set(names)
+    assert "deca_ds/reproduce/paper_tables.yaml" in names  # the paper's numbers, which grids may name
     for line in ("deca-train = deca_ds.train:main", "deca-eval = deca_ds.eval:main",
                  "deca-estimate = deca_ds.estimate:main", "deca-split = deca_ds.split:main",
                  "deca-reproduce = deca_ds.reproduce.cli:main", "deca-pretrain = deca_ds.reproduce.pretrain:main"):

@@ -10,6 +10,8 @@ and topology tables) run once. Relative paths are read from the directory the gr
 An optional `pretrain` section (the scaled protocol) holds deca-pretrain's options for the
 model `options.model` names: the grid pretrains it before its first cell unless that directory
 already holds it, made with the same options.
+An optional `paper` names the paper's model (qwen2.5-3b, llama-3.1-8b) whose published numbers
+the report sets beside the grid's (deca_ds.reproduce.paper).
 
 Equal step budgets, as in the paper: every method of a comparison (the cells that differ only in
 the method) takes the same number of model update steps - DECA's T·B·R, which the baselines get
@@ -32,6 +34,7 @@ from ..models import TINY_LLAMA
 from ..runtime.options import RunOptions, convert_options, option_defaults
 from ..runtime.presets import load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS
+from .paper import models as paper_models
 from .pretrain import PretrainOptions
 
 # The grid's methods: the three DECA variants of the ablation table and the baselines.
@@ -110,6 +113,7 @@ class Grid:
     jobs: int  # cells run at once (deepspeed backend: each on GPUs of its own, reproduce.placement)
     deepspeed_args: list[str]  # the deepspeed launcher's, besides those placement adds for each cell
     pretrain: PretrainOptions | None = None  # how the cells' model is made, when the grid makes it
+    paper: str | None = None  # the paper's model whose published numbers the report sets beside the cells'
     source: dict = field(repr=False, default_factory=dict)
 
     def cell_dir(self, cell: Cell) -> Path:
@@ -134,7 +138,7 @@ class Grid:
 
 
 _TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "ds_config",
-        "deepspeed_args", "pretrain", "options", "tasks", "methods", "method_options", "seeds", "sweeps"}
+        "deepspeed_args", "pretrain", "paper", "options", "tasks", "methods", "method_options", "seeds", "sweeps"}
 _SWEEP = {"table", "tasks", "seeds", "methods", *AXES}
 
 
@@ -355,6 +359,9 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                         f"hosts], got {deepspeed_args!r}")
     if deepspeed_args and backend != "deepspeed":
         raise GridError(f"{where}: deepspeed_args {deepspeed_args}: the {backend} backend starts no deepspeed launcher")
+    paper = data.get("paper")
+    if paper is not None and paper not in paper_models():
+        raise GridError(f"{where}: paper must name one of the paper's models, {paper_models()}, got {paper!r}")
     timeout = data.get("cell_timeout_s", 3600)
     if not isinstance(timeout, (int, float)) or not timeout > 0:
         raise GridError(f"{where}: cell_timeout_s must be a number > 0, got {timeout!r}")
@@ -362,7 +369,8 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                 results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, jobs=jobs,
-                deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, source=data)
+                deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, paper=paper,
+                source=data)
 
 
 def _pretrain(section, cells: list[Cell], where: str) -> PretrainOptions | None:

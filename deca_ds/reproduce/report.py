@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import reporting
+from . import paper
 from .cells import FINAL, METRICS, RUN_CONFIG, read_json, write_text
 from .grid import METHODS, Cell, Grid
 
@@ -168,6 +169,34 @@ def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple
                        for key, _ in METRICS_SHOWN]
         rows.append((group, LABELS[method], values))
     return Table(name, title, axis[1] if axis else None, columns, rows) if rows else None
+
+
+def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...],
+                     reference: dict) -> paper.Comparison | None:
+    """Table `name`'s rows that the paper also has (`reference`: paper.reference(model)[name]), each
+    with its values over the seeds that finished and the paper's."""
+    tag = "main" if name == "ablation" else name
+    cells = [c for c in results if tag in c.tables and c.method in methods]
+    axis = GROUP_AXIS[name]
+    several = len(_settings(cells)) > 1
+    order = {m: i for i, m in enumerate(methods)}
+    cells.sort(key=lambda c: (_axis_rank(getattr(c, axis[0]) if axis else 0), _group_label(name, _setting(c), several),
+                              order[c.method], c.seed))
+    rows: dict[tuple[str, str], paper.Row] = {}
+    columns = []
+    for c in cells:
+        published = reference.get((getattr(c, axis[0]) if axis else None, c.method, c.options["dataset"]))
+        if published is None:
+            continue
+        group = _group_label(name, _setting(c), several)
+        row = rows.setdefault((group, c.method), paper.Row(group, LABELS[c.method], {}, {}))
+        for (key, short), value in zip(METRICS_SHOWN, published):
+            column = (c.task, short)
+            columns.append(column)
+            row.here.setdefault(column, []).append(results[c][key])
+            row.paper[column] = value
+    return paper.Comparison(name, title, axis[1] if axis else None, list(dict.fromkeys(columns)),
+                            list(rows.values())) if rows else None
 
 
 PAIRED_TITLE = "DECA against each method, seed by seed (percentage points)"
@@ -371,6 +400,17 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
         path = out / "paired.csv"
         write_text(path, paired_csv(paired))
         written.append(path)
+    comparisons = []
+    if grid.paper:
+        reference = paper.reference(grid.paper)
+        comparisons = [c for c in (build_comparison(name, title, results, tuple(m for m in methods if m in METHODS),
+                                                    reference[name])
+                                   for name, title, methods in TABLES if name in reference) if c is not None]
+        if comparisons:
+            markdown += [paper.NOTE, ""] + [paper.to_markdown(c, grid.paper) for c in comparisons]
+        path = out / "paper.csv"
+        write_text(path, paper.to_csv(comparisons))
+        written.append(path)
     path = out / "tables.md"
     write_text(path, "\n".join(markdown))
     written.append(path)
@@ -397,6 +437,8 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
             written.append(path)
     path = out / "results.json"
     record = {"grid": grid.name, "source": grid.source, "provenance": provenance(command, outputs=out), "cells": cells}
+    if grid.paper:
+        record["paper"] = {"model": grid.paper, "tables": {c.name: c.order() for c in comparisons}}
     write_text(path, json.dumps(record, indent=1, allow_nan=False))
     written.append(path)
     return written

@@ -1,0 +1,145 @@
+"""The paper's published numbers beside a grid's (deca_ds.reproduce.paper): the transcribed tables,
+the orderings counted against hand-computed ones, and the report's files."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from deca_ds.reproduce import GridError, build_grid
+from deca_ds.reproduce.cells import FINAL, write_json
+from deca_ds.reproduce.grid import Cell, load_grid
+from deca_ds.reproduce.paper import models, reference, reference_tables, to_csv, to_markdown
+from deca_ds.reproduce.report import TABLES, build_comparison, write_report
+
+
+def test_the_papers_tables_as_printed():
+    """Numbers read off the paper by hand, and the rows the paper prints twice agree in both places."""
+    assert models() == ["qwen2.5-3b", "llama-3.1-8b"]
+    qwen, llama = reference("qwen2.5-3b"), reference("llama-3.1-8b")
+    assert qwen["main"][(None, "deca", "agnews")] == (88.84, 88.79)
+    assert qwen["ablation"][(None, "trivial_bma", "nwgi")] == (30.62, 21.38)
+    assert qwen["topology"][("complete_bipartite", "decaf", "tfns")] == (72.08, 68.36)
+    assert qwen["clients"][(12, "dec_lora", "tfns")] == (89.80, 86.35)
+    assert llama["main"][(None, "dec_adapter", "nwgi")] == (12.47, 4.71)
+    assert llama["granularity"][(4, "deca", "mnli")] == (86.58, 86.55)
+    for model, tables in (("qwen2.5-3b", qwen), ("llama-3.1-8b", llama)):
+        main = tables["main"]
+        # 4 methods x 4 tasks in Table 1, DECA and its two variants in the ablation table
+        assert len(main) == 16 and len(tables["ablation"]) == 12
+        assert all(tables["ablation"][k] == v for k, v in main.items() if k[1] == "deca"), model
+    for key, value in qwen["topology"].items():
+        if key[0] == "erdos_renyi":  # Table 1's setting: ER, 8 clients
+            assert value == qwen["main"][(None, *key[1:])] == qwen["clients"][(8, *key[1:])]
+    for key, value in llama["granularity"].items():
+        if key[0] == 1:  # Table 1's Llama-3.1-8B runs at one layer per block
+            assert value == llama["main"][(None, *key[1:])]
+    # each pair is (accuracy, macro-F1) in %, printed to two decimals
+    for tables in (qwen, llama):
+        assert all(0 < v <= 100 and round(v, 2) == v for table in tables.values() for pair in table.values()
+                   for v in pair)
+
+
+def test_the_paper_grids_run_exactly_the_papers_cells(tmp_path):
+    """Every cell of the shipped paper grids has the paper's number in each table it feeds, and
+    every number of the paper's classification tables has a cell."""
+    for name, model in (("paper_qwen2.5-3b", "qwen2.5-3b"), ("paper_llama-3.1-8b", "llama-3.1-8b")):
+        grid = load_grid(name, runs_dir=tmp_path)
+        assert grid.paper == model
+        published = reference(model)
+        needed = set()
+        for c in grid.cells:
+            for table in c.tables:
+                name_ = "ablation" if table == "main" and c.method in ("trivial_bma", "no_bma") else table
+                group = {"topology": c.topology, "clients": c.clients, "granularity": c.layers_per_block}.get(name_)
+                needed.add((name_, (group, c.method, c.options["dataset"])))
+                if name_ == "main" and c.method == "deca":
+                    needed.add(("ablation", (None, "deca", c.options["dataset"])))
+        assert needed == {(t, k) for t, table in published.items() for k in table}, name
+
+
+def cell(method, task="agnews", seed=0, topology="erdos_renyi", clients=8, lpb=2, tables=("main",)):
+    return Cell(task, method, topology, clients, lpb, seed, {"dataset": task}, tables)
+
+
+def test_orderings_against_hand_counted_pairs():
+    # here: Dec-Adapter 50, Dec-LoRA 70 (two seeds: 60, 80), DECA 60; the paper: 50, 60, 70
+    results = {cell("dec_adapter"): {"accuracy": 0.5, "macro_f1": 0.4},
+               cell("dec_lora"): {"accuracy": 0.6, "macro_f1": 0.3},
+               cell("dec_lora", seed=1): {"accuracy": 0.8, "macro_f1": 0.3},
+               cell("deca"): {"accuracy": 0.6, "macro_f1": 0.3},
+               cell("dadam"): {"accuracy": 0.9, "macro_f1": 0.9}}  # not in the paper: no row
+    ref = {(None, "dec_adapter", "agnews"): (50.0, 40.0), (None, "dec_lora", "agnews"): (60.0, 40.0),
+           (None, "deca", "agnews"): (70.0, 45.0)}
+    comparison = build_comparison("main", "T", results, ("dec_adapter", "dec_lora", "dadam", "deca"), ref)
+    assert [r.method for r in comparison.rows] == ["Dec-Adapter", "Dec-LoRA", "DECA"]
+    assert comparison.columns == [("agnews", "Acc."), ("agnews", "F1")]
+    assert comparison.rows[1].here[("agnews", "Acc.")] == [0.6, 0.8]
+    # Acc.: (A, L) in order, (A, D) in order, (L, D) not (70 > 60 here, 60 < 70 there): 2 of 3.
+    # F1: the paper ties A and L (left out); (A, D): 40 > 30 here, 40 < 45 there; (L, D): 30 = 30 here: 0 of 2.
+    # Best: Acc. the paper's DECA, here Dec-LoRA; F1 the paper's DECA, here Dec-Adapter.
+    order = comparison.order()
+    assert (order["pairs_in_order"], order["pairs"], order["best_as_paper"], order["columns"]) == (2, 5, 0, 2)
+    assert order["unlike"] == ["agnews Acc.: here Dec-LoRA, the paper DECA",
+                               "agnews F1: here Dec-Adapter, the paper DECA"]
+    md = to_markdown(comparison, "qwen2.5-3b")
+    assert md.startswith("### Against the paper (Qwen2.5-3B): T")
+    assert "| Dec-LoRA | 70.00 ± 14.14 (60.00) | 30.00 ± 0.00 (40.00) |" in md
+    assert "| DECA | 60.00 (70.00) | 30.00 (45.00) |" in md
+    assert ("In the paper's order: 2 of 5 pairs of rows, column by column; the paper's best is the best here in "
+            "0 of 2 columns (not in agnews Acc.: here Dec-LoRA, the paper DECA; agnews F1: here Dec-Adapter, the "
+            "paper DECA).") in md
+    rows = list(csv.DictReader(io.StringIO(to_csv([comparison]))))
+    assert len(rows) == 6
+    assert rows[2] == {"table": "main", "group": "", "method": "Dec-LoRA", "task": "agnews", "metric": "Acc.",
+                       "seeds": "2", "mean": "70.0000", "std": "14.1421", "paper": "60.00", "difference": "10.0000"}
+
+
+def test_orderings_within_each_group_and_across_granularities():
+    results = {cell("deca", clients=8, tables=("clients",)): {"accuracy": 0.9, "macro_f1": 0.9},
+               cell("decaf", clients=8, tables=("clients",)): {"accuracy": 0.2, "macro_f1": 0.2},
+               cell("deca", clients=12, tables=("clients",)): {"accuracy": 0.1, "macro_f1": 0.1},
+               cell("decaf", clients=12, tables=("clients",)): {"accuracy": 0.3, "macro_f1": 0.3}}
+    ref = {(n, m, "agnews"): v for n, m, v in ((8, "deca", (80.0, 70.0)), (8, "decaf", (60.0, 50.0)),
+                                               (12, "deca", (70.0, 60.0)), (12, "decaf", (65.0, 55.0)))}
+    comparison = build_comparison("clients", "N", results, ("decaf", "deca"), ref)
+    # within N=8 both columns in order; within N=12 neither; N=8 DECA is never compared with N=12 DeCAF
+    order = comparison.order()
+    assert (order["pairs_in_order"], order["pairs"], order["best_as_paper"]) == (2, 4, 2)
+    assert order["unlike"][0] == "12, agnews Acc.: here DeCAF, the paper DECA"
+    granularity = {cell("deca", lpb=n, tables=("granularity",)): {"accuracy": a, "macro_f1": a}
+                   for n, a in ((1, 0.5), (2, 0.7), (4, 0.6))}
+    ref = {(n, "deca", "agnews"): (v, v) for n, v in ((1, 57.0), (2, 56.0), (4, 54.0))}
+    order = build_comparison("granularity", "G", granularity, ("deca",), ref).order()
+    # the paper: 1 > 2 > 4; here 2 > 4 > 1: only (2, 4) in order, in each of two columns
+    assert (order["pairs_in_order"], order["pairs"], order["best_as_paper"]) == (2, 6, 0)
+    assert order["unlike"][0] == "agnews Acc.: here Layers per block 2, the paper Layers per block 1"
+
+
+def test_a_grid_names_a_paper_model_and_its_report_sets_the_papers_numbers_beside(tmp_path):
+    grid = {"name": "g", "options": {"model": "tiny", "clients": 3, "steps_per_block": 2, "rounds": 1,
+                                     "layers_per_block": 1}, "tasks": {"agnews": {}}, "methods": ["deca", "no_bma"],
+            "seeds": [0], "paper": "qwen2.5-3b"}
+    with pytest.raises(GridError, match=r"paper must name one of the paper's models, \['qwen2.5-3b', "
+                                        r"'llama-3.1-8b'\], got 'qwen'"):
+        build_grid({**grid, "paper": "qwen"}, runs_dir=tmp_path)
+    built = build_grid(grid, runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
+    for c, acc in zip(built.cells, (0.8, 0.7)):
+        built.cell_dir(c).mkdir(parents=True)
+        write_json(built.cell_dir(c) / FINAL, {"accuracy": acc, "macro_f1": acc})
+    write_report(built, command=["test"])
+    tables = (tmp_path / "results" / "tables.md").read_text()
+    assert "| DECA | 80.00 (88.84) | 80.00 (88.79) |" in tables
+    assert "| w/o BMA | 70.00 (83.67) | 70.00 (83.46) |" in tables
+    rows = list(csv.DictReader((tmp_path / "results" / "paper.csv").open()))
+    assert {(r["table"], r["method"], r["metric"]) for r in rows} == {
+        (t, m, k) for t in ("main", "ablation") for m in ("DECA",) for k in ("Acc.", "F1")} | {
+        ("ablation", "w/o BMA", k) for k in ("Acc.", "F1")}
+    record = json.loads((tmp_path / "results" / "results.json").read_text())["paper"]
+    assert record["model"] == "qwen2.5-3b"
+    assert record["tables"]["ablation"] == {"pairs_in_order": 2, "pairs": 2, "best_as_paper": 2, "columns": 2,
+                                            "unlike": []}
+    assert set(reference_tables()) == set(models()) and {n for n, _, _ in TABLES} >= set(reference("qwen2.5-3b"))
