@@ -6,8 +6,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 
 import pytest
+import yaml
 
 from deca_ds.reproduce import GridError, build_grid
 from deca_ds.reproduce.cells import FINAL, write_json
@@ -89,9 +91,13 @@ def test_orderings_against_hand_counted_pairs():
     assert md.startswith("### Against the paper (Qwen2.5-3B): T")
     assert "| Dec-LoRA | 70.00 ± 14.14 (60.00) | 30.00 ± 0.00 (40.00) |" in md
     assert "| DECA | 60.00 (70.00) | 30.00 (45.00) |" in md
-    assert ("In the paper's order: 2 of 5 pairs of rows, column by column; the paper's best is the best here in "
-            "0 of 2 columns (not in agnews Acc.: here Dec-LoRA, the paper DECA; agnews F1: here Dec-Adapter, the "
-            "paper DECA).") in md
+    # out of order: Acc. (L, D); F1 (A, D), and (L, D) level here
+    assert order["out_of_order"] == ["Dec-LoRA above DECA in agnews Acc.", "Dec-Adapter above DECA in agnews F1",
+                                     "Dec-LoRA level with DECA in agnews F1"]
+    assert ("In the paper's order: 2 of 5 pairs of rows, column by column (not: Dec-LoRA above DECA in agnews Acc.; "
+            "Dec-Adapter above DECA in agnews F1; Dec-LoRA level with DECA in agnews F1); the paper's best is the "
+            "best here in 0 of 2 columns (not in agnews Acc.: here Dec-LoRA, the paper DECA; agnews F1: here "
+            "Dec-Adapter, the paper DECA).") in md
     rows = list(csv.DictReader(io.StringIO(to_csv([comparison]))))
     assert len(rows) == 6
     assert rows[2] == {"table": "main", "group": "", "method": "Dec-LoRA", "task": "agnews", "metric": "Acc.",
@@ -110,6 +116,7 @@ def test_orderings_within_each_group_and_across_granularities():
     order = comparison.order()
     assert (order["pairs_in_order"], order["pairs"], order["best_as_paper"]) == (2, 4, 2)
     assert order["unlike"][0] == "12, agnews Acc.: here DeCAF, the paper DECA"
+    assert order["out_of_order"] == ["12, DeCAF above DECA in agnews Acc., agnews F1"]
     granularity = {cell("deca", lpb=n, tables=("granularity",)): {"accuracy": a, "macro_f1": a}
                    for n, a in ((1, 0.5), (2, 0.7), (4, 0.6))}
     ref = {(n, "deca", "agnews"): (v, v) for n, v in ((1, 57.0), (2, 56.0), (4, 54.0))}
@@ -117,6 +124,8 @@ def test_orderings_within_each_group_and_across_granularities():
     # the paper: 1 > 2 > 4; here 2 > 4 > 1: only (2, 4) in order, in each of two columns
     assert (order["pairs_in_order"], order["pairs"], order["best_as_paper"]) == (2, 6, 0)
     assert order["unlike"][0] == "agnews Acc.: here Layers per block 2, the paper Layers per block 1"
+    assert order["out_of_order"] == ["Layers per block 2 above Layers per block 1 in agnews Acc., agnews F1",
+                                     "Layers per block 4 above Layers per block 1 in agnews Acc., agnews F1"]
 
 
 def test_a_grid_names_a_paper_model_and_its_report_sets_the_papers_numbers_beside(tmp_path):
@@ -141,5 +150,49 @@ def test_a_grid_names_a_paper_model_and_its_report_sets_the_papers_numbers_besid
     record = json.loads((tmp_path / "results" / "results.json").read_text())["paper"]
     assert record["model"] == "qwen2.5-3b"
     assert record["tables"]["ablation"] == {"pairs_in_order": 2, "pairs": 2, "best_as_paper": 2, "columns": 2,
-                                            "unlike": []}
+                                            "out_of_order": [], "unlike": []}
     assert set(reference_tables()) == set(models()) and {n for n, _, _ in TABLES} >= set(reference("qwen2.5-3b"))
+
+
+def test_tables_from_a_results_json_equal_the_cells_and_refuse_a_changed_grid(tmp_path, capsys):
+    """--tables-from: the same tables as from the cells' directories, the results' provenance kept;
+    refused for another grid's file or a grid whose settings changed since."""
+    from deca_ds.reproduce.cli import main
+
+    grid = {"name": "g", "runs_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "first"),
+            "options": {"model": "tiny", "clients": 3, "steps_per_block": 2, "rounds": 1, "layers_per_block": 1},
+            "tasks": {"agnews": {}}, "methods": ["deca", "dec_lora", "no_bma"], "seeds": [0, 1]}
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(grid))
+    built = load_grid(path)
+    for i, c in enumerate(built.cells[:5]):  # one cell unfinished
+        built.cell_dir(c).mkdir(parents=True)
+        write_json(built.cell_dir(c) / FINAL, {"accuracy": 0.5 + i / 20, "macro_f1": 0.4})
+        write_json(built.cell_dir(c) / "run_config.json", {"seed": c.seed, "blocks": []})
+    write_report(built, command=["first"])
+    first = tmp_path / "first"
+    shutil.rmtree(tmp_path / "runs")
+    # the paper's rows join in: `paper` changes no cell
+    path.write_text(yaml.safe_dump({**grid, "paper": "qwen2.5-3b"}))
+    again = tmp_path / "again"
+    assert main([str(path), "--tables-from", str(first / "results.json"), "--results-dir", str(again)]) == 0
+    assert (again / "tables.md").read_text().startswith((first / "tables.md").read_text())
+    assert "### Against the paper (Qwen2.5-3B)" in (again / "tables.md").read_text()
+    assert (again / "main.csv").read_text() == (first / "main.csv").read_text()
+    old, new = (json.loads((d / "results.json").read_text()) for d in (first, again))
+    assert new["provenance"] == old["provenance"] and new["tabulated"]["command"].endswith(
+        f"--tables-from {first / 'results.json'} --results-dir {again}")
+    assert new["cells"] == old["cells"] and sum(c["finished"] for c in new["cells"]) == 5
+    assert not list(again.glob("*.png"))  # figures need the cells' per-step metrics
+    path.write_text(yaml.safe_dump({**grid, "options": {**grid["options"], "lr": 0.5}}))
+    assert main([str(path), "--tables-from", str(first / "results.json")]) == 2
+    assert "the grid's options changed since these results were written" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({**grid, "name": "h"}))
+    assert main([str(path), "--tables-from", str(first / "results.json")]) == 2
+    assert "holds grid 'g''s results, not 'h''s" in capsys.readouterr().err
+    # a cell keyed as this deca-ds no longer keys it (a results.json of another version)
+    path.write_text(yaml.safe_dump(grid))
+    old["cells"][0]["key"] = "agnews/ring-n3/deca/seed0"
+    (first / "results.json").write_text(json.dumps(old))
+    assert main([str(path), "--tables-from", str(first / "results.json")]) == 2
+    assert "cells the grid does not have: agnews/ring-n3/deca/seed0" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from .figures import write_figures
 from .footprint import estimate_cells
 from .grid import GridError, grid_names, load_grid
 from .placement import placement
-from .report import write_report
+from .report import recorded_results, write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
                            "run nothing")
     mode.add_argument("--report-only", action="store_true",
                       help="write tables and figures of the finished cells only")
+    mode.add_argument("--tables-from", metavar="RESULTS_JSON",
+                      help="write the tables from a results.json of this grid (a committed one, or one from another "
+                           "machine) instead of the cells' directories; no figures (they need each cell's per-step "
+                           "metrics); run nothing")
     mode.add_argument("--estimate", action="store_true",
                       help="each cell's estimated GPU memory per client (deca-train --estimate) and the cards it "
                            "fits (deepspeed backend); run nothing")
@@ -52,12 +56,21 @@ def main(argv: list[str] | None = None) -> int:
         todo, done = check_finished(grid)
         base = base_state(grid)
         # where the cells to run go, checked before pretraining or any cell
-        running = not (args.estimate or args.fetch or args.report_only)
+        running = not (args.estimate or args.fetch or args.report_only or args.tables_from)
         place = placement(grid, [c for c in todo if select(c)]) if running else None
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     command = invocation("deca-reproduce", argv)
+    if args.tables_from:
+        try:
+            recorded = recorded_results(grid, args.tables_from)
+        except GridError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        for path in write_report(grid, command=command, recorded=recorded):
+            log(f"wrote {path}")
+        return 0
     if args.estimate or args.fetch:
         try:
             if args.estimate:

@@ -80,8 +80,10 @@ class Comparison:
 
     def order(self) -> dict:
         """Pairs of rows in the paper's order and columns whose best is the paper's, over every set
-        and column; `unlike` names the columns whose best differs."""
+        and column; `out_of_order` names the pairs that are not (with their columns), `unlike` the
+        columns whose best differs."""
         pairs = in_order = columns = best = 0
+        out_of_order: dict[str, list[str]] = {}
         unlike = []
         for rows in self.sets():
             for col in self.columns:
@@ -89,10 +91,17 @@ class Comparison:
                         if col in r.here and col in r.paper]
                 if len(both) < 2:
                     continue
-                for (ha, pa, _), (hb, pb, _) in combinations(both, 2):
-                    if pa != pb:
-                        pairs += 1
-                        in_order += (ha - hb) * (pa - pb) > 0
+                for (ha, pa, a), (hb, pb, b) in combinations(both, 2):
+                    if pa == pb:
+                        continue
+                    pairs += 1
+                    if (ha - hb) * (pa - pb) > 0:
+                        in_order += 1
+                        continue
+                    low, high = (a, b) if pa < pb else (b, a)  # the paper's lower row is level or above here
+                    relation = "level with" if ha == hb else "above"
+                    out_of_order.setdefault(f"{self._where(low)}{self._name(low)} {relation} {self._name(high)}",
+                                            []).append(" ".join(col))
                 top_paper = max(p for _, p, _ in both)
                 if sum(p == top_paper for _, p, _ in both) > 1:
                     continue  # the paper ties for best
@@ -103,15 +112,18 @@ class Comparison:
                     best += 1
                 else:
                     here_best = next(r for h, _, r in both if h == top_here)
-                    where = f"{here_best.group}, " if here_best.group and self.name not in ACROSS_GROUPS else ""
-                    unlike.append(f"{where}{' '.join(col)}: here {_row_name(self, here_best)}, "
-                                  f"the paper {_row_name(self, paper_best)}")
+                    unlike.append(f"{self._where(here_best)}{' '.join(col)}: here {self._name(here_best)}, "
+                                  f"the paper {self._name(paper_best)}")
         return {"pairs_in_order": in_order, "pairs": pairs, "best_as_paper": best, "columns": columns,
+                "out_of_order": [f"{pair} in {', '.join(cols)}" for pair, cols in out_of_order.items()],
                 "unlike": unlike}
 
+    def _name(self, row: Row) -> str:
+        return f"{self.group_name} {row.group}" if self.name in ACROSS_GROUPS else row.method
 
-def _row_name(comparison: Comparison, row: Row) -> str:
-    return f"{comparison.group_name} {row.group}" if comparison.name in ACROSS_GROUPS else row.method
+    def _where(self, row: Row) -> str:
+        """The group a row's comparison is made in, as a prefix ('' in a table of one group)."""
+        return f"{row.group}, " if row.group and self.name not in ACROSS_GROUPS else ""
 
 
 def _text(values: list[float]) -> str:
@@ -132,8 +144,9 @@ def to_markdown(comparison: Comparison, model: str) -> str:
     order = comparison.order()
     if order["pairs"]:
         lines += ["", f"In the paper's order: {order['pairs_in_order']} of {order['pairs']} pairs of rows, column by "
-                  f"column; the paper's best is the best here in {order['best_as_paper']} of {order['columns']} "
-                  "columns" + (f" (not in {'; '.join(order['unlike'])})" if order["unlike"] else "") + "."]
+                  "column" + (f" (not: {'; '.join(order['out_of_order'])})" if order["out_of_order"] else "")
+                  + f"; the paper's best is the best here in {order['best_as_paper']} of {order['columns']} columns"
+                  + (f" (not in {'; '.join(order['unlike'])})" if order["unlike"] else "") + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import reporting
 from . import paper
 from .cells import FINAL, METRICS, RUN_CONFIG, read_json, write_text
-from .grid import METHODS, Cell, Grid
+from .grid import METHODS, Cell, Grid, GridError
 
 LABELS = {"deca": "DECA", "trivial_bma": "w/ trivial BMA", "no_bma": "w/o BMA", "dadam": "D-Adam (full, no blocks)",
           "dec_lora": "Dec-LoRA", "dec_adapter": "Dec-Adapter", "decaf": "DeCAF"}
@@ -371,11 +371,38 @@ def finished_results(grid: Grid) -> dict[Cell, dict]:
     return {c: read_json(grid.cell_dir(c) / FINAL) for c in grid.cells if (grid.cell_dir(c) / FINAL).is_file()}
 
 
-def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
-    """Tables (Markdown, CSV) and results.json into grid.results_dir; returns the files written."""
+def recorded_results(grid: Grid, path: Path) -> dict:
+    """A results.json this grid wrote, checked against the grid as it is now: the same name and
+    settings (`paper` aside: it changes no cell) and no cell the grid no longer has."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise GridError(f"{path}: not a readable results.json ({err})") from None
+    if record.get("grid") != grid.name:
+        raise GridError(f"{path} holds grid {record.get('grid')!r}'s results, not {grid.name!r}'s")
+    source = record.get("source", {})
+    changed = sorted(k for k in set(source) | set(grid.source) if k != "paper" and source.get(k) != grid.source.get(k))
+    if changed:
+        raise GridError(f"{path}: the grid's {', '.join(changed)} changed since these results were written; their "
+                        "tables would mix settings")
+    keys = {c.key for c in grid.cells}
+    stray = [e["key"] for e in record.get("cells", []) if e["key"] not in keys]
+    if stray:
+        raise GridError(f"{path}: cells the grid does not have: {', '.join(stray[:3])}"
+                        + (f" and {len(stray) - 3} more" if len(stray) > 3 else ""))
+    return record
+
+
+def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict | None = None) -> list[Path]:
+    """Tables (Markdown, CSV) and results.json into grid.results_dir; returns the files written.
+
+    `recorded` (recorded_results): the tables from that results.json's cells instead of the cells'
+    directories; its provenance stays the results', and this report's is added as `tabulated`."""
     out = grid.results_dir
     out.mkdir(parents=True, exist_ok=True)
-    results = finished_results(grid)
+    entries = {e["key"]: e for e in recorded["cells"]} if recorded else {}
+    results = ({c: entries[c.key]["final"] for c in grid.cells if "final" in entries.get(c.key, {})}
+               if recorded else finished_results(grid))
     written = []
     markdown = [f"# {grid.name}: reproduced tables", "",
                 f"{len(results)} of {len(grid.cells)} cells finished. Accuracy and macro-F1 of the consensus model "
@@ -421,7 +448,10 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
                  "layers_per_block": c.layers_per_block, "seed": c.seed, "tables": list(c.tables),
                  "budget": {"steps": grid.budgets[c.key][0], "examples_per_client_step": grid.budgets[c.key][1]},
                  "finished": c in results}
-        if (d / RUN_CONFIG).is_file():
+        if recorded:
+            if "run_config" in entries.get(c.key, {}):
+                entry["run_config"] = entries[c.key]["run_config"]
+        elif (d / RUN_CONFIG).is_file():
             config = read_json(d / RUN_CONFIG)
             # each block by name and size; its parameters' names are the model's, in the cell's run_config.json
             config["blocks"] = [{k: b[k] for k in ("index", "name", "numel")} for b in config.get("blocks", [])]
@@ -429,14 +459,16 @@ def write_report(grid: Grid, *, command: list[str] | None = None) -> list[Path]:
         if c in results:
             entry["final"] = results[c]
         cells.append(entry)
-    for model in dict.fromkeys(c.options.get("model", "") for c in grid.cells):
+    for model in dict.fromkeys(c.options.get("model", "") for c in grid.cells if not recorded):
         made = Path(model) / "pretrain.json"  # the scaled protocol's checkpoint: how it was trained
         if made.is_file():
             path = out / f"pretrain_{Path(model).name}.json"
             write_text(path, made.read_text())
             written.append(path)
     path = out / "results.json"
-    record = {"grid": grid.name, "source": grid.source, "provenance": provenance(command, outputs=out), "cells": cells}
+    now = provenance(command, outputs=out)
+    record = {"grid": grid.name, "source": grid.source, "provenance": recorded["provenance"] if recorded else now,
+              **({"tabulated": now} if recorded else {}), "cells": cells}
     if grid.paper:
         record["paper"] = {"model": grid.paper, "tables": {c.name: c.order() for c in comparisons}}
     write_text(path, json.dumps(record, indent=1, allow_nan=False))
