@@ -14,7 +14,7 @@ import yaml
 from deca_ds.reproduce import GridError, build_grid
 from deca_ds.reproduce.cells import FINAL, write_json
 from deca_ds.reproduce.grid import Cell, load_grid
-from deca_ds.reproduce.paper import models, reference, reference_tables, to_csv, to_markdown
+from deca_ds.reproduce.paper import models, published_cells, reference, reference_tables, to_csv, to_markdown
 from deca_ds.reproduce.report import TABLES, build_comparison, write_report
 
 
@@ -61,6 +61,7 @@ def test_the_paper_grids_run_exactly_the_papers_cells(tmp_path):
                 if name_ == "main" and c.method == "deca":
                     needed.add(("ablation", (None, "deca", c.options["dataset"])))
         assert needed == {(t, k) for t, table in published.items() for k in table}, name
+        assert published_cells(grid.cells, model) == grid.cells
 
 
 def cell(method, task="agnews", seed=0, topology="erdos_renyi", clients=8, lpb=2, tables=("main",)):
@@ -135,6 +136,10 @@ def test_a_grid_names_a_paper_model_and_its_report_sets_the_papers_numbers_besid
     with pytest.raises(GridError, match=r"paper must name one of the paper's models, \['qwen2.5-3b', "
                                         r"'llama-3.1-8b'\], got 'qwen'"):
         build_grid({**grid, "paper": "qwen"}, runs_dir=tmp_path)
+    # a grid none of whose cells the paper has (the synthetic task): naming a paper model is a mistake
+    with pytest.raises(GridError, match=r"paper qwen2.5-3b: no cell of the grid is in the paper's tables, whose "
+                                        r"tasks are agnews, mnli, nwgi, tfns"):
+        build_grid({**grid, "tasks": {"synthetic": {}}}, runs_dir=tmp_path)
     built = build_grid(grid, runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
     for c, acc in zip(built.cells, (0.8, 0.7)):
         built.cell_dir(c).mkdir(parents=True)
@@ -174,6 +179,8 @@ def test_tables_from_a_results_json_equal_the_cells_and_refuse_a_changed_grid(tm
     shutil.rmtree(tmp_path / "runs")
     # the paper's rows join in: `paper` changes no cell
     path.write_text(yaml.safe_dump({**grid, "paper": "qwen2.5-3b"}))
+    assert main([str(path), "--dry-run"]) == 0
+    assert "the paper's qwen2.5-3b numbers beside 6 of the 6 cells" in capsys.readouterr().out
     again = tmp_path / "again"
     assert main([str(path), "--tables-from", str(first / "results.json"), "--results-dir", str(again)]) == 0
     assert (again / "tables.md").read_text().startswith((first / "tables.md").read_text())

@@ -14,6 +14,7 @@ from .cells import base_state, base_weights, check_finished, holder, pretrain_ba
 from .figures import write_figures
 from .footprint import estimate_cells
 from .grid import GridError, grid_names, load_grid
+from .paper import published_cells
 from .placement import placement
 from .report import recorded_results, write_report
 
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                 resume = resume_step(grid, cell, d, sha)
                 state = "to run" if resume is None else f"to run from its checkpoint at step {resume} of {steps}"
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
+        if grid.paper:
+            log(f"the paper's {grid.paper} numbers beside {len(published_cells(grid.cells, grid.paper))} of the "
+                f"{len(grid.cells)} cells")
         log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
             f"timeout {grid.cell_timeout_s:g} s per cell, on {place.where})")
         return 0

@@ -34,7 +34,7 @@ from ..models import TINY_LLAMA
 from ..runtime.options import RunOptions, convert_options, option_defaults
 from ..runtime.presets import load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS
-from .paper import models as paper_models
+from . import paper
 from .pretrain import PretrainOptions
 
 # The grid's methods: the three DECA variants of the ablation table and the baselines.
@@ -359,9 +359,13 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                         f"hosts], got {deepspeed_args!r}")
     if deepspeed_args and backend != "deepspeed":
         raise GridError(f"{where}: deepspeed_args {deepspeed_args}: the {backend} backend starts no deepspeed launcher")
-    paper = data.get("paper")
-    if paper is not None and paper not in paper_models():
-        raise GridError(f"{where}: paper must name one of the paper's models, {paper_models()}, got {paper!r}")
+    paper_model = data.get("paper")
+    if paper_model is not None and paper_model not in paper.models():
+        raise GridError(f"{where}: paper must name one of the paper's models, {paper.models()}, got {paper_model!r}")
+    if paper_model is not None and not paper.published_cells(cells.values(), paper_model):
+        tasks = sorted({k[2] for table in paper.reference(paper_model).values() for k in table})
+        raise GridError(f"{where}: paper {paper_model}: no cell of the grid is in the paper's tables, whose tasks "
+                        f"are {', '.join(tasks)} (a task by its dataset)")
     timeout = data.get("cell_timeout_s", 3600)
     if not isinstance(timeout, (int, float)) or not timeout > 0:
         raise GridError(f"{where}: cell_timeout_s must be a number > 0, got {timeout!r}")
@@ -369,7 +373,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                 results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, jobs=jobs,
-                deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, paper=paper,
+                deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, paper=paper_model,
                 source=data)
 
 

@@ -30,6 +30,8 @@ REFERENCE = Path(__file__).with_name("paper_tables.yaml")
 MODEL_LABELS = {"qwen2.5-3b": "Qwen2.5-3B", "llama-3.1-8b": "Llama-3.1-8B"}
 # the table whose rows are ordered across its groups rather than within each
 ACROSS_GROUPS = {"granularity"}
+# the cell field that a table's groups are (the main and ablation tables have one group)
+GROUP_FIELD = {"topology": "topology", "clients": "clients", "granularity": "layers_per_block"}
 
 
 def reference_tables() -> dict:
@@ -48,6 +50,20 @@ def reference(model: str) -> dict[str, dict]:
         out[table] = {(group, method, task): tuple(values) for group, methods in groups.items()
                       for method, tasks in methods.items() for task, values in tasks.items()}
     return out
+
+
+def row_key(table: str, cell) -> tuple:
+    """Where a cell of `table` stands in the paper's: (group value or None, method, task)."""
+    return (getattr(cell, GROUP_FIELD[table]) if table in GROUP_FIELD else None, cell.method,
+            cell.options["dataset"])
+
+
+def published_cells(cells, model: str) -> list:
+    """The cells with a number in one of the paper's tables they feed (the main table's cells
+    feed the ablation table too)."""
+    tables = reference(model)
+    return [c for c in cells if any(row_key(t, c) in tables.get(t, {})
+                                    for t in (*c.tables, *(("ablation",) if "main" in c.tables else ())))]
 
 
 @dataclass

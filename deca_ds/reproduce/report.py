@@ -185,7 +185,7 @@ def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: 
     rows: dict[tuple[str, str], paper.Row] = {}
     columns = []
     for c in cells:
-        published = reference.get((getattr(c, axis[0]) if axis else None, c.method, c.options["dataset"]))
+        published = reference.get(paper.row_key(name, c))
         if published is None:
             continue
         group = _group_label(name, _setting(c), several)
