@@ -30,15 +30,25 @@ def test_the_papers_tables_as_printed():
     assert llama["granularity"][(4, "deca", "mnli")] == (86.58, 86.55)
     for model, tables in (("qwen2.5-3b", qwen), ("llama-3.1-8b", llama)):
         main = tables["main"]
-        # 4 methods x 4 tasks in Table 1, DECA and its two variants in the ablation table
-        assert len(main) == 16 and len(tables["ablation"]) == 12
+        # 4 methods x (4 tasks + Average) in Table 1, DECA and its two variants in the ablation table
+        assert len(main) == 20 and len(tables["ablation"]) == 15
         assert all(tables["ablation"][k] == v for k, v in main.items() if k[1] == "deca"), model
     for key, value in qwen["topology"].items():
-        if key[0] == "erdos_renyi":  # Table 1's setting: ER, 8 clients
-            assert value == qwen["main"][(None, *key[1:])] == qwen["clients"][(8, *key[1:])]
+        if key[0] == "erdos_renyi":  # Table 1's setting: ER, 8 clients (its Average: over four tasks, not three)
+            assert value == qwen["clients"][(8, *key[1:])]
+            assert key[2] == "average" or value == qwen["main"][(None, *key[1:])]
     for key, value in llama["granularity"].items():
-        if key[0] == 1:  # Table 1's Llama-3.1-8B runs at one layer per block
+        if key[0] == 1 and key[2] != "average":  # Table 1's Llama-3.1-8B runs at one layer per block
             assert value == llama["main"][(None, *key[1:])]
+    # every row's printed Average is the mean of its task columns, to the paper's rounding: a check
+    # on each of the row's numbers
+    for tables in (qwen, llama):
+        for table in tables.values():
+            for group, method, task in (k for k in table if k[2] == "average"):
+                values = [v for (g, m, t), v in table.items() if (g, m) == (group, method) and t != "average"]
+                assert len(values) in (3, 4)
+                for i in (0, 1):
+                    assert abs(sum(v[i] for v in values) / len(values) - table[(group, method, task)][i]) <= 0.0051
     # each pair is (accuracy, macro-F1) in %, printed to two decimals
     for tables in (qwen, llama):
         assert all(0 < v <= 100 and round(v, 2) == v for table in tables.values() for pair in table.values()
@@ -60,7 +70,7 @@ def test_the_paper_grids_run_exactly_the_papers_cells(tmp_path):
                 needed.add((name_, (group, c.method, c.options["dataset"])))
                 if name_ == "main" and c.method == "deca":
                     needed.add(("ablation", (None, "deca", c.options["dataset"])))
-        assert needed == {(t, k) for t, table in published.items() for k in table}, name
+        assert needed == {(t, k) for t, table in published.items() for k in table if k[2] != "average"}, name
         assert published_cells(grid.cells, model) == grid.cells
 
 
@@ -103,6 +113,33 @@ def test_orderings_against_hand_counted_pairs():
     assert len(rows) == 6
     assert rows[2] == {"table": "main", "group": "", "method": "Dec-LoRA", "task": "agnews", "metric": "Acc.",
                        "seeds": "2", "mean": "70.0000", "std": "14.1421", "paper": "60.00", "difference": "10.0000"}
+
+
+def test_average_column_over_the_papers_tasks_on_the_seeds_that_finished_them():
+    acc = {("t1", "deca", 0): 0.6, ("t2", "deca", 0): 0.8, ("t1", "deca", 1): 0.7,  # t2 of seed 1 unfinished
+           ("t1", "decaf", 0): 0.5, ("t2", "decaf", 0): 0.3, ("t1", "decaf", 1): 0.4, ("t2", "decaf", 1): 0.2,
+           ("t1", "dec_lora", 0): 0.9}  # Dec-LoRA has no t2: no Average
+    results = {cell(m, task=t, seed=s): {"accuracy": a, "macro_f1": a / 2} for (t, m, s), a in acc.items()}
+    ref = {(None, m, t): v for m, t, v in (
+        ("deca", "t1", (70.0, 60.0)), ("deca", "t2", (80.0, 70.0)), ("deca", "average", (75.0, 65.0)),
+        ("decaf", "t1", (40.0, 30.0)), ("decaf", "t2", (20.0, 10.0)), ("decaf", "average", (30.0, 20.0)),
+        ("dec_lora", "t1", (60.0, 50.0)), ("dec_lora", "t2", (50.0, 40.0)), ("dec_lora", "average", (55.0, 45.0)))}
+    comparison = build_comparison("main", "T", results, ("dec_lora", "decaf", "deca"), ref)
+    assert comparison.columns == [("t1", "Acc."), ("t1", "F1"), ("t2", "Acc."), ("t2", "F1"),
+                                  ("Average", "Acc."), ("Average", "F1")]
+    lora, decaf, deca = comparison.rows
+    assert deca.here[("Average", "Acc.")] == pytest.approx([0.7])  # seed 0 only: (0.6 + 0.8) / 2
+    assert decaf.here[("Average", "F1")] == pytest.approx([0.2, 0.15])  # (0.25 + 0.15) / 2, (0.2 + 0.1) / 2
+    assert ("Average", "Acc.") not in lora.here
+    md = to_markdown(comparison, "qwen2.5-3b")
+    assert "| DeCAF | 45.00 ± 7.07 (40.00) | 22.50 ± 3.54 (30.00) | 25.00 ± 7.07 (20.00) | 12.50 ± 3.54 (10.00) " \
+           "| 35.00 ± 7.07 (30.00) | 17.50 ± 3.54 (20.00) |" in md
+    assert "| Dec-LoRA | 90.00 (60.00) | 45.00 (50.00) | – | – | – | – |" in md
+    # the counts take the task columns only: t1 three pairs, t2 one, in each metric; out of the paper's order
+    # only Dec-LoRA above DECA in t1 (90 > 65 here, 60 < 70 there; F1 45 > 32.5, 50 < 60)
+    order = comparison.order()
+    assert (order["pairs_in_order"], order["pairs"]) == (6, 8) and order["columns"] == 4
+    assert order["out_of_order"] == ["Dec-LoRA above DECA in t1 Acc., t1 F1"]
 
 
 def test_orderings_within_each_group_and_across_granularities():

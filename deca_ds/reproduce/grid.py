@@ -363,7 +363,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
     if paper_model is not None and paper_model not in paper.models():
         raise GridError(f"{where}: paper must name one of the paper's models, {paper.models()}, got {paper_model!r}")
     if paper_model is not None and not paper.published_cells(cells.values(), paper_model):
-        tasks = sorted({k[2] for table in paper.reference(paper_model).values() for k in table})
+        tasks = sorted({k[2] for table in paper.reference(paper_model).values() for k in table} - {paper.AVERAGE})
         raise GridError(f"{where}: paper {paper_model}: no cell of the grid is in the paper's tables, whose tasks "
                         f"are {', '.join(tasks)} (a task by its dataset)")
     timeout = data.get("cell_timeout_s", 3600)

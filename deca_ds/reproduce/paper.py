@@ -3,9 +3,10 @@ the methods come out in the paper's order.
 
 A grid that names one of the paper's models (`paper: qwen2.5-3b`) gets, for every row of its tables
 that the paper also has (same table, topology / number of clients / layers per block, method and
-task), its mean ± std over seeds with the paper's number beside it. Two counts say whether the
-ordering agrees, column by column (a task's accuracy or macro-F1) among the rows the paper compares
-(the methods of a group; the granularities of the granularity table):
+task), its mean ± std over seeds with the paper's number beside it, and the Average column where
+the grid has every task of the paper's row. Two counts say whether the ordering agrees, task column
+by task column (a task's accuracy or macro-F1) among the rows the paper compares (the methods of a
+group; the granularities of the granularity table):
 
     pairs in order   pairs of rows whose difference here has the sign of the paper's (the pairs the
                      paper ties are left out; a tie here is not in order)
@@ -32,6 +33,8 @@ MODEL_LABELS = {"qwen2.5-3b": "Qwen2.5-3B", "llama-3.1-8b": "Llama-3.1-8B"}
 ACROSS_GROUPS = {"granularity"}
 # the cell field that a table's groups are (the main and ablation tables have one group)
 GROUP_FIELD = {"topology": "topology", "clients": "clients", "granularity": "layers_per_block"}
+# the task key of a row's Average column in paper_tables.yaml, and the column's label
+AVERAGE, AVERAGE_LABEL = "average", "Average"
 
 
 def reference_tables() -> dict:
@@ -96,13 +99,13 @@ class Comparison:
 
     def order(self) -> dict:
         """Pairs of rows in the paper's order and columns whose best is the paper's, over every set
-        and column; `out_of_order` names the pairs that are not (with their columns), `unlike` the
-        columns whose best differs."""
+        and task column (the Average columns summarize those); `out_of_order` names the pairs that
+        are not (with their columns), `unlike` the columns whose best differs."""
         pairs = in_order = columns = best = 0
         out_of_order: dict[str, list[str]] = {}
         unlike = []
         for rows in self.sets():
-            for col in self.columns:
+            for col in (c for c in self.columns if c[0] != AVERAGE_LABEL):
                 both = [(statistics.fmean(r.here[col]), r.paper[col], r) for r in rows
                         if col in r.here and col in r.paper]
                 if len(both) < 2:
@@ -167,10 +170,11 @@ def to_markdown(comparison: Comparison, model: str) -> str:
 
 
 NOTE = ("Here: mean ± std over the seeds that finished (%); in brackets the paper's number for the same table, "
-        "setting, method and task. Pairs in order: pairs of rows of a group (granularity: of the table) whose "
-        "difference here has the sign of the paper's, over every task's accuracy and macro-F1 column (pairs the "
-        "paper ties are left out). The numbers compare only on the paper's model and settings; on another model "
-        "or scale only the orderings do.")
+        "setting, method and task. Average: per seed over the tasks of the paper's row, on the seeds that finished "
+        "them all, beside the paper's Average column (no Average where the grid lacks one of those tasks). Pairs in "
+        "order: pairs of rows of a group (granularity: of the table) whose difference here has the sign of the "
+        "paper's, over every task's accuracy and macro-F1 column (pairs the paper ties are left out). The numbers "
+        "compare only on the paper's model and settings; on another model or scale only the orderings do.")
 
 
 def to_csv(comparisons: list[Comparison]) -> str:

@@ -174,7 +174,8 @@ def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple
 def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...],
                      reference: dict) -> paper.Comparison | None:
     """Table `name`'s rows that the paper also has (`reference`: paper.reference(model)[name]), each
-    with its values over the seeds that finished and the paper's."""
+    with its values over the seeds that finished and the paper's, and an Average column where the
+    row has every task of the paper's row."""
     tag = "main" if name == "ablation" else name
     cells = [c for c in results if tag in c.tables and c.method in methods]
     axis = GROUP_AXIS[name]
@@ -183,18 +184,33 @@ def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: 
     cells.sort(key=lambda c: (_axis_rank(getattr(c, axis[0]) if axis else 0), _group_label(name, _setting(c), several),
                               order[c.method], c.seed))
     rows: dict[tuple[str, str], paper.Row] = {}
+    finals: dict[tuple[str, str], dict] = {}  # row -> (the paper's row, {(task, seed): final})
     columns = []
     for c in cells:
-        published = reference.get(paper.row_key(name, c))
+        key = paper.row_key(name, c)
+        published = reference.get(key)
         if published is None:
             continue
         group = _group_label(name, _setting(c), several)
         row = rows.setdefault((group, c.method), paper.Row(group, LABELS[c.method], {}, {}))
-        for (key, short), value in zip(METRICS_SHOWN, published):
+        finals.setdefault((group, c.method), (key[:2], {}))[1][(key[2], c.seed)] = results[c]
+        for (metric, short), value in zip(METRICS_SHOWN, published):
             column = (c.task, short)
             columns.append(column)
-            row.here.setdefault(column, []).append(results[c][key])
+            row.here.setdefault(column, []).append(results[c][metric])
             row.paper[column] = value
+    for at, row in rows.items():
+        paper_row, found = finals[at]
+        tasks = [k[2] for k in reference if k[:2] == paper_row and k[2] != paper.AVERAGE]
+        seeds = sorted({s for _, s in found if all((t, s) in found for t in tasks)})
+        if (*paper_row, paper.AVERAGE) not in reference or not seeds:
+            continue
+        for (metric, short), value in zip(METRICS_SHOWN, reference[(*paper_row, paper.AVERAGE)]):
+            column = (paper.AVERAGE_LABEL, short)
+            columns.append(column)
+            row.here[column] = [statistics.fmean(found[(t, s)][metric] for t in tasks) for s in seeds]
+            row.paper[column] = value
+    columns.sort(key=lambda col: col[0] == paper.AVERAGE_LABEL)  # stable: the tasks first, as they came
     return paper.Comparison(name, title, axis[1] if axis else None, list(dict.fromkeys(columns)),
                             list(rows.values())) if rows else None
 
