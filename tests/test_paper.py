@@ -214,8 +214,8 @@ def test_tables_from_a_results_json_equal_the_cells_and_refuse_a_changed_grid(tm
     write_report(built, command=["first"])
     first = tmp_path / "first"
     shutil.rmtree(tmp_path / "runs")
-    # the paper's rows join in: `paper` changes no cell
-    path.write_text(yaml.safe_dump({**grid, "paper": "qwen2.5-3b"}))
+    # the paper's rows join in: `paper` changes no cell, nor do `jobs` or the time limit
+    path.write_text(yaml.safe_dump({**grid, "paper": "qwen2.5-3b", "jobs": 3, "cell_timeout_s": 60}))
     assert main([str(path), "--dry-run"]) == 0
     assert "the paper's qwen2.5-3b numbers beside 6 of the 6 cells" in capsys.readouterr().out
     again = tmp_path / "again"
@@ -228,9 +228,9 @@ def test_tables_from_a_results_json_equal_the_cells_and_refuse_a_changed_grid(tm
         f"--tables-from {first / 'results.json'} --results-dir {again}")
     assert new["cells"] == old["cells"] and sum(c["finished"] for c in new["cells"]) == 5
     assert not list(again.glob("*.png"))  # figures need the cells' per-step metrics
-    path.write_text(yaml.safe_dump({**grid, "options": {**grid["options"], "lr": 0.5}}))
+    path.write_text(yaml.safe_dump({**grid, "options": {**grid["options"], "lr": 0.5}, "threads": 2}))
     assert main([str(path), "--tables-from", str(first / "results.json")]) == 2
-    assert "the grid's options changed since these results were written" in capsys.readouterr().err
+    assert "the grid's options, threads changed since these results were written" in capsys.readouterr().err
     path.write_text(yaml.safe_dump({**grid, "name": "h"}))
     assert main([str(path), "--tables-from", str(first / "results.json")]) == 2
     assert "holds grid 'g''s results, not 'h''s" in capsys.readouterr().err

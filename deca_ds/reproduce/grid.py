@@ -140,6 +140,8 @@ class Grid:
 _TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "ds_config",
         "deepspeed_args", "pretrain", "paper", "options", "tasks", "methods", "method_options", "seeds", "sweeps"}
 _SWEEP = {"table", "tasks", "seeds", "methods", *AXES}
+# Keys that decide where, how fast and under which limits cells run and how they are reported, not a result.
+NOT_RESULT = {"runs_dir", "results_dir", "cell_timeout_s", "jobs", "deepspeed_args", "paper"}
 
 
 def _as_list(value, what: str) -> list:

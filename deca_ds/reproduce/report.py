@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import reporting
 from . import paper
 from .cells import FINAL, METRICS, RUN_CONFIG, read_json, write_text
-from .grid import METHODS, Cell, Grid, GridError
+from .grid import METHODS, NOT_RESULT, Cell, Grid, GridError
 
 LABELS = {"deca": "DECA", "trivial_bma": "w/ trivial BMA", "no_bma": "w/o BMA", "dadam": "D-Adam (full, no blocks)",
           "dec_lora": "Dec-LoRA", "dec_adapter": "Dec-Adapter", "decaf": "DeCAF"}
@@ -388,8 +388,9 @@ def finished_results(grid: Grid) -> dict[Cell, dict]:
 
 
 def recorded_results(grid: Grid, path: Path) -> dict:
-    """A results.json this grid wrote, checked against the grid as it is now: the same name and
-    settings (`paper` aside: it changes no cell) and no cell the grid no longer has."""
+    """A results.json this grid wrote, checked against the grid as it is now: the same name, the
+    same settings but for those that change no result (grid.NOT_RESULT: `paper`, `jobs`, paths, …)
+    and no cell the grid no longer has."""
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
@@ -397,7 +398,7 @@ def recorded_results(grid: Grid, path: Path) -> dict:
     if record.get("grid") != grid.name:
         raise GridError(f"{path} holds grid {record.get('grid')!r}'s results, not {grid.name!r}'s")
     source = record.get("source", {})
-    changed = sorted(k for k in set(source) | set(grid.source) if k != "paper" and source.get(k) != grid.source.get(k))
+    changed = sorted(k for k in (set(source) | set(grid.source)) - NOT_RESULT if source.get(k) != grid.source.get(k))
     if changed:
         raise GridError(f"{path}: the grid's {', '.join(changed)} changed since these results were written; their "
                         "tables would mix settings")
