@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..reporting import REPO
 from ..runtime.checkpoint import atomic_write, sha256
+from ..runtime.cleanup import shm_buffers
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
 from .grid import Cell, Grid, GridError
@@ -409,8 +410,13 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, launch: Launch, 
         proc = running.start(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         if proc is None:
             return STOPPED
-        if not running.wait(proc, grid.cell_timeout_s):
-            return f"failed: over the cell time limit of {grid.cell_timeout_s:g} s (see {d / LOG})"
+        in_time = running.wait(proc, grid.cell_timeout_s)
+    if proc.returncode != 0 and launch.rendezvous:
+        # ranks killed with their session (a time limit, a stopped grid) never removed their buffers
+        for path in shm_buffers(launch.rendezvous):
+            path.unlink(missing_ok=True)
+    if not in_time:
+        return f"failed: over the cell time limit of {grid.cell_timeout_s:g} s (see {d / LOG})"
     if proc.returncode != 0 and running.stopped:  # killed by stop_all, not failed: say how far it came
         resume = resume_step(grid, cell, d, base_weights(grid))
         return (f"stopped with the grid at step {steps_done(d)} of {grid.budgets[cell.key][0]}"

@@ -47,6 +47,9 @@ class Launch:
 
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # a launch on this machine: its rendezvous, which names its ranks' DeepSpeed shared-memory buffers
+    # (deca_ds.runtime.cleanup), for the grid to remove when it has to kill the ranks
+    rendezvous: dict[str, str] | None = None
 
 
 @dataclass
@@ -109,11 +112,13 @@ class Placement:
             args += ["--num_gpus", str(ranks)]
         if taken:
             args += ["--include", "@".join(f"{host}:{','.join(slots)}" for host, slots in taken.items())]
-        if self.port == "free":
-            args += ["--master_port", str(_free_port())]
+        rendezvous = None
+        if self.port == "free":  # no hostfile: the launcher meets at 127.0.0.1
+            rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            args += ["--master_port", rendezvous["MASTER_PORT"]]
         elif self.port == "slot":
             args += ["--master_port", str(PORT + int(next(iter(taken.values()))[0]))]
-        return Launch(args=args)
+        return Launch(args=args, rendezvous=rendezvous)
 
 
 def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None = None) -> Placement:
