@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..reporting import REPO
 from ..runtime.checkpoint import atomic_write, sha256
-from ..runtime.cleanup import shm_buffers
+from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
 from .grid import Cell, Grid, GridError
@@ -412,9 +412,7 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, launch: Launch, 
             return STOPPED
         in_time = running.wait(proc, grid.cell_timeout_s)
     if proc.returncode != 0 and launch.rendezvous:
-        # ranks killed with their session (a time limit, a stopped grid) never removed their buffers
-        for path in shm_buffers(launch.rendezvous):
-            path.unlink(missing_ok=True)
+        remove_shm_buffers(launch.rendezvous)  # ranks killed with their session (a time limit, a stopped grid)
     if not in_time:
         return f"failed: over the cell time limit of {grid.cell_timeout_s:g} s (see {d / LOG})"
     if proc.returncode != 0 and running.stopped:  # killed by stop_all, not failed: say how far it came

@@ -39,8 +39,10 @@ def shm_buffers(env: dict | None = None) -> list[Path]:
     return sorted(p for p in SHM.glob(prefix + "*") if p.name[len(prefix):].isdigit())
 
 
-def remove_shm_buffers() -> None:
-    for path in shm_buffers():
+def remove_shm_buffers(env: dict | None = None) -> None:
+    """This job's buffers (`env`: its MASTER_ADDR and MASTER_PORT, default this process's); also
+    what a launcher calls for ranks it had to kill, which removed nothing."""
+    for path in shm_buffers(env):
         path.unlink(missing_ok=True)
 
 
