@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 from deca_ds.runtime.cleanup import remove_shm_buffers
-from deca_ds.runtime.dist import torchrun_env
+from deca_ds.runtime.dist import free_port, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,12 +31,6 @@ def add_run_args(p, *, work_dir: str, ds_config: str = "cpu_demo.json", ranks: i
     p.add_argument("--timeout", type=float, default=3600, help="seconds a run may take")
     p.add_argument("--train-args", nargs=argparse.REMAINDER, default=[],
                    help="everything after this goes to launch/train.py unchanged (every run)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_rank(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

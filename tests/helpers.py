@@ -6,7 +6,6 @@ import contextlib
 import copy
 import importlib.util
 import runpy
-import socket
 import sys
 import weakref
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds.data import token_range_batches
+from deca_ds.runtime.dist import free_port as dist_free_port
 
 # 8-bit moments (state_bits 8) need the optional bnb extra; CI installs it, a plain install does not
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -107,10 +107,9 @@ def assert_resume_mid_block_is_bit_identical(base, cfg, checkpoint) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        PORTS.append(s.getsockname()[1])
-        return PORTS[-1]
+    """deca_ds.runtime.dist.free_port, remembered for conftest's check of /dev/shm."""
+    PORTS.append(dist_free_port())
+    return PORTS[-1]
 
 
 def exit_status(done: SystemExit) -> int:

@@ -27,7 +27,6 @@ process) runs on the visible GPU that runs the fewest cells then (its CUDA_VISIB
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -35,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..runtime.dist import free_port
 from .grid import Cell, Grid, GridError
 
 PORT = 29500  # the deepspeed launcher's rendezvous port (deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT)
@@ -114,7 +114,7 @@ class Placement:
             args += ["--include", "@".join(f"{host}:{','.join(slots)}" for host, slots in taken.items())]
         rendezvous = None
         if self.port == "free":  # no hostfile: the launcher meets at 127.0.0.1
-            rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
             args += ["--master_port", rendezvous["MASTER_PORT"]]
         elif self.port == "slot":
             args += ["--master_port", str(PORT + int(next(iter(taken.values()))[0]))]
@@ -205,9 +205,3 @@ def _spread(clients: int, room: list[int]) -> list[int]:
                 clients -= 1
     return take
 
-
-def _free_port() -> int:
-    """A port free on this machine now, for the launch's rendezvous (rank 0 binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

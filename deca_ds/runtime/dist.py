@@ -9,6 +9,7 @@ poisons its whole group, so one group per link keeps a failure local and attribu
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -114,6 +115,14 @@ def rank_threads(local_ranks: int, device: torch.device) -> int | None:
             raise ValueError(f"DECA_RANK_THREADS={value!r}: give a positive number of threads per rank")
         return int(value)
     return max(1, (os.cpu_count() or 1) // local_ranks) if device.type == "cpu" else None
+
+
+def free_port() -> int:
+    """A port free on this machine now, on every interface, for a rendezvous that rank 0 binds a
+    moment later."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def torchrun_env(rank: int, world_size: int, port: int | str, per_node: int | None = None) -> dict[str, str]:
