@@ -218,6 +218,11 @@ def test_tables_from_a_results_json_equal_the_cells_and_refuse_a_changed_grid(tm
     path.write_text(yaml.safe_dump({**grid, "paper": "qwen2.5-3b", "jobs": 3, "cell_timeout_s": 60}))
     assert main([str(path), "--dry-run"]) == 0
     assert "the paper's qwen2.5-3b numbers beside 6 of the 6 cells" in capsys.readouterr().out
+    # a runs directory that a run would refuse (a finished cell of other settings) does not matter here
+    built.cell_dir(built.cells[0]).mkdir(parents=True)
+    write_json(built.cell_dir(built.cells[0]) / FINAL, {"accuracy": 0.1, "macro_f1": 0.1})
+    assert main([str(path), "--dry-run"]) == 2
+    assert "would be overwritten" in capsys.readouterr().err
     again = tmp_path / "again"
     assert main([str(path), "--tables-from", str(first / "results.json"), "--results-dir", str(again)]) == 0
     assert (again / "tables.md").read_text().startswith((first / "tables.md").read_text())

@@ -53,22 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs,
                          deepspeed_args=args.deepspeed_args)
-        select = grid.select(args.only)
-        todo, done = check_finished(grid)
-        base = base_state(grid)
-        # where the cells to run go, checked before pretraining or any cell
-        running = not (args.estimate or args.fetch or args.report_only or args.tables_from)
-        place = placement(grid, [c for c in todo if select(c)]) if running else None
+        if args.tables_from:  # the results.json alone: the runs directory and the base model are not read
+            recorded = recorded_results(grid, args.tables_from)
+        else:
+            select = grid.select(args.only)
+            todo, done = check_finished(grid)
+            base = base_state(grid)
+            # where the cells to run go, checked before pretraining or any cell
+            running = not (args.estimate or args.fetch or args.report_only)
+            place = placement(grid, [c for c in todo if select(c)]) if running else None
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     command = invocation("deca-reproduce", argv)
     if args.tables_from:
-        try:
-            recorded = recorded_results(grid, args.tables_from)
-        except GridError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
         for path in write_report(grid, command=command, recorded=recorded):
             log(f"wrote {path}")
         return 0
