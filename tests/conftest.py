@@ -45,3 +45,24 @@ def profiling_runs(monkeypatch):
     monkeypatch.setattr(runs, "start_rank",
                         lambda argv, env, stderr: start_rank(argv, env, ROOT, Path(os.devnull), stderr))
     return runs
+
+
+@pytest.fixture
+def judges(monkeypatch):
+    """make(script) starts a fake judge (helpers.Judge) on 127.0.0.1, reached without a proxy, with
+    its key in JUDGE_KEY; all are stopped after the test."""
+    from helpers import JUDGE_KEY, Judge
+
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    monkeypatch.setenv("JUDGE_KEY", JUDGE_KEY)
+    made = []
+
+    def make(script=()):
+        made.append(Judge(script))
+        return made[-1]
+
+    yield make
+    for j in made:
+        j.close()

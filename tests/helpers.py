@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 import runpy
 import sys
+import threading
 import weakref
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -192,3 +195,52 @@ def write_site(root: Path, clients: list[int], sizes: dict[int, int]) -> Path:
     deca_tiny_llama(len(tokenizer), seed=0).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     return root
+
+
+JUDGE_KEY = "sk-test-SECRET-1234567890"  # conftest's `judges` sets JUDGE_KEY to it
+
+
+class Judge:
+    """A server on 127.0.0.1 that answers each request with the next of `script`: an int is that
+    HTTP status (an error), a (code, location) pair a redirect, a str a judgment."""
+
+    def __init__(self, script=()):
+        self.script, self.seen = list(script), []
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def handle_any(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                judge.seen.append({"method": self.command, "path": self.path,
+                                   "auth": self.headers.get("Authorization"), "body": body})
+                step = judge.script.pop(0) if judge.script else "Fine. Rating: [[7]]"
+                if isinstance(step, tuple):
+                    self.send_response(step[0])
+                    self.send_header("Location", step[1])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if isinstance(step, int):
+                    reply, code = b'{"error": "busy"}', step
+                else:
+                    code = 200
+                    reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": step}}]}).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            do_POST = do_GET = handle_any
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -25,8 +23,8 @@ from deca_ds.evaluation import (
     rouge_l_of_answers,
 )
 from deca_ds.models import tiny_llama
+from helpers import JUDGE_KEY as KEY
 
-KEY = "sk-test-SECRET-1234567890"
 WORDS = [f"w{i}" for i in range(20)]
 
 
@@ -105,70 +103,8 @@ def test_parse_rating():
     assert parse_rating("no score") is None
 
 
-# ---- fake judge servers ------------------------------------------------------------------------
+# ---- against fake judge servers (helpers.Judge, conftest's `judges`) ----------------------------
 
-
-class Judge:
-    """A server on 127.0.0.1 that answers each request with the next of `script`: an int is that
-    HTTP status (an error), a (code, location) pair a redirect, a str a judgment."""
-
-    def __init__(self, script=()):
-        self.script, self.seen = list(script), []
-        judge = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def handle_any(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else None
-                judge.seen.append({"method": self.command, "path": self.path,
-                                   "auth": self.headers.get("Authorization"), "body": body})
-                step = judge.script.pop(0) if judge.script else "Fine. Rating: [[7]]"
-                if isinstance(step, tuple):
-                    self.send_response(step[0])
-                    self.send_header("Location", step[1])
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                if isinstance(step, int):
-                    reply, code = b'{"error": "busy"}', step
-                else:
-                    code = 200
-                    reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": step}}]}).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            do_POST = do_GET = handle_any
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def judges(monkeypatch):
-    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    monkeypatch.setenv("JUDGE_KEY", KEY)
-    made = []
-
-    def make(script=()):
-        made.append(Judge(script))
-        return made[-1]
-
-    yield make
-    for j in made:
-        j.close()
 
 
 def write_answers(path, rows=None):

@@ -385,7 +385,7 @@ def test_cells_fine_tuned_from_other_base_weights_never_share_a_table(tmp_path):
     def finished(cell, base):  # what run_grid leaves: the settings it ran with, then final.json
         d = grid.cell_dir(cell)
         d.mkdir(parents=True, exist_ok=True)
-        (d / CELL).write_text(json.dumps({"settings": cell_settings(cell, base)}))
+        (d / CELL).write_text(json.dumps({"settings": cell_settings(grid, cell, base)}))
         (d / FINAL).write_text("{}")
 
     finished(first, "a" * 64)
@@ -444,8 +444,8 @@ def test_only_takes_the_grids_own_keys_and_values(tmp_path):
 
 
 def test_generation_tasks_and_stray_sweep_tasks_are_refused(tmp_path):
-    with pytest.raises(GridError, match="'alpaca' is a generation task"):
-        build_grid(tiny_grid("tiny", tasks={"alpaca": {}}), runs_dir=tmp_path)
+    with pytest.raises(GridError, match="alpaca is a generation task: .* a `generation` section"):
+        build_grid(tiny_grid("tiny", tasks={"alpaca": {"dataset": "alpaca"}}), runs_dir=tmp_path)
     with pytest.raises(GridError, match=r"tasks \['mnli'\] are not in the grid's `tasks`"):
         build_grid(tiny_grid("tiny", sweeps=[{"table": "main", "tasks": ["mnli"]}]), runs_dir=tmp_path)
 

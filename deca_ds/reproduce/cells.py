@@ -40,6 +40,7 @@ from ..runtime.checkpoint import atomic_write, sha256
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
+from .generation import answer
 from .grid import Cell, Grid, GridError
 from .placement import Launch, Placement, placement
 from .pretrain import WEIGHTS, pretrain, pretrained_state
@@ -67,6 +68,7 @@ def is_finished(cell_dir: Path) -> bool:
 
 
 BASE = "base_sha256"  # settings' key: the weights of the model the grid's `pretrain` made
+ANSWERED = "answered"  # settings' key: the question sets a generation cell's model answers
 
 
 def settings_changed(saved: dict | None, now: dict) -> list[str]:
@@ -85,13 +87,16 @@ def settings_changed(saved: dict | None, now: dict) -> list[str]:
                      if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
     if None not in (saved.get(BASE), now.get(BASE)) and saved[BASE] != now[BASE]:
         changed.append("the base model's weights")
+    if saved.get(ANSWERED) != now.get(ANSWERED):
+        changed.append("the questions answered")
     return changed
 
 
-def cell_settings(cell: Cell, base: str | None) -> dict:
-    """What decides the cell's result: its options and, where the grid makes its base model, the
-    sha256 `base` of that model's weights (None while it is not made)."""
-    return cell.settings() | ({BASE: base} if base else {})
+def cell_settings(grid: Grid, cell: Cell, base: str | None) -> dict:
+    """What decides the cell's result: its options, where the grid makes its base model the sha256
+    `base` of that model's weights (None while it is not made), and for a generation cell the
+    questions its model answers (Grid.answers)."""
+    return cell.settings() | ({BASE: base} if base else {}) | ({ANSWERED: grid.answers} if grid.generates(cell) else {})
 
 
 def base_weights(grid: Grid) -> str | None:
@@ -115,7 +120,7 @@ def finished_changes(grid: Grid, cell: Cell, base: str | None) -> list[str] | No
     d = grid.cell_dir(cell)
     if not is_finished(d):
         return None
-    return settings_changed(saved_settings(d), cell_settings(cell, base))
+    return settings_changed(saved_settings(d), cell_settings(grid, cell, base))
 
 
 def saved_settings(cell_dir: Path) -> dict | None:
@@ -371,7 +376,7 @@ def resume_step(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None
 
     train = d / "train"
     if grid.backend != "deepspeed" or not (train / RUN_CONFIG).is_file() \
-            or settings_changed(saved_settings(d), cell_settings(cell, base)):
+            or settings_changed(saved_settings(d), cell_settings(grid, cell, base)):
         return None
     common = set.intersection(*(set(complete_steps(train, c, cell.ranks_per_client, hashes=False))
                                 for c in range(cell.clients)))
@@ -386,8 +391,9 @@ def _prepare(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
         if d.exists():
             shutil.rmtree(d)  # an unfinished earlier attempt without a checkpoint to go on from
         d.mkdir(parents=True)
-        write_json(d / CELL, {"settings": cell_settings(cell, base), "options": cell.options,
-                              "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
+        generation = {"generation": grid.generation.spec()} if grid.generates(cell) else {}
+        write_json(d / CELL, {"settings": cell_settings(grid, cell, base), "options": cell.options,
+                              "tables": list(cell.tables), "budget": list(grid.budgets[cell.key]), **generation})
     else:
         saved = read_json(d / CELL)
         write_json(d / CELL, {**saved, "resumed_from": [*saved.get("resumed_from", []), resume]})
@@ -587,9 +593,13 @@ def run_simulated(d: Path) -> dict:
     simulate(model, streams, topology.W, recording, on_step=on_step)
     metrics.close()
     final_distance = sum(_distances(_final_vectors(recording))) / n
-    evaluation = task.evaluate(consensus_model(recording), opts.eval_limit or None)
-    if not evaluation or not math.isfinite(evaluation.get("accuracy", math.nan)):
-        raise ValueError(f"the consensus model of {d} has no classification metrics: {evaluation}")
+    consensus, generation = consensus_model(recording), read_json(d / CELL).get("generation")
+    if generation:  # a generation task: x̄ answers the grid's question sets (judged after the cells)
+        evaluation = answer(consensus, task.tokenizer, d, generation)
+    else:
+        evaluation = task.evaluate(consensus, opts.eval_limit or None)
+        if not evaluation or not math.isfinite(evaluation.get("accuracy", math.nan)):
+            raise ValueError(f"the consensus model of {d} has no classification metrics: {evaluation}")
     return finish(d, evaluation, wall_s=time.perf_counter() - start, final_distance=final_distance)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -10,9 +11,20 @@ from functools import partial
 
 from ..reporting import invocation
 from ..runtime.fetch import fetch_hub
-from .cells import base_state, base_weights, check_finished, holder, pretrain_base, resume_step, run_grid, steps_done
+from .cells import (
+    base_state,
+    base_weights,
+    check_finished,
+    holder,
+    is_finished,
+    pretrain_base,
+    resume_step,
+    run_grid,
+    steps_done,
+)
 from .figures import write_figures
 from .footprint import estimate_cells
+from .generation import judge_cells
 from .grid import GridError, grid_names, load_grid
 from .paper import published_cells
 from .placement import placement
@@ -45,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--fetch", action="store_true",
                       help="download the hub models and tasks the cells read into the Hugging Face caches, for "
                            "compute nodes without a network (then HF_HUB_OFFLINE=1); run nothing")
+    p.add_argument("--no-judge", action="store_true",
+                   help="leave the generation cells' answers unjudged in this run (compute nodes without a network "
+                        "or the judge's key); a later run or --report-only judges them")
     p.add_argument("--only", nargs="+", default=[], metavar="KEY=VALUE[,VALUE]",
                    help="run only the cells with these values (task, method, topology, clients, layers_per_block, "
                         "seed), e.g. --only seed=0 method=deca,dec_lora; the tables still take every finished cell")
@@ -62,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             # where the cells to run go, checked before pretraining or any cell
             running = not (args.estimate or args.fetch or args.report_only)
             place = placement(grid, [c for c in todo if select(c)]) if running else None
+            judging = bool(grid.generation and grid.generation.judge) and not (
+                args.no_judge or args.dry_run or args.estimate or args.fetch)
+            if judging and grid.generation.judge.key_env and not os.environ.get(grid.generation.judge.key_env):
+                raise GridError(f"generation.judge: the environment variable {grid.generation.judge.key_env} holding "
+                                "the judge's API key is not set (or run with --no-judge and judge later)")
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -116,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if judging:
+        answered = [(c.key, d) for c in grid.cells if grid.generates(c) and is_finished(d := grid.cell_dir(c))]
+        status |= judge_cells(answered, grid.generation, log=log)
     for path in write_report(grid, command=command) + write_figures(grid):
         log(f"wrote {path}")
     elsewhere = sum(v.startswith("elsewhere") for v in status.values())

@@ -11,7 +11,9 @@ An optional `pretrain` section (the scaled protocol) holds deca-pretrain's optio
 model `options.model` names: the grid pretrains it before its first cell unless that directory
 already holds it, made with the same options.
 An optional `paper` names the paper's model (qwen2.5-3b, llama-3.1-8b) whose published numbers
-the report sets beside the grid's (deca_ds.reproduce.paper).
+the report sets beside the grid's (deca_ds.reproduce.paper). A grid with a generation task holds a
+`generation` section: the question sets its consensus models answer and the judge that grades
+them (deca_ds.reproduce.generation).
 
 Equal step budgets, as in the paper: every method of a comparison (the cells that differ only in
 the method) takes the same number of model update steps - DECA's T·B·R, which the baselines get
@@ -29,12 +31,12 @@ from pathlib import Path
 
 import yaml
 
-from ..datasets import TASKS
 from ..models import TINY_LLAMA
 from ..runtime.options import RunOptions, convert_options, option_defaults
 from ..runtime.presets import load_ds_config, shipped_file, shipped_names
-from ..runtime.task import DATASETS
+from ..runtime.task import DATASETS, task_kind
 from . import paper
+from .generation import Generation, GenerationError, parse_generation
 from .pretrain import PretrainOptions
 
 # The grid's methods: the three DECA variants of the ablation table and the baselines.
@@ -114,10 +116,17 @@ class Grid:
     deepspeed_args: list[str]  # the deepspeed launcher's, besides those placement adds for each cell
     pretrain: PretrainOptions | None = None  # how the cells' model is made, when the grid makes it
     paper: str | None = None  # the paper's model whose published numbers the report sets beside the cells'
+    generation: Generation | None = None  # how the generation tasks' cells are answered and judged
+    generation_tasks: frozenset[str] = frozenset()
+    answers: dict | None = None  # generation.settings(), which decides a generation cell's answers
     source: dict = field(repr=False, default_factory=dict)
 
     def cell_dir(self, cell: Cell) -> Path:
         return self.runs_dir / cell.key
+
+    def generates(self, cell: Cell) -> bool:
+        """Whether the cell's task is a generation task: its consensus model answers questions."""
+        return cell.task in self.generation_tasks
 
     def select(self, only: list[str]) -> Callable[[Cell], bool]:
         """`--only KEY=VALUE[,VALUE…] …`: whether a cell has one of the values for every KEY given
@@ -138,7 +147,8 @@ class Grid:
 
 
 _TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "ds_config",
-        "deepspeed_args", "pretrain", "paper", "options", "tasks", "methods", "method_options", "seeds", "sweeps"}
+        "deepspeed_args", "pretrain", "paper", "generation", "options", "tasks", "methods", "method_options", "seeds",
+        "sweeps"}
 _SWEEP = {"table", "tasks", "seeds", "methods", *AXES}
 # Keys that decide where, how fast and under which limits cells run and how they are reported, not a result.
 NOT_RESULT = {"runs_dir", "results_dir", "cell_timeout_s", "jobs", "deepspeed_args", "paper"}
@@ -287,11 +297,6 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
         if dataset not in DATASETS:
             raise GridError(f"{where}: unknown task {name!r} (dataset {dataset!r}); a task is one of {list(DATASETS)} "
                             "or names one with `dataset:`")
-        if dataset in TASKS and TASKS[dataset].kind != "classification":
-            raise GridError(f"{where}: task {name!r} is a generation task, scored by a judge model on the exported "
-                            "consensus model (deca_ds.evaluation.judge_answers); the grid reproduces the "
-                            "classification "
-                            "tables (accuracy, macro-F1)")
     seeds = _seeds(data["seeds"], f"{where}: seeds")
     preset = _ds_batch(ds_config) if backend == "deepspeed" else {}
     defaults = option_defaults()
@@ -335,6 +340,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                                 tables = (old.tables if old else ()) + (sweep.table,)
                                 cells[cell.key] = dataclasses.replace(cell, tables=tuple(dict.fromkeys(tables)))
     pretrain = _pretrain(data.get("pretrain"), list(cells.values()), where)
+    generation, generation_tasks = _generation(data.get("generation"), list(cells.values()), backend, where)
     depth = pretrain.model["num_hidden_layers"] if pretrain else None
     budgets = {key: step_budget(c.options, c.method, depth) for key, c in cells.items()}
     _check_budgets(list(cells.values()), budgets, where)
@@ -376,7 +382,30 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, jobs=jobs,
                 deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, paper=paper_model,
-                source=data)
+                generation=generation, generation_tasks=generation_tasks,
+                answers=generation.settings() if generation else None, source=data)
+
+
+def _generation(section, cells: list[Cell], backend: str, where: str) -> tuple[Generation | None, frozenset[str]]:
+    """The grid's `generation` section and its generation tasks: a grid has the one exactly when
+    it has the other."""
+    tasks = frozenset(c.task for c in cells if task_kind(RunOptions(**c.options)) == "generation")
+    if tasks and section is None:
+        raise GridError(f"{where}: {', '.join(sorted(tasks))} is a generation task: its consensus models answer "
+                        "question sets that a judge model grades; name them in a `generation` section "
+                        "(docs/reproduce.md)")
+    if section is not None and not tasks:
+        raise GridError(f"{where}: generation: the grid has no generation task (e.g. alpaca, or files with a "
+                        "response_column) whose models would answer its questions")
+    if tasks and backend != "simulate":
+        raise GridError(f"{where}: generation task {', '.join(sorted(tasks))}: the {backend} backend does not answer "
+                        "question sets yet; run generation tasks with backend: simulate")
+    if section is None:
+        return None, tasks
+    try:
+        return parse_generation(section, where), tasks
+    except GenerationError as err:
+        raise GridError(str(err)) from None
 
 
 def _pretrain(section, cells: list[Cell], where: str) -> PretrainOptions | None:

@@ -1,8 +1,9 @@
 """The paper's tables from the finished cells: Markdown and CSV, plus one JSON of every cell.
 
-Every number is a percentage, mean ± sample standard deviation (ddof 1) over the seeds; the
-Average column averages a seed's tasks first, then takes mean ± std over seeds. In each group of
-rows (a topology, a number of clients) the best mean of a column is **bold** and the second best
+Every number is mean ± sample standard deviation (ddof 1) over the seeds: a percentage, but for
+the judge's grades of the generation table (1-10, as the paper prints them); the Average column
+averages a seed's tasks first, then takes mean ± std over seeds. In each group of rows (a
+topology, a number of clients) the best mean of a column is **bold** and the second best
 <u>underlined</u>, as in the paper (ties share the mark).
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from .. import reporting
 from . import paper
 from .cells import FINAL, METRICS, RUN_CONFIG, read_json, write_text
+from .generation import judged
 from .grid import METHODS, NOT_RESULT, Cell, Grid, GridError
 
 LABELS = {"deca": "DECA", "trivial_bma": "w/ trivial BMA", "no_bma": "w/o BMA", "dadam": "D-Adam (full, no blocks)",
@@ -39,6 +41,10 @@ class Table:
     group_name: str | None
     columns: list[str]
     rows: list[tuple[str, str, list[list[float]]]]
+    scales: list[float] | None = None  # per column, what a value is multiplied by when shown (default 100: %)
+
+    def scale(self, column: int) -> float:
+        return self.scales[column] if self.scales else 100.0
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -54,9 +60,9 @@ def marks(means: list[float]) -> list[str]:
     return ["best" if m == ranked[0] else "second" if len(ranked) > 1 and m == ranked[1] else "" for m in means]
 
 
-def cell_text(values: list[float]) -> str:
+def cell_text(values: list[float], scale: float = 100.0) -> str:
     mean, std = mean_std(values)
-    return f"{100 * mean:.2f}" + ("" if std is None else f" ± {100 * std:.2f}")
+    return f"{scale * mean:.2f}" + ("" if std is None else f" ± {scale * std:.2f}")
 
 
 def _groups(table: Table) -> dict[str, list[int]]:
@@ -82,8 +88,8 @@ def to_markdown(table: Table) -> str:
              "| " + " | ".join([":--"] * (len(head) - len(table.columns)) + ["--:"] * len(table.columns)) + " |"]
     for (group, method, values), row_marks in zip(table.rows, column_marks(table)):
         cells = []
-        for v, mark in zip(values, row_marks):
-            text = cell_text(v)
+        for c, (v, mark) in enumerate(zip(values, row_marks)):
+            text = cell_text(v, table.scale(c))
             cells.append(f"**{text}**" if mark == "best" else f"<u>{text}</u>" if mark == "second" else text)
         lines.append("| " + " | ".join(([group] if table.group_name else []) + [method] + cells) + " |")
     return "\n".join(lines) + "\n"
@@ -96,9 +102,9 @@ def to_csv(table: Table) -> str:
                + [f"{c} {part}" for c in table.columns for part in ("mean", "std", "mark")] + ["seeds"])
     for (group, method, values), row_marks in zip(table.rows, column_marks(table)):
         row = ([group] if table.group_name else []) + [method]
-        for v, mark in zip(values, row_marks):
+        for c, (v, mark) in enumerate(zip(values, row_marks)):
             mean, std = mean_std(v)
-            row += [f"{100 * mean:.4f}", "" if std is None else f"{100 * std:.4f}", mark]
+            row += [f"{table.scale(c) * mean:.4f}", "" if std is None else f"{table.scale(c) * std:.4f}", mark]
         w.writerow(row + [len(values[0])])
     return buf.getvalue()
 
@@ -169,6 +175,55 @@ def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple
                        for key, _ in METRICS_SHOWN]
         rows.append((group, LABELS[method], values))
     return Table(name, title, axis[1] if axis else None, columns, rows) if rows else None
+
+
+GENERATION_TITLE = "Generation: the judge's grades (1-10) of the consensus model's answers (ROUGE-L in %)"
+
+
+def generation_columns(final: dict) -> dict[str, tuple[float, float]]:
+    """A generation cell's values by column, each with its scale: per question set the judge's
+    grade of each turn and of all its turns (the paper's MT-1, MT-2 and MT.; a set of single
+    questions: one column, as VIC.), and ROUGE-L where the questions carry reference answers."""
+    out = {}
+    for name, grades in (final.get("judged") or {}).items():
+        turns = grades["per_turn"]
+        if len(turns) > 1:
+            out |= {f"{name}-{t}": (v, 1.0) for t, v in sorted(turns.items(), key=lambda kv: int(kv[0]))}
+        if grades["mean"] is not None:
+            out[name] = (grades["mean"], 1.0)
+    for name, answered in final.get("answered", {}).items():
+        if "rouge_l" in answered:
+            out[f"{name} ROUGE-L"] = (answered["rouge_l"], 100.0)
+    return out
+
+
+def build_generation_table(results: dict[Cell, dict], methods: tuple[str, ...]) -> Table | None:
+    """The generation cells (those whose final result holds "answered"): a row per setting and
+    method with generation_columns' columns (per task where there are several); a row takes the
+    seeds that have all of them (a cell not yet judged waits)."""
+    cells = [c for c in results if "answered" in results[c] and c.method in methods]
+    values = {c: generation_columns(results[c]) for c in cells}
+    columns: dict[tuple[str, str], float] = {}  # (task, column) -> its scale, in the cells' order
+    for c in cells:
+        for column, (_, scale) in values[c].items():
+            columns.setdefault((c.task, column), scale)
+    found: dict[tuple, dict[tuple[str, int], dict]] = {}
+    for c in cells:
+        found.setdefault((_setting(c), c.method), {})[(c.task, c.seed)] = values[c]
+    order = {m: i for i, m in enumerate(methods)}
+    seeds = sorted({c.seed for c in cells})
+    several = len(_settings(cells)) > 1
+    rows = []
+    for (setting, method), by_seed in sorted(found.items(), key=lambda kv: (_axis_rank(kv[0][0][0]), kv[0][0][1:],
+                                                                            order[kv[0][1]])):
+        complete = [s for s in seeds if all(column in by_seed.get((t, s), {}) for t, column in columns)]
+        if complete:
+            rows.append((_setting_label(setting) if several else "", LABELS[method],
+                         [[by_seed[(t, s)][column][0] for s in complete] for t, column in columns]))
+    tasks = {t for t, _ in columns}
+    names = [column if len(tasks) == 1 else f"{t} {column}" for t, column in columns]
+    return Table("generation", GENERATION_TITLE, "Setting" if several else None, names, rows,
+                 list(columns.values())) if rows else None
 
 
 def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...],
@@ -384,7 +439,15 @@ def provenance(command: list[str] | None = None, *, outputs: Path | None = None)
 
 
 def finished_results(grid: Grid) -> dict[Cell, dict]:
-    return {c: read_json(grid.cell_dir(c) / FINAL) for c in grid.cells if (grid.cell_dir(c) / FINAL).is_file()}
+    """Each finished cell's final.json; a generation cell's with the grid's judge's grades ("judged")
+    once they are all in."""
+    results = {}
+    for c in grid.cells:
+        d = grid.cell_dir(c)
+        if (d / FINAL).is_file():
+            grades = judged(d, grid.generation.judge.model) if grid.generates(c) and grid.generation.judge else None
+            results[c] = read_json(d / FINAL) | ({"judged": grades} if grades else {})
+    return results
 
 
 def recorded_results(grid: Grid, path: Path) -> dict:
@@ -420,12 +483,16 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
     entries = {e["key"]: e for e in recorded["cells"]} if recorded else {}
     results = ({c: entries[c.key]["final"] for c in grid.cells if "final" in entries.get(c.key, {})}
                if recorded else finished_results(grid))
+    generated = {c: r for c, r in results.items() if "answered" in r}
+    classified = {c: r for c, r in results.items() if c not in generated}
     written = []
     markdown = [f"# {grid.name}: reproduced tables", "",
-                f"{len(results)} of {len(grid.cells)} cells finished. Accuracy and macro-F1 of the consensus model "
-                "x̄ on the test split, in %, mean ± std over seeds (ddof 1); **best**, <u>second</u> per group.", ""]
+                f"{len(results)} of {len(grid.cells)} cells finished. "
+                + ("Accuracy and macro-F1 of the consensus model x̄ on the test split, in %, "
+                   if classified or not generated else "")
+                + "mean ± std over seeds (ddof 1); **best**, <u>second</u> per group.", ""]
     for name, title, methods in TABLES:
-        table = build_table(name, title, results, tuple(m for m in methods if m in METHODS))
+        table = build_table(name, title, classified, tuple(m for m in methods if m in METHODS))
         if table is None:
             continue
         markdown.append(to_markdown(table))
@@ -433,12 +500,18 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
         write_text(path, to_csv(table))
         written.append(path)
     main_methods = tuple(m for m in (*BASELINES, *ABLATION[1:]) if m in METHODS)
-    seeds = per_seed_markdown(results, main_methods)
+    table = build_generation_table(generated, main_methods)
+    if table is not None:
+        markdown.append(to_markdown(table))
+        path = out / "generation.csv"
+        write_text(path, to_csv(table))
+        written.append(path)
+    seeds = per_seed_markdown(classified, main_methods)
     if seeds is not None:
         markdown.append(seeds)
     baselines = tuple(m for m in BASELINES if m in METHODS)
-    paired = [p for p in (*(build_paired(results, main_methods if name == "main" else baselines, name)
-                            for name in PAIRED_TABLES), build_granularity_paired(results)) if p is not None]
+    paired = [p for p in (*(build_paired(classified, main_methods if name == "main" else baselines, name)
+                            for name in PAIRED_TABLES), build_granularity_paired(classified)) if p is not None]
     markdown += [paired_markdown(p) for p in paired]
     if paired:
         path = out / "paired.csv"
@@ -447,7 +520,7 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
     comparisons = []
     if grid.paper:
         reference = paper.reference(grid.paper)
-        comparisons = [c for c in (build_comparison(name, title, results, tuple(m for m in methods if m in METHODS),
+        comparisons = [c for c in (build_comparison(name, title, classified, tuple(m for m in methods if m in METHODS),
                                                     reference[name])
                                    for name, title, methods in TABLES if name in reference) if c is not None]
         if comparisons:
