@@ -132,11 +132,49 @@ def test_unjudged_answers_wait_for_the_judge(files, tmp_path, judges, capsys, mo
     assert json.loads((d / "scores.json").read_text())["judge-1"]["mt"]["mean"] == 7
 
 
+def test_deepspeed_generation_cells_answer_on_rank_0(files, tmp_path, capsys):
+    """The deepspeed backend: deca-train --questions answers with x̄ on rank 0 at the end, and the
+    cell's files are a simulated cell's (answers/, final.json's counts, the table)."""
+    data = generation_grid(files, tmp_path)
+    data.update(backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"])
+    grid_file = tmp_path / "grid.yaml"
+    grid_file.write_text(yaml.safe_dump(data))
+    assert reproduce([str(grid_file)]) == 0, capsys.readouterr()
+    d = tmp_path / "runs" / "instruct/ring-n2-lpb1/deca/seed0"  # the preset's ring
+    summary = json.loads((d / "train" / "summary.json").read_text())
+    final = json.loads((d / "final.json").read_text())
+    assert final["answered"] == summary["consensus_answers"] and final["answered"]["mt"] == {"questions": 2, "turns": 3}
+    rows = [json.loads(line) for line in (d / "answers" / "vic.jsonl").read_text().splitlines()]
+    assert rows[0]["question_id"] == 1 and len(rows[0]["answers"]) == 1
+    assert "consensus model: answered 2 questions (3 turns) of mt" in (d / "log.txt").read_text()
+    table = list(csv.DictReader(io.StringIO((tmp_path / "results" / "generation.csv").read_text())))
+    assert [r["method"] for r in table] == ["DECA"]
+    assert float(table[0]["vic ROUGE-L mean"]) == pytest.approx(100 * final["answered"]["vic"]["rouge_l"], abs=1e-4)
+
+
+def test_deca_train_answers_only_after_a_generation_task(files):
+    from deca_ds.runtime.options import RunOptions
+    from deca_ds.runtime.task import check_questions
+
+    with pytest.raises(ValueError, match="--questions: x̄ answers question sets after a generation task"):
+        check_questions(RunOptions(questions=[f"mt={files['mt']}"]))  # the synthetic task: classification
+    generation = {"dataset": "files", "data_files": [f"train={files['train']}"], "response_column": "output"}
+    with pytest.raises(ValueError, match=r"--questions mt=missing.jsonl: No such file"):
+        check_questions(RunOptions(questions=["mt=missing.jsonl"], **generation))
+    with pytest.raises(ValueError, match=r"train.jsonl:1: a question needs"):
+        check_questions(RunOptions(questions=[f"mt={files['train']}"], **generation))
+    for bad in ("mt", "=x.jsonl", "m/t=x.jsonl"):
+        with pytest.raises(ValueError, match="--questions takes NAME=FILE"):
+            RunOptions(questions=[bad])
+    with pytest.raises(ValueError, match="--questions takes NAME=FILE, each NAME once"):
+        RunOptions(questions=["a=x.jsonl", "a=y.jsonl"])
+    check_questions(RunOptions(questions=[f"mt={files['mt']}"], **generation))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"generation": None}, r"instruct is a generation task: .*name them in a `generation` section"),
     ({"tasks": {"synthetic": {}}}, r"generation: the grid has no generation task"),
-    ({"backend": "deepspeed", "ds_config": "rtx5090_qwen2-1.5b"},
-     r"the deepspeed backend does not answer question sets"),
+    ({"options": {"model": "tiny", "questions": ["mt={mt}"]}}, r"\['questions'\] are the `generation` section's"),
     ({"generation": {"questions": {"mt": "missing.jsonl"}}}, r"generation.questions: no such file: missing.jsonl"),
     ({"generation": {"questions": {"m t": "{mt}"}}}, r"names \['m t'\] must be letters"),
     ({"generation": {"questions": {"mt": "{train}"}}}, r"generation.questions: .*train.jsonl:1: a question needs"),

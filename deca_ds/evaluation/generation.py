@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -126,6 +126,20 @@ def generate_answers(model, tokenizer, questions_jsonl_path: str | os.PathLike, 
     out_path.write_text("".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows),
                         encoding="utf-8")
     return rows
+
+
+def answer_sets(model, tokenizer, questions: Mapping[str, str | os.PathLike], out_dir: str | os.PathLike, *,
+                max_new_tokens: int = 512) -> dict:
+    """generate_answers for each question set {name: questions JSONL} into out_dir/NAME.jsonl; per
+    set the questions and turns answered and, where the questions carry reference answers, their
+    ROUGE-L (deca-train --questions, the reproduction grid's generation cells)."""
+    results = {}
+    for name, path in questions.items():
+        rows = generate_answers(model, tokenizer, path, Path(out_dir) / f"{name}.jsonl", max_new_tokens=max_new_tokens)
+        rouge = rouge_l_of_answers(rows)
+        results[name] = {"questions": len(rows), "turns": sum(len(r["answers"]) for r in rows),
+                         **({"rouge_l": rouge["rouge_l"]} if rouge else {})}
+    return results
 
 
 def rouge_l_of_answers(rows: Sequence[dict]) -> dict | None:

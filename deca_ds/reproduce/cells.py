@@ -40,7 +40,7 @@ from ..runtime.checkpoint import atomic_write, sha256
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
-from .generation import answer
+from .generation import ANSWERS
 from .grid import Cell, Grid, GridError
 from .placement import Launch, Placement, placement
 from .pretrain import WEIGHTS, pretrain, pretrained_state
@@ -391,9 +391,8 @@ def _prepare(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
         if d.exists():
             shutil.rmtree(d)  # an unfinished earlier attempt without a checkpoint to go on from
         d.mkdir(parents=True)
-        generation = {"generation": grid.generation.spec()} if grid.generates(cell) else {}
         write_json(d / CELL, {"settings": cell_settings(grid, cell, base), "options": cell.options,
-                              "tables": list(cell.tables), "budget": list(grid.budgets[cell.key]), **generation})
+                              "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
     else:
         saved = read_json(d / CELL)
         write_json(d / CELL, {**saved, "resumed_from": [*saved.get("resumed_from", []), resume]})
@@ -464,7 +463,11 @@ def collect_deepspeed(d: Path, *, wall_s: float) -> None:
             f.write(json.dumps(rec, allow_nan=False) + "\n")
     write_json(d / RUN_CONFIG, config)
     summary = read_json(train / "summary.json")
-    finish(d, summary["consensus_eval"], wall_s=wall_s,
+    evaluation = summary["consensus_eval"]
+    if "consensus_answers" in summary:  # a generation cell: its answers beside a simulated cell's
+        shutil.copytree(train / ANSWERS, d / ANSWERS, dirs_exist_ok=True)
+        evaluation = {"answered": summary["consensus_answers"]}
+    finish(d, evaluation, wall_s=wall_s,
            final_distance=sum(summary["final_consensus_distance"]) / len(summary["final_consensus_distance"]))
 
 
@@ -544,6 +547,7 @@ def run_simulated(d: Path) -> dict:
     """One cell in this process: N clients through deca_ds.simulate, then x̄ evaluated on the test split."""
     import torch
 
+    from ..evaluation import answer_sets
     from ..optimizer import model_partition
     from ..runtime.dist import local_device, to_device
     from ..runtime.options import RunOptions
@@ -593,9 +597,10 @@ def run_simulated(d: Path) -> dict:
     simulate(model, streams, topology.W, recording, on_step=on_step)
     metrics.close()
     final_distance = sum(_distances(_final_vectors(recording))) / n
-    consensus, generation = consensus_model(recording), read_json(d / CELL).get("generation")
-    if generation:  # a generation task: x̄ answers the grid's question sets (judged after the cells)
-        evaluation = answer(consensus, task.tokenizer, d, generation)
+    consensus = consensus_model(recording)
+    if opts.questions:  # a generation task: x̄ answers the grid's question sets (judged after the cells)
+        evaluation = {"answered": answer_sets(consensus, task.tokenizer, opts.question_sets(), d / ANSWERS,
+                                              max_new_tokens=opts.max_new_tokens)}
     else:
         evaluation = task.evaluate(consensus, opts.eval_limit or None)
         if not evaluation or not math.isfinite(evaluation.get("accuracy", math.nan)):

@@ -13,9 +13,9 @@ section:
         key_env: OPENAI_API_KEY                # the environment variable holding the key (null: none)
         references: {mt_bench: data/gpt-4.jsonl}  # MT-Bench's reference answers (math, reasoning, coding)
 
-Each generation cell answers every set with its consensus model once training has ended
-(`answer`, in the cell's process: answers/<set>.jsonl, ROUGE-L where the questions carry reference
-answers). Judging is a step of its own (`judge_cells`), after the cells, on the machine that runs
+Each generation cell's consensus model answers every set once training has ended (deca-train
+--questions, in the cell's process: answers/<set>.jsonl, ROUGE-L where the questions carry
+reference answers). Judging is a step of its own (`judge_cells`), after the cells, on the machine that runs
 the grid command (compute nodes need no network): every judgment is appended to
 answers/<set>.<judge model>.judgments.jsonl as it arrives, so an interrupted run pays for no
 judgment twice, and the means go to the cell's scores.json under the judge model's name.
@@ -52,9 +52,10 @@ class Generation:
     max_new_tokens: int = 512
     judge: Judge | None = None
 
-    def spec(self) -> dict:
-        """What the cell's process reads (its cell.json's "generation"; `answer`)."""
-        return {"questions": self.questions, "max_new_tokens": self.max_new_tokens}
+    def options(self) -> dict:
+        """A generation cell's deca-train options: x̄ answers these sets at the end (--questions)."""
+        return {"questions": [f"{name}={path}" for name, path in self.questions.items()],
+                "max_new_tokens": self.max_new_tokens}
 
     def settings(self) -> dict:
         """What decides a cell's answers: each set's questions (by their file's sha256) and the
@@ -121,24 +122,6 @@ def parse_generation(section, where: str) -> Generation:
             raise GenerationError(f"{at}.judge: {err}") from None
         judge = Judge(judge["url"], judge["model"], key_env, references, bool(judge.get("allow_http", False)))
     return Generation(questions, tokens, judge)
-
-
-# ---- in the cell's process ----------------------------------------------------------------------------------
-
-
-def answer(model, tokenizer, cell_dir: Path, spec: dict) -> dict:
-    """The consensus model's answers to each question set of `spec` (the cell's "generation":
-    {"questions": {set: path}, "max_new_tokens"}) in answers/<set>.jsonl; per set the number of
-    questions and turns answered and, where the questions carry reference answers, ROUGE-L."""
-    from ..evaluation import generate_answers, rouge_l_of_answers
-
-    results = {}
-    for name, path in spec["questions"].items():
-        rows = generate_answers(model, tokenizer, path, cell_dir / ANSWERS / f"{name}.jsonl",
-                                max_new_tokens=spec["max_new_tokens"])
-        results[name] = {"questions": len(rows), "turns": sum(len(r["answers"]) for r in rows),
-                         **({"rouge_l": rouge["rouge_l"]} if (rouge := rouge_l_of_answers(rows)) else {})}
-    return {"answered": results}
 
 
 # ---- after the cells: the judge -----------------------------------------------------------------------------

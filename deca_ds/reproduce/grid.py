@@ -185,6 +185,9 @@ def _options(where: str, values) -> dict:
     fixed = sorted(set(values) & set(CELL_KEYS) - set(AXES))
     if fixed:
         raise GridError(f"{where}: {fixed} are set per cell by the grid (methods, seeds, runs_dir), not as options")
+    answering = sorted(set(values) & {"questions", "max_new_tokens"})
+    if answering:
+        raise GridError(f"{where}: {answering} are the `generation` section's (questions, max_new_tokens), not options")
     try:
         return convert_options(values, where, also=())
     except ValueError as err:
@@ -340,7 +343,10 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                                 tables = (old.tables if old else ()) + (sweep.table,)
                                 cells[cell.key] = dataclasses.replace(cell, tables=tuple(dict.fromkeys(tables)))
     pretrain = _pretrain(data.get("pretrain"), list(cells.values()), where)
-    generation, generation_tasks = _generation(data.get("generation"), list(cells.values()), backend, where)
+    generation, generation_tasks = _generation(data.get("generation"), list(cells.values()), where)
+    for key, c in cells.items():  # a generation cell's x̄ answers the question sets (deca-train --questions)
+        if c.task in generation_tasks:
+            cells[key] = dataclasses.replace(c, options={**c.options, **generation.options()})
     depth = pretrain.model["num_hidden_layers"] if pretrain else None
     budgets = {key: step_budget(c.options, c.method, depth) for key, c in cells.items()}
     _check_budgets(list(cells.values()), budgets, where)
@@ -386,7 +392,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                 answers=generation.settings() if generation else None, source=data)
 
 
-def _generation(section, cells: list[Cell], backend: str, where: str) -> tuple[Generation | None, frozenset[str]]:
+def _generation(section, cells: list[Cell], where: str) -> tuple[Generation | None, frozenset[str]]:
     """The grid's `generation` section and its generation tasks: a grid has the one exactly when
     it has the other."""
     tasks = frozenset(c.task for c in cells if task_kind(RunOptions(**c.options)) == "generation")
@@ -397,9 +403,6 @@ def _generation(section, cells: list[Cell], backend: str, where: str) -> tuple[G
     if section is not None and not tasks:
         raise GridError(f"{where}: generation: the grid has no generation task (e.g. alpaca, or files with a "
                         "response_column) whose models would answer its questions")
-    if tasks and backend != "simulate":
-        raise GridError(f"{where}: generation task {', '.join(sorted(tasks))}: the {backend} backend does not answer "
-                        "question sets yet; run generation tasks with backend: simulate")
     if section is None:
         return None, tasks
     try:

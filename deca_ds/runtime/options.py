@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import re
 import string
 import types
 import typing
@@ -119,6 +120,9 @@ class RunOptions:
     synthetic_words: int = _opt(12, "words per example of the synthetic task (long examples fill --max-seq-len "
                                 "for memory and speed profiling)")
     eval_limit: int = _opt(512, "held-out examples scored per evaluation (0 = all)")
+    questions: list[str] | None = _opt(None, "question sets x̄ answers after a generation task, NAME=FILE (Vicuna / "
+                                       "MT-Bench JSONL), into answers/NAME.jsonl (docs/evaluation.md)")
+    max_new_tokens: int = _opt(512, "tokens per answered turn of --questions (greedy)")
     # clients and graph
     clients: int | None = _opt(None, "number of clients N (default: world size / ranks per client)")
     ranks_per_client: int = _opt(1, "ranks per client G (data parallel inside a client)")
@@ -203,7 +207,8 @@ class RunOptions:
                                 "any client, count it in the summary, and go on (default: every rank stops there)")
 
     def __post_init__(self) -> None:
-        for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints", "mix_every", "lora_rank", "adapter_size"):
+        for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints", "mix_every", "lora_rank", "adapter_size",
+                     "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval", "offload_keep",
@@ -223,6 +228,7 @@ class RunOptions:
             if "=" not in item or item.split("=", 1)[0] not in ("train", "test"):
                 raise ValueError(f"--data-files takes train=PATH or test=PATH, got {item!r}")
         self._check_client_data()
+        self.question_sets()
         if (self.topology == "file") != (self.matrix_file is not None):
             raise ValueError("--topology file and --matrix-file go together")
         for f in dataclasses.fields(self):
@@ -256,6 +262,17 @@ class RunOptions:
 
         parse_device_map(self.device_map)
         self.deca_config()  # validates Algorithm 1's numbers now, before anything starts
+
+    def question_sets(self) -> dict[str, str]:
+        """--questions as {name: file}, in order; a malformed item is refused, naming it."""
+        sets: dict[str, str] = {}
+        for item in self.questions or ():
+            name, sep, path = item.partition("=")
+            if not sep or not path or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in sets:
+                raise ValueError(f"--questions takes NAME=FILE, each NAME once, of letters, digits, '_', '-' or '.' "
+                                 f"(it names answers/NAME.jsonl), got {item!r}")
+            sets[name] = path
+        return sets
 
     @property
     def client_data(self) -> bool:

@@ -246,6 +246,22 @@ def task_kind(opts: RunOptions) -> str:
                         label_names=opts.label_names, response_column=opts.response_column).kind
 
 
+def check_questions(opts: RunOptions) -> None:
+    """--questions, before any step: only after a generation task, and files of questions."""
+    from ..evaluation import read_questions
+
+    if not opts.questions:
+        return
+    if task_kind(opts) != "generation":
+        raise ValueError(f"--questions: x̄ answers question sets after a generation task (alpaca, or --response-column "
+                         f"with --data-files); --dataset {opts.dataset} is a classification task, scored by label")
+    for name, path in opts.question_sets().items():
+        try:
+            read_questions(path)
+        except OSError as err:
+            raise ValueError(f"--questions {name}={path}: {err.strerror or err}") from None
+
+
 def evaluator(opts: RunOptions) -> Callable[..., dict]:
     """The task's evaluate(model, limit) alone: the test set, without encoding or splitting the
     training data (deca-eval)."""

@@ -27,6 +27,7 @@ from ..config import parse_dtype
 from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
+from ..evaluation import answer_sets
 from ..methods import Method
 from ..models import (
     causal_lm_loss,
@@ -71,7 +72,7 @@ from .nonfinite import (
 )
 from .options import RunOptions, dump_config, offload_keep_for_budget
 from .same_start import check_same_start, start_fingerprint
-from .task import Task, build_task, share_counts
+from .task import Task, build_task, check_questions, share_counts
 from .timing import DeviceTime, Timer
 from .trace import StepTrace, check_window
 from .transport import check_placement, env_placement, resolve_transport, spans_nodes
@@ -261,6 +262,7 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p,
                              seed=opts.topology_seed, matrix_file=opts.matrix_file)
     # per-client files: a process reads its own client's only
+    check_questions(opts)
     task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
                       if opts.client_data else None)
     laps("data")
@@ -633,6 +635,9 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[l
     with the evaluation it runs."""
     summary = summarize(records)
     evaluation = task.evaluate(model, opts.eval_limit or None)
+    if opts.questions:  # a generation task: x̄ answers the question sets
+        summary["consensus_answers"] = answer_sets(model, task.tokenizer, opts.question_sets(), out / "answers",
+                                                   max_new_tokens=opts.max_new_tokens)
     if memory.counted:
         end_peaks = [memory.peak(), *end_peaks[1:]]
     summary.update(consensus_eval=evaluation, final_consensus_distance=distances, mem_end_peak=end_peaks,
@@ -646,6 +651,10 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[l
     print("\n" + table)
     print(f"loss (mean over clients): start {sum(x['loss_start'] for x in c) / len(c):.4f} -> "
           f"end {sum(x['loss_end'] for x in c) / len(c):.4f}")
+    for name, answered in summary.get("consensus_answers", {}).items():
+        print(f"consensus model: answered {answered['questions']} questions ({answered['turns']} turns) of {name} "
+              f"in {out / 'answers' / (name + '.jsonl')}"
+              + (f", ROUGE-L {answered['rouge_l']:.3f}" if "rouge_l" in answered else ""))
     if evaluation:
         print(f"consensus model: accuracy {evaluation['accuracy']:.3f} (chance {evaluation['chance']:.3f}), "
               f"macro-F1 {evaluation['macro_f1']:.3f} on {evaluation['n']} held-out examples")
