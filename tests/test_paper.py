@@ -15,12 +15,12 @@ from deca_ds.reproduce import GridError, build_grid
 from deca_ds.reproduce.cells import FINAL, write_json
 from deca_ds.reproduce.grid import Cell, load_grid
 from deca_ds.reproduce.paper import models, published_cells, reference, reference_tables, to_csv, to_markdown
-from deca_ds.reproduce.report import TABLES, build_comparison, write_report
+from deca_ds.reproduce.report import TABLES, build_comparison, build_generation_comparison, write_report
 
 
 def test_the_papers_tables_as_printed():
     """Numbers read off the paper by hand, and the rows the paper prints twice agree in both places."""
-    assert models() == ["qwen2.5-3b", "llama-3.1-8b"]
+    assert models() == ["qwen2.5-3b", "llama-3.1-8b", "qwen2-1.5b", "llama-2-7b"]
     qwen, llama = reference("qwen2.5-3b"), reference("llama-3.1-8b")
     assert qwen["main"][(None, "deca", "agnews")] == (88.84, 88.79)
     assert qwen["ablation"][(None, "trivial_bma", "nwgi")] == (30.62, 21.38)
@@ -55,6 +55,57 @@ def test_the_papers_tables_as_printed():
                    for v in pair)
 
 
+def test_the_papers_generation_table_as_printed():
+    qwen, llama = reference("qwen2-1.5b")["generation"], reference("llama-2-7b")["generation"]
+    assert set(reference("qwen2-1.5b")) == set(reference("llama-2-7b")) == {"generation"}
+    assert qwen[(None, "deca", "alpaca")] == {"vicuna": 5.68, "mt_bench-1": 4.88, "mt_bench-2": 3.30, "mt_bench": 4.10}
+    assert qwen[(None, "dec_adapter", "alpaca")]["mt_bench-2"] == 2.65
+    assert llama[(None, "decaf", "alpaca")] == {"vicuna": 5.91, "mt_bench-1": 4.31, "mt_bench-2": 3.00,
+                                                "mt_bench": 3.65}
+    assert llama[(None, "dec_lora", "alpaca")]["vicuna"] == 5.60
+    for table in (qwen, llama):
+        assert set(table) == {(None, m, "alpaca") for m in ("dec_adapter", "dec_lora", "decaf", "deca")}
+        for grades in table.values():
+            # MT. is the mean grade over both turns (80 questions each), to the paper's rounding: a check
+            # on each of the three numbers
+            assert abs((grades["mt_bench-1"] + grades["mt_bench-2"]) / 2 - grades["mt_bench"]) <= 0.0101
+            assert all(1 <= v <= 10 and round(v, 2) == v for v in grades.values())
+
+
+def judge_files(root):
+    """The FastChat llm_judge files the paper's generation grids name, one line each, under `root`."""
+    for bench in ("vicuna_bench", "mt_bench"):
+        (root / "data/llm_judge" / bench / "reference_answer").mkdir(parents=True)
+        (root / "data/llm_judge" / bench / "question.jsonl").write_text(
+            json.dumps({"question_id": 1, "category": "math", "turns": ["1 + 1?", "times 3?"]}) + "\n")
+        (root / "data/llm_judge" / bench / "reference_answer" / "gpt-4.jsonl").write_text(
+            json.dumps({"question_id": 1, "choices": [{"turns": ["2", "6"]}]}) + "\n")
+
+
+def test_the_paper_generation_grids_run_the_papers_cells(tmp_path, monkeypatch):
+    """The generation grids name FastChat's questions and reference answers relative to where they run,
+    and run the paper's four methods on Alpaca with its settings."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(GridError, match=r"generation.questions: no such file: data/llm_judge/vicuna_bench/question"):
+        load_grid("paper_qwen2-1.5b")
+    judge_files(tmp_path)
+    for name, model, preset in (("paper_qwen2-1.5b", "qwen2-1.5b", "Qwen/Qwen2-1.5B"),
+                                ("paper_llama-2-7b", "llama-2-7b", "meta-llama/Llama-2-7b-hf")):
+        grid = load_grid(name)
+        assert grid.paper == model and published_cells(grid.cells, model) == grid.cells
+        assert {(c.method, c.task) for c in grid.cells} == {(k[1], k[2]) for k in reference(model)["generation"]}
+        assert grid.generation.judge.model == "gpt-4" and set(grid.generation.judge.references) == {"vicuna",
+                                                                                                  "mt_bench"}
+        for c in grid.cells:
+            o = c.options
+            assert (o["model"], o["clients"], o["dirichlet_alpha"], o["partition_key"]) == (preset, 8, 0.25, "category")
+            assert (o["rounds"], o["steps_per_block"], o["layers_per_block"], o["lr"]) == (4, 48, 2, 5e-5)
+            assert o["questions"] == ["vicuna=data/llm_judge/vicuna_bench/question.jsonl",
+                                      "mt_bench=data/llm_judge/mt_bench/question.jsonl"]
+            assert o["max_new_tokens"] == 1024
+            assert tuple(o["bma_betas"]) == ((0.3, 0.333) if c.method == "deca" else (0.9, 0.999))
+
+
 def test_the_paper_grids_run_exactly_the_papers_cells(tmp_path):
     """Every cell of the shipped paper grids has the paper's number in each table it feeds, and
     every number of the paper's classification tables has a cell."""
@@ -76,6 +127,32 @@ def test_the_paper_grids_run_exactly_the_papers_cells(tmp_path):
 
 def cell(method, task="agnews", seed=0, topology="erdos_renyi", clients=8, lpb=2, tables=("main",)):
     return Cell(task, method, topology, clients, lpb, seed, {"dataset": task}, tables)
+
+
+def test_generation_grades_against_the_papers():
+    """The generation table's comparison: each column the paper prints, ordered by hand."""
+    def graded(vicuna, mt1, mt2):
+        return {"answered": {}, "judged": {"vicuna": {"mean": vicuna, "per_turn": {"1": vicuna}},
+                                           "mt_bench": {"mean": (mt1 + mt2) / 2, "per_turn": {"1": mt1, "2": mt2}}}}
+    results = {cell("deca", task="alpaca"): graded(5.0, 4.0, 3.0),
+               cell("dec_lora", task="alpaca"): graded(6.0, 3.5, 2.5),
+               cell("dec_lora", task="alpaca", seed=1): graded(6.0, 3.5, 2.5),
+               cell("dadam", task="alpaca"): graded(9.0, 9.0, 9.0)}  # not in the paper: no row
+    comparison = build_generation_comparison(results, ("dec_lora", "dadam", "deca"),
+                                             reference("qwen2-1.5b")["generation"])
+    assert [r.method for r in comparison.rows] == ["Dec-LoRA", "DECA"]
+    assert comparison.columns == [("alpaca", c) for c in ("vicuna", "mt_bench-1", "mt_bench-2", "mt_bench")]
+    # the paper: DECA above Dec-LoRA in all four; here below in vicuna (5 < 6) only
+    order = comparison.order()
+    assert (order["pairs_in_order"], order["pairs"], order["best_as_paper"], order["columns"]) == (3, 4, 3, 4)
+    assert order["out_of_order"] == ["Dec-LoRA above DECA in alpaca vicuna"]
+    md = to_markdown(comparison, "qwen2-1.5b")
+    assert md.startswith("### Against the paper (Qwen2-1.5B): Generation")
+    assert "| DECA | 5.00 (5.68) | 4.00 (4.88) | 3.00 (3.30) | 3.50 (4.10) |" in md
+    assert "| Dec-LoRA | 6.00 ± 0.00 (5.52) | 3.50 ± 0.00 (4.43) |" in md
+    rows = list(csv.DictReader(io.StringIO(to_csv([comparison]))))
+    assert rows[-1] == {"table": "generation", "group": "", "method": "DECA", "task": "alpaca", "metric": "mt_bench",
+                        "seeds": "1", "mean": "3.5000", "std": "", "paper": "4.10", "difference": "-0.6000"}
 
 
 def test_orderings_against_hand_counted_pairs():
@@ -171,7 +248,7 @@ def test_a_grid_names_a_paper_model_and_its_report_sets_the_papers_numbers_besid
                                      "layers_per_block": 1}, "tasks": {"agnews": {}}, "methods": ["deca", "no_bma"],
             "seeds": [0], "paper": "qwen2.5-3b"}
     with pytest.raises(GridError, match=r"paper must name one of the paper's models, \['qwen2.5-3b', "
-                                        r"'llama-3.1-8b'\], got 'qwen'"):
+                                        r"'llama-3.1-8b', 'qwen2-1.5b', 'llama-2-7b'\], got 'qwen'"):
         build_grid({**grid, "paper": "qwen"}, runs_dir=tmp_path)
     # a grid none of whose cells the paper has (the synthetic task): naming a paper model is a mistake
     with pytest.raises(GridError, match=r"paper qwen2.5-3b: no cell of the grid is in the paper's tables, whose "
@@ -194,6 +271,33 @@ def test_a_grid_names_a_paper_model_and_its_report_sets_the_papers_numbers_besid
     assert record["tables"]["ablation"] == {"pairs_in_order": 2, "pairs": 2, "best_as_paper": 2, "columns": 2,
                                             "out_of_order": [], "unlike": []}
     assert set(reference_tables()) == set(models()) and {n for n, _, _ in TABLES} >= set(reference("qwen2.5-3b"))
+
+
+def test_a_generation_grids_report_sets_the_papers_grades_beside(tmp_path):
+    judge_files(tmp_path)
+    bench = tmp_path / "data/llm_judge"
+    grid = build_grid({"name": "g", "options": {"model": "tiny", "clients": 2, "steps_per_block": 1, "rounds": 1},
+                       "tasks": {"alpaca": {}}, "methods": ["deca", "dec_lora"], "seeds": [0], "paper": "qwen2-1.5b",
+                       "generation": {"questions": {"vicuna": str(bench / "vicuna_bench/question.jsonl"),
+                                                    "mt_bench": str(bench / "mt_bench/question.jsonl")},
+                                      "judge": {"url": "https://judge.example", "model": "gpt-4"}}},
+                      runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
+    for c, (vicuna, mt1, mt2) in zip(grid.cells, ((6.0, 5.0, 3.0), (5.0, 4.0, 3.0))):
+        d = grid.cell_dir(c)
+        d.mkdir(parents=True)
+        write_json(d / FINAL, {"answered": {"vicuna": {"questions": 1, "turns": 2}}})
+        write_json(d / "scores.json", {"gpt-4": {
+            "vicuna": {"mean": vicuna, "n": 2, "n_unparsed": 0, "per_turn": {"1": vicuna}},
+            "mt_bench": {"mean": (mt1 + mt2) / 2, "n": 2, "n_unparsed": 0, "per_turn": {"1": mt1, "2": mt2}}}})
+    write_report(grid, command=["test"])
+    tables = (tmp_path / "results" / "tables.md").read_text()
+    assert "### Against the paper (Qwen2-1.5B): Generation" in tables
+    assert "| DECA | 6.00 (5.68) | 5.00 (4.88) | 3.00 (3.30) | 4.00 (4.10) |" in tables
+    record = json.loads((tmp_path / "results" / "results.json").read_text())["paper"]["tables"]["generation"]
+    # DECA above Dec-LoRA in vicuna, MT-1 and MT. as in the paper; level in MT-2 (3.30 > 2.95 there)
+    assert (record["pairs_in_order"], record["pairs"]) == (3, 4)
+    assert {r["metric"] for r in csv.DictReader((tmp_path / "results" / "paper.csv").open())} == {
+        "vicuna", "mt_bench-1", "mt_bench-2", "mt_bench"}
 
 
 def test_tables_from_a_results_json_equal_the_cells_and_refuse_a_changed_grid(tmp_path, capsys):

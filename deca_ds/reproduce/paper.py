@@ -28,7 +28,8 @@ from pathlib import Path
 import yaml
 
 REFERENCE = Path(__file__).with_name("paper_tables.yaml")
-MODEL_LABELS = {"qwen2.5-3b": "Qwen2.5-3B", "llama-3.1-8b": "Llama-3.1-8B"}
+MODEL_LABELS = {"qwen2.5-3b": "Qwen2.5-3B", "llama-3.1-8b": "Llama-3.1-8B", "qwen2-1.5b": "Qwen2-1.5B",
+                "llama-2-7b": "Llama-2-7B"}
 # the table whose rows are ordered across its groups rather than within each
 ACROSS_GROUPS = {"granularity"}
 # the cell field that a table's groups are (the main and ablation tables have one group)
@@ -46,12 +47,14 @@ def models() -> list[str]:
 
 
 def reference(model: str) -> dict[str, dict]:
-    """table -> {(group value or None, method, task): (accuracy, macro-F1)} of the paper's `model`, in %."""
+    """table -> {(group value or None, method, task): (accuracy, macro-F1)} of the paper's `model`, in %;
+    the generation table's values are {column: the judge's grade} (report.generation_columns' names)."""
     out: dict[str, dict] = {}
     for table, body in reference_tables()[model].items():
-        groups = {None: body} if table in ("main", "ablation") else body
-        out[table] = {(group, method, task): tuple(values) for group, methods in groups.items()
-                      for method, tasks in methods.items() for task, values in tasks.items()}
+        groups = {None: body} if table in ("main", "ablation", "generation") else body
+        out[table] = {(group, method, task): dict(values) if isinstance(values, dict) else tuple(values)
+                      for group, methods in groups.items() for method, tasks in methods.items()
+                      for task, values in tasks.items()}
     return out
 
 
@@ -63,10 +66,10 @@ def row_key(table: str, cell) -> tuple:
 
 def published_cells(cells, model: str) -> list:
     """The cells with a number in one of the paper's tables they feed (the main table's cells
-    feed the ablation table too)."""
+    feed the ablation and the generation table too)."""
     tables = reference(model)
     return [c for c in cells if any(row_key(t, c) in tables.get(t, {})
-                                    for t in (*c.tables, *(("ablation",) if "main" in c.tables else ())))]
+                                    for t in (*c.tables, *(("ablation", "generation") if "main" in c.tables else ())))]
 
 
 @dataclass
@@ -87,6 +90,7 @@ class Comparison:
     group_name: str | None
     columns: list[tuple[str, str]]  # (task, metric label)
     rows: list[Row]
+    scale: float = 100.0  # what the values here are multiplied by to read as the paper's (fractions -> %)
 
     def sets(self) -> list[list[Row]]:
         """The rows whose order the paper shows: a group's, or all of them (granularity)."""
@@ -145,9 +149,9 @@ class Comparison:
         return f"{row.group}, " if row.group and self.name not in ACROSS_GROUPS else ""
 
 
-def _text(values: list[float]) -> str:
-    mean = 100 * statistics.fmean(values)
-    return f"{mean:.2f}" + (f" ± {100 * statistics.stdev(values):.2f}" if len(values) > 1 else "")
+def _text(values: list[float], scale: float) -> str:
+    mean = scale * statistics.fmean(values)
+    return f"{mean:.2f}" + (f" ± {scale * statistics.stdev(values):.2f}" if len(values) > 1 else "")
 
 
 def to_markdown(comparison: Comparison, model: str) -> str:
@@ -157,8 +161,8 @@ def to_markdown(comparison: Comparison, model: str) -> str:
              "| " + " | ".join(head) + " |",
              "| " + " | ".join([":--"] * (1 + grouped) + ["--:"] * len(comparison.columns)) + " |"]
     for row in comparison.rows:
-        cells = [(_text(row.here[c]) if c in row.here else "–") + (f" ({row.paper[c]:.2f})" if c in row.paper else "")
-                 for c in comparison.columns]
+        cells = [(_text(row.here[c], comparison.scale) if c in row.here else "–")
+                 + (f" ({row.paper[c]:.2f})" if c in row.paper else "") for c in comparison.columns]
         lines.append("| " + " | ".join(([row.group] if grouped else []) + [row.method] + cells) + " |")
     order = comparison.order()
     if order["pairs"]:
@@ -173,8 +177,9 @@ NOTE = ("Here: mean ± std over the seeds that finished (%); in brackets the pap
         "setting, method and task. Average: per seed over the tasks of the paper's row, on the seeds that finished "
         "them all, beside the paper's Average column (no Average where the grid lacks one of those tasks). Pairs in "
         "order: pairs of rows of a group (granularity: of the table) whose difference here has the sign of the "
-        "paper's, over every task's accuracy and macro-F1 column (pairs the paper ties are left out). The numbers "
-        "compare only on the paper's model and settings; on another model or scale only the orderings do.")
+        "paper's, over every task's accuracy and macro-F1 column (pairs the paper ties are left out); the generation "
+        "table: its grades (1-10) as printed, each column of it. The numbers compare only on the paper's model and "
+        "settings (for the generation table, its judge too); on another model or scale only the orderings do.")
 
 
 def to_csv(comparisons: list[Comparison]) -> str:
@@ -186,9 +191,9 @@ def to_csv(comparisons: list[Comparison]) -> str:
             for col in comparison.columns:
                 if col not in row.here or col not in row.paper:
                     continue
-                values = row.here[col]
-                mean = 100 * statistics.fmean(values)
-                std = f"{100 * statistics.stdev(values):.4f}" if len(values) > 1 else ""
+                values, scale = row.here[col], comparison.scale
+                mean = scale * statistics.fmean(values)
+                std = f"{scale * statistics.stdev(values):.4f}" if len(values) > 1 else ""
                 w.writerow([comparison.name, row.group, row.method, *col, len(values), f"{mean:.4f}", std,
                             f"{row.paper[col]:.2f}", f"{mean - row.paper[col]:.4f}"])
     return buf.getvalue()

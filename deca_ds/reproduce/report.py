@@ -226,6 +226,30 @@ def build_generation_table(results: dict[Cell, dict], methods: tuple[str, ...]) 
                  list(columns.values())) if rows else None
 
 
+def build_generation_comparison(results: dict[Cell, dict], methods: tuple[str, ...],
+                                reference: dict) -> paper.Comparison | None:
+    """The generation table's rows the paper also has (`reference`: paper.reference(model)["generation"]),
+    in the columns it prints (a grid's question sets `vicuna` and `mt_bench`: VIC., MT-1, MT-2, MT.)."""
+    order = {m: i for i, m in enumerate(methods)}
+    cells = sorted((c for c in results if "answered" in results[c] and "main" in c.tables and c.method in methods),
+                   key=lambda c: (order[c.method], c.seed))
+    rows: dict[str, paper.Row] = {}
+    columns = []
+    for c in cells:
+        published = reference.get(paper.row_key("generation", c))
+        if published is None:
+            continue
+        row = rows.setdefault(c.method, paper.Row("", LABELS[c.method], {}, {}))
+        values = generation_columns(results[c])
+        for column, value in published.items():
+            if column in values:
+                columns.append((c.task, column))
+                row.here.setdefault((c.task, column), []).append(values[column][0])
+                row.paper[(c.task, column)] = value
+    return paper.Comparison("generation", GENERATION_TITLE, None, list(dict.fromkeys(columns)), list(rows.values()),
+                            scale=1.0) if rows else None
+
+
 def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...],
                      reference: dict) -> paper.Comparison | None:
     """Table `name`'s rows that the paper also has (`reference`: paper.reference(model)[name]), each
@@ -523,6 +547,9 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
         comparisons = [c for c in (build_comparison(name, title, classified, tuple(m for m in methods if m in METHODS),
                                                     reference[name])
                                    for name, title, methods in TABLES if name in reference) if c is not None]
+        if "generation" in reference:
+            found = build_generation_comparison(generated, main_methods, reference["generation"])
+            comparisons += [found] if found else []
         if comparisons:
             markdown += [paper.NOTE, ""] + [paper.to_markdown(c, grid.paper) for c in comparisons]
         path = out / "paper.csv"
