@@ -10,10 +10,10 @@ and topology tables) run once. Relative paths are read from the directory the gr
 An optional `pretrain` section (the scaled protocol) holds deca-pretrain's options for the
 model `options.model` names: the grid pretrains it before its first cell unless that directory
 already holds it, made with the same options.
-An optional `paper` names the paper's model (qwen2.5-3b, llama-3.1-8b) whose published numbers
-the report sets beside the grid's (deca_ds.reproduce.paper). A grid with a generation task holds a
-`generation` section: the question sets its consensus models answer and the judge that grades
-them (deca_ds.reproduce.generation).
+An optional `paper` names the paper's model (qwen2.5-3b, llama-3.1-8b, qwen2-1.5b, llama-2-7b)
+whose published numbers the report sets beside the grid's (deca_ds.reproduce.paper). A grid with
+a generation task holds a `generation` section: the question sets its consensus models answer and
+the judge that grades them (deca_ds.reproduce.generation).
 
 Equal step budgets, as in the paper: every method of a comparison (the cells that differ only in
 the method) takes the same number of model update steps - DECA's T·B·R, which the baselines get
@@ -117,16 +117,16 @@ class Grid:
     pretrain: PretrainOptions | None = None  # how the cells' model is made, when the grid makes it
     paper: str | None = None  # the paper's model whose published numbers the report sets beside the cells'
     generation: Generation | None = None  # how the generation tasks' cells are answered and judged
-    generation_tasks: frozenset[str] = frozenset()
     answers: dict | None = None  # generation.settings(), which decides a generation cell's answers
     source: dict = field(repr=False, default_factory=dict)
 
     def cell_dir(self, cell: Cell) -> Path:
         return self.runs_dir / cell.key
 
-    def generates(self, cell: Cell) -> bool:
+    @staticmethod
+    def generates(cell: Cell) -> bool:
         """Whether the cell's task is a generation task: its consensus model answers questions."""
-        return cell.task in self.generation_tasks
+        return bool(cell.options.get("questions"))
 
     def select(self, only: list[str]) -> Callable[[Cell], bool]:
         """`--only KEY=VALUE[,VALUE…] …`: whether a cell has one of the values for every KEY given
@@ -388,8 +388,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, jobs=jobs,
                 deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, paper=paper_model,
-                generation=generation, generation_tasks=generation_tasks,
-                answers=generation.settings() if generation else None, source=data)
+                generation=generation, answers=generation.settings() if generation else None, source=data)
 
 
 def _generation(section, cells: list[Cell], where: str) -> tuple[Generation | None, frozenset[str]]:
