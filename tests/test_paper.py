@@ -57,14 +57,18 @@ def test_the_papers_tables_as_printed():
 
 def test_the_papers_generation_table_as_printed():
     qwen, llama = reference("qwen2-1.5b")["generation"], reference("llama-2-7b")["generation"]
-    assert set(reference("qwen2-1.5b")) == set(reference("llama-2-7b")) == {"generation"}
+    assert set(reference("qwen2-1.5b")) == {"generation", "bma"} and set(reference("llama-2-7b")) == {"generation"}
     assert qwen[(None, "deca", "alpaca")] == {"vicuna": 5.68, "mt_bench-1": 4.88, "mt_bench-2": 3.30, "mt_bench": 4.10}
     assert qwen[(None, "dec_adapter", "alpaca")]["mt_bench-2"] == 2.65
     assert llama[(None, "decaf", "alpaca")] == {"vicuna": 5.91, "mt_bench-1": 4.31, "mt_bench-2": 3.00,
                                                 "mt_bench": 3.65}
     assert llama[(None, "dec_lora", "alpaca")]["vicuna"] == 5.60
-    for table in (qwen, llama):
-        assert set(table) == {(None, m, "alpaca") for m in ("dec_adapter", "dec_lora", "decaf", "deca")}
+    bma = reference("qwen2-1.5b")["bma"]
+    assert bma[("0.3, 0.444", "deca", "alpaca")]["mt_bench-1"] == 5.23 and bma[("0.2, 0.333", "deca", "alpaca")][
+        "vicuna"] == 5.70
+    assert bma[("0.3, 0.333", "deca", "alpaca")] == qwen[(None, "deca", "alpaca")]  # printed in both tables
+    for table in (qwen, llama, bma):
+        assert {k[1:] for k in table} <= {(m, "alpaca") for m in ("dec_adapter", "dec_lora", "decaf", "deca")}
         for grades in table.values():
             # MT. is the mean grade over both turns (80 questions each), to the paper's rounding: a check
             # on each of the three numbers
@@ -93,7 +97,9 @@ def test_the_paper_generation_grids_run_the_papers_cells(tmp_path, monkeypatch):
                                 ("paper_llama-2-7b", "llama-2-7b", "meta-llama/Llama-2-7b-hf")):
         grid = load_grid(name)
         assert grid.paper == model and published_cells(grid.cells, model) == grid.cells
-        assert {(c.method, c.task) for c in grid.cells} == {(k[1], k[2]) for k in reference(model)["generation"]}
+        needed = {("generation" if t == "main" else t, (c.betas if t == "bma" else None, c.method, c.task))
+                  for c in grid.cells for t in c.tables}
+        assert needed == {(t, k) for t, table in reference(model).items() for k in table}, name
         assert grid.generation.judge.model == "gpt-4" and set(grid.generation.judge.references) == {"vicuna",
                                                                                                   "mt_bench"}
         for c in grid.cells:
@@ -103,7 +109,16 @@ def test_the_paper_generation_grids_run_the_papers_cells(tmp_path, monkeypatch):
             assert o["questions"] == ["vicuna=data/llm_judge/vicuna_bench/question.jsonl",
                                       "mt_bench=data/llm_judge/mt_bench/question.jsonl"]
             assert o["max_new_tokens"] == 1024
-            assert tuple(o["bma_betas"]) == ((0.3, 0.333) if c.method == "deca" else (0.9, 0.999))
+            if c.method != "deca":
+                assert tuple(o["bma_betas"]) == (0.9, 0.999)  # the default, which the baselines do not read
+            elif "main" in c.tables:
+                assert tuple(o["bma_betas"]) == (0.3, 0.333) and c.tables == ("main", "bma")[:len(c.tables)]
+    # the BMA betas' table: five DECA cells, its (0.3, 0.333) row the main table's cell
+    grid = load_grid("paper_qwen2-1.5b")
+    bma = [c for c in grid.cells if "bma" in c.tables]
+    assert [c.betas for c in bma] == ["0.3, 0.333", "0.3, 0.222", "0.3, 0.444", "0.2, 0.333", "0.4, 0.333"]
+    assert bma[0].tables == ("main", "bma") and bma[0].key == "alpaca/erdos_renyi-n8-lpb2/deca/seed0"
+    assert bma[1].key == "alpaca/erdos_renyi-n8-lpb2/deca-bma0.3-0.222/seed0" and bma[1].tables == ("bma",)
 
 
 def test_the_paper_grids_run_exactly_the_papers_cells(tmp_path):
@@ -138,7 +153,7 @@ def test_generation_grades_against_the_papers():
                cell("dec_lora", task="alpaca"): graded(6.0, 3.5, 2.5),
                cell("dec_lora", task="alpaca", seed=1): graded(6.0, 3.5, 2.5),
                cell("dadam", task="alpaca"): graded(9.0, 9.0, 9.0)}  # not in the paper: no row
-    comparison = build_generation_comparison(results, ("dec_lora", "dadam", "deca"),
+    comparison = build_generation_comparison("main", "Generation", results, ("dec_lora", "dadam", "deca"),
                                              reference("qwen2-1.5b")["generation"])
     assert [r.method for r in comparison.rows] == ["Dec-LoRA", "DECA"]
     assert comparison.columns == [("alpaca", c) for c in ("vicuna", "mt_bench-1", "mt_bench-2", "mt_bench")]
@@ -278,11 +293,17 @@ def test_a_generation_grids_report_sets_the_papers_grades_beside(tmp_path):
     bench = tmp_path / "data/llm_judge"
     grid = build_grid({"name": "g", "options": {"model": "tiny", "clients": 2, "steps_per_block": 1, "rounds": 1},
                        "tasks": {"alpaca": {}}, "methods": ["deca", "dec_lora"], "seeds": [0], "paper": "qwen2-1.5b",
+                       "method_options": {"deca": {"bma_betas": [0.3, 0.333]}},
+                       "sweeps": [{"table": "main"},
+                                  {"table": "bma", "methods": ["deca"], "bma_betas": [[0.3, 0.222], [0.3, 0.333]]}],
                        "generation": {"questions": {"vicuna": str(bench / "vicuna_bench/question.jsonl"),
                                                     "mt_bench": str(bench / "mt_bench/question.jsonl")},
                                       "judge": {"url": "https://judge.example", "model": "gpt-4"}}},
                       runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
-    for c, (vicuna, mt1, mt2) in zip(grid.cells, ((6.0, 5.0, 3.0), (5.0, 4.0, 3.0))):
+    assert [(c.method, c.betas, c.tables) for c in grid.cells] == [
+        ("deca", "0.3, 0.333", ("main", "bma")), ("dec_lora", "0.9, 0.999", ("main",)),
+        ("deca", "0.3, 0.222", ("bma",))]
+    for c, (vicuna, mt1, mt2) in zip(grid.cells, ((6.0, 5.0, 3.0), (5.0, 4.0, 3.0), (5.5, 4.5, 3.5))):
         d = grid.cell_dir(c)
         d.mkdir(parents=True)
         write_json(d / FINAL, {"answered": {"vicuna": {"questions": 1, "turns": 2}}})
@@ -293,11 +314,18 @@ def test_a_generation_grids_report_sets_the_papers_grades_beside(tmp_path):
     tables = (tmp_path / "results" / "tables.md").read_text()
     assert "### Against the paper (Qwen2-1.5B): Generation" in tables
     assert "| DECA | 6.00 (5.68) | 5.00 (4.88) | 3.00 (3.30) | 4.00 (4.10) |" in tables
-    record = json.loads((tmp_path / "results" / "results.json").read_text())["paper"]["tables"]["generation"]
+    # the betas' table, a row per (β1, β2), and beside the paper's tab:gen_hyper
+    assert "| β1, β2 | Method | vicuna | mt_bench-1 | mt_bench-2 | mt_bench |" in tables
+    assert "| 0.3, 0.222 | DECA | 5.50 | 4.50 | 3.50 | 4.00 |" in tables
+    assert "| 0.3, 0.222 | DECA | 5.50 (5.66) | 4.50 (4.74) | 3.50 (3.25) | 4.00 (3.99) |" in tables
+    record = json.loads((tmp_path / "results" / "results.json").read_text())["paper"]["tables"]
     # DECA above Dec-LoRA in vicuna, MT-1 and MT. as in the paper; level in MT-2 (3.30 > 2.95 there)
-    assert (record["pairs_in_order"], record["pairs"]) == (3, 4)
+    assert (record["generation"]["pairs_in_order"], record["generation"]["pairs"]) == (3, 4)
+    # (0.3, 0.333) above (0.3, 0.222) in all four there; here in vicuna and MT-1, below in MT-2, level in MT.
+    assert (record["bma"]["pairs_in_order"], record["bma"]["pairs"]) == (2, 4)
     assert {r["metric"] for r in csv.DictReader((tmp_path / "results" / "paper.csv").open())} == {
         "vicuna", "mt_bench-1", "mt_bench-2", "mt_bench"}
+    assert (tmp_path / "results" / "generation_bma.csv").is_file()
 
 
 def test_tables_from_a_results_json_equal_the_cells_and_refuse_a_changed_grid(tmp_path, capsys):

@@ -296,6 +296,12 @@ def test_smooth_is_a_trailing_mean():
      r"checkpoint_interval 4: the simulate backend writes no checkpoints"),
     ({"pretrain": {"output_dir": "x"}}, r"pretrain: unknown key\(s\) \['output_dir'\]"),
     ({"pretrain": {}}, r"pretrain makes the one model every cell fine-tunes.*\['tiny'\]"),
+    ({"sweeps": [{"table": "bma", "bma_betas": [[0.3, 0.2]]}]}, r"bma_betas: BMA's betas are DECA's; the sweep's "
+                                                                r"methods \['dec_lora'\] have none"),
+    ({"sweeps": [{"table": "bma", "methods": ["deca"], "bma_betas": [0.3, 0.2]}]},
+     r"bma_betas must be \[β1, β2\] pairs, e.g. .*, got \[0.3, 0.2\]"),
+    ({"sweeps": [{"table": "bma", "methods": ["deca"], "bma_betas": [[0.3, 1.5]]}]},
+     r"deca-bma0.3-1.5/seed0: bma_betas must be two numbers in \[0, 1\]"),
 ])
 def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     with pytest.raises(GridError, match=message):

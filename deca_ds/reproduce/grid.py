@@ -3,10 +3,12 @@ seeds, expanded into cells and checked whole before any cell runs.
 
 A grid file holds `options` (deca-train's RunOptions shared by every cell), `tasks` (name ->
 options of that task), `methods`, `method_options` (method -> options of that method only), `seeds`
-and `sweeps`: each sweep names the table it feeds (main, topology, clients, granularity) and the
-values of its axes (and optionally its own subset of `tasks` and its own `seeds`); an axis it leaves
-out keeps the value of `options`. Cells that two sweeps share (the ER / 8-client cell of the main
-and topology tables) run once. Relative paths are read from the directory the grid runs in.
+and `sweeps`: each sweep names the table it feeds (main, topology, clients, granularity, bma) and
+the values of its axes (and optionally its own subset of `tasks` and its own `seeds`); an axis it
+leaves out keeps the value of `options`. A `bma` sweep varies DECA's BMA betas (`bma_betas`: [β1,
+β2] pairs); a cell at the betas it has anyway is the other tables' cell. Cells that two sweeps
+share (the ER / 8-client cell of the main and topology tables) run once. Relative paths are read
+from the directory the grid runs in.
 An optional `pretrain` section (the scaled protocol) holds deca-pretrain's options for the
 model `options.model` names: the grid pretrains it before its first cell unless that directory
 already holds it, made with the same options.
@@ -23,6 +25,7 @@ by default - on the same number of examples per step. A method option that chang
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -42,7 +45,7 @@ from .pretrain import PretrainOptions
 # The grid's methods: the three DECA variants of the ablation table and the baselines.
 METHODS = ("deca", "trivial_bma", "no_bma", "dadam", "dec_lora", "dec_adapter", "decaf")
 VARIANT_OF = {"deca": "deca", "trivial_bma": "trivial_bma", "no_bma": "no_bma"}
-TABLES = ("main", "topology", "clients", "granularity")
+TABLES = ("main", "topology", "clients", "granularity", "bma")
 AXES = ("topology", "clients", "layers_per_block")
 BACKENDS = ("simulate", "deepspeed")
 # Set per cell by the grid, never by `options`.
@@ -67,6 +70,7 @@ class Sweep:
     topology: tuple[str, ...]
     clients: tuple[int, ...]
     layers_per_block: tuple[int, ...]
+    bma_betas: tuple[tuple[float, float] | None, ...] = (None,)  # None: the options' own
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,18 @@ class Cell:
     seed: int
     options: dict = field(hash=False, compare=False)
     tables: tuple[str, ...] = field(default=(), hash=False, compare=False)
+    bma_betas: tuple[float, float] | None = None  # a `bma` sweep's betas where they differ from the options'
 
     @property
     def key(self) -> str:
-        return f"{self.task}/{self.topology}-n{self.clients}-lpb{self.layers_per_block}/{self.method}/seed{self.seed}"
+        bma = f"-bma{self.bma_betas[0]:g}-{self.bma_betas[1]:g}" if self.bma_betas else ""
+        return (f"{self.task}/{self.topology}-n{self.clients}-lpb{self.layers_per_block}/{self.method}{bma}/"
+                f"seed{self.seed}")
+
+    @property
+    def betas(self) -> str:
+        """BMA's (β1, β2) the cell runs with, as the `bma` table names its rows: "0.3, 0.333"."""
+        return ", ".join(f"{b:g}" for b in self.options["bma_betas"])
 
     @property
     def ranks_per_client(self) -> int:
@@ -93,7 +105,7 @@ class Cell:
     @property
     def group(self) -> tuple:
         """The comparison this cell belongs to: everything but the method."""
-        return (self.task, self.topology, self.clients, self.layers_per_block, self.seed)
+        return (self.task, self.topology, self.clients, self.layers_per_block, self.bma_betas, self.seed)
 
     def settings(self) -> dict:
         """What decides the cell's result: a finished cell with other settings is never overwritten."""
@@ -149,7 +161,7 @@ class Grid:
 _TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "ds_config",
         "deepspeed_args", "pretrain", "paper", "generation", "options", "tasks", "methods", "method_options", "seeds",
         "sweeps"}
-_SWEEP = {"table", "tasks", "seeds", "methods", *AXES}
+_SWEEP = {"table", "tasks", "seeds", "methods", "bma_betas", *AXES}
 # Keys that decide where, how fast and under which limits cells run and how they are reported, not a result.
 NOT_RESULT = {"runs_dir", "results_dir", "cell_timeout_s", "jobs", "deepspeed_args", "paper"}
 
@@ -324,7 +336,8 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
             bad = [v for v in axes[axis] if not isinstance(v, int) or isinstance(v, bool) or v < 1]
             if bad:
                 raise GridError(f"{at}: {axis} must be integers >= 1, got {bad}; set `{axis}` in options or the sweep")
-        sweeps.append(Sweep(table, sweep_tasks, sweep_seeds, sweep_methods, **axes))
+        betas = _bma_betas(raw["bma_betas"], sweep_methods, at) if "bma_betas" in raw else (None,)
+        sweeps.append(Sweep(table, sweep_tasks, sweep_seeds, sweep_methods, **axes, bma_betas=betas))
 
     cells: dict[str, Cell] = {}
     runs = Path(runs_dir or data.get("runs_dir") or f"runs/{data.get('name', path_stem(where))}")
@@ -336,9 +349,9 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                 for topo in sweep.topology:
                     for n in sweep.clients:
                         for lpb in sweep.layers_per_block:
-                            for method in sweep.methods:
+                            for method, betas in itertools.product(sweep.methods, sweep.bma_betas):
                                 cell = _cell(task, method, topo, n, lpb, seed, preset, base, tasks[task] or {},
-                                             method_options.get(method) or {}, runs, where)
+                                             method_options.get(method) or {}, runs, where, betas)
                                 old = cells.get(cell.key)
                                 tables = (old.tables if old else ()) + (sweep.table,)
                                 cells[cell.key] = dataclasses.replace(cell, tables=tuple(dict.fromkeys(tables)))
@@ -436,12 +449,32 @@ def path_stem(where: str) -> str:
     return Path(where).stem
 
 
-def _cell(task, method, topology, clients, lpb, seed, preset, base, task_opts, method_opts, runs, where) -> Cell:
+def _bma_betas(values, methods: tuple[str, ...], where: str) -> tuple[tuple[float, float], ...]:
+    """A `bma` sweep's (β1, β2) pairs, for DECA's variants only (the baselines have no BMA)."""
+    others = [m for m in methods if m not in VARIANT_OF]
+    if others:
+        raise GridError(f"{where}.bma_betas: BMA's betas are DECA's; the sweep's methods {others} have none "
+                        "(give the sweep `methods: [deca]`)")
+    pairs = _as_list(values, f"{where}.bma_betas")
+    bad = [p for p in pairs if not isinstance(p, (list, tuple)) or len(p) != 2
+           or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in p)]
+    if bad:
+        raise GridError(f"{where}.bma_betas must be [β1, β2] pairs, e.g. [[0.3, 0.222], [0.3, 0.333]], got {bad}")
+    return tuple((float(b1), float(b2)) for b1, b2 in pairs)
+
+
+def _cell(task, method, topology, clients, lpb, seed, preset, base, task_opts, method_opts, runs, where,
+          betas: tuple[float, float] | None = None) -> Cell:
     options = {**preset, **base, **task_opts, **method_opts}
     options.setdefault("dataset", task)
     options.update(method="deca" if method in VARIANT_OF else method, variant=VARIANT_OF.get(method, "deca"),
                    topology=topology, clients=int(clients), layers_per_block=int(lpb), seed=seed)
-    cell = Cell(task, method, topology, int(clients), int(lpb), seed, options)
+    # a sweep's betas equal to those the cell has anyway make no other cell: it is the one the main table runs
+    if betas is not None and betas != tuple(options.get("bma_betas", option_defaults()["bma_betas"])):
+        options["bma_betas"] = list(betas)
+    else:
+        betas = None
+    cell = Cell(task, method, topology, int(clients), int(lpb), seed, options, bma_betas=betas)
     options["output_dir"] = str(runs / cell.key / "train")
     try:
         resolved = dataclasses.asdict(RunOptions(**options))

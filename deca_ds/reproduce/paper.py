@@ -31,9 +31,9 @@ REFERENCE = Path(__file__).with_name("paper_tables.yaml")
 MODEL_LABELS = {"qwen2.5-3b": "Qwen2.5-3B", "llama-3.1-8b": "Llama-3.1-8B", "qwen2-1.5b": "Qwen2-1.5B",
                 "llama-2-7b": "Llama-2-7B"}
 # the table whose rows are ordered across its groups rather than within each
-ACROSS_GROUPS = {"granularity"}
+ACROSS_GROUPS = {"granularity", "bma"}
 # the cell field that a table's groups are (the main and ablation tables have one group)
-GROUP_FIELD = {"topology": "topology", "clients": "clients", "granularity": "layers_per_block"}
+GROUP_FIELD = {"topology": "topology", "clients": "clients", "granularity": "layers_per_block", "bma": "betas"}
 # the task key of a row's Average column in paper_tables.yaml, and the column's label
 AVERAGE, AVERAGE_LABEL = "average", "Average"
 
@@ -177,9 +177,10 @@ NOTE = ("Here: mean ± std over the seeds that finished (%); in brackets the pap
         "setting, method and task. Average: per seed over the tasks of the paper's row, on the seeds that finished "
         "them all, beside the paper's Average column (no Average where the grid lacks one of those tasks). Pairs in "
         "order: pairs of rows of a group (granularity: of the table) whose difference here has the sign of the "
-        "paper's, over every task's accuracy and macro-F1 column (pairs the paper ties are left out); the generation "
-        "table: its grades (1-10) as printed, each column of it. The numbers compare only on the paper's model and "
-        "settings (for the generation table, its judge too); on another model or scale only the orderings do.")
+        "paper's, over every task's accuracy and macro-F1 column (pairs the paper ties are left out). The numbers "
+        "compare only on the paper's model and settings; on another model or scale only the orderings do.")
+GENERATION_NOTE = ("The generation tables: the judge's grades (1-10) as the paper prints them, over each of their "
+                   "columns; they compare with the paper's only where GPT-4 judged.")
 
 
 def to_csv(comparisons: list[Comparison]) -> str:

@@ -139,7 +139,14 @@ def _setting_label(setting: tuple) -> str:
 
 
 GROUP_AXIS = {"main": None, "ablation": None, "topology": ("topology", "Topology"), "clients": ("clients", "N"),
-              "granularity": ("layers_per_block", "Layers per block")}
+              "granularity": ("layers_per_block", "Layers per block"), "bma": ("betas", "β1, β2")}
+
+
+def _group_rank(value) -> tuple:
+    """A group's place: _axis_rank of its axis value; the main table's settings in _settings' order."""
+    if isinstance(value, tuple):
+        return (_axis_rank(value[0]), value[1], value[2])
+    return _axis_rank(value)
 
 
 def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...]) -> Table | None:
@@ -159,7 +166,7 @@ def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple
     raw = {}  # group label -> the axis value it shows, for the rows' order
     several = len(_settings(cells)) > 1
     for c in cells:
-        group = _group_label(name, _setting(c), several)
+        group = _cell_group(name, c, several)
         raw.setdefault(group, getattr(c, axis[0]) if axis else 0)
         by_row.setdefault((group, c.method), {})[(c.task, c.seed)] = results[c]
     rows = []
@@ -197,57 +204,65 @@ def generation_columns(final: dict) -> dict[str, tuple[float, float]]:
     return out
 
 
-def build_generation_table(results: dict[Cell, dict], methods: tuple[str, ...]) -> Table | None:
-    """The generation cells (those whose final result holds "answered"): a row per setting and
-    method with generation_columns' columns (per task where there are several); a row takes the
-    seeds that have all of them (a cell not yet judged waits)."""
-    cells = [c for c in results if "answered" in results[c] and c.method in methods]
+def build_generation_table(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...]) -> Table | None:
+    """Table `name`'s generation cells (those whose final result holds "answered"): a row per group
+    (a setting; the `bma` table: the betas) and method with generation_columns' columns (per task
+    where there are several); a row takes the seeds that have all of them (a cell not yet judged
+    waits)."""
+    cells = [c for c in results if "answered" in results[c] and name in c.tables and c.method in methods]
     values = {c: generation_columns(results[c]) for c in cells}
     columns: dict[tuple[str, str], float] = {}  # (task, column) -> its scale, in the cells' order
     for c in cells:
         for column, (_, scale) in values[c].items():
             columns.setdefault((c.task, column), scale)
-    found: dict[tuple, dict[tuple[str, int], dict]] = {}
+    several = len(_settings(cells)) > 1
+    found: dict[tuple[str, str], dict[tuple[str, int], dict]] = {}
+    raw = {}  # group label -> the value it shows, for the rows' order
     for c in cells:
-        found.setdefault((_setting(c), c.method), {})[(c.task, c.seed)] = values[c]
+        group = _cell_group(name, c, several)
+        raw.setdefault(group, _setting(c) if name == "main" else getattr(c, GROUP_AXIS[name][0]))
+        found.setdefault((group, c.method), {})[(c.task, c.seed)] = values[c]
     order = {m: i for i, m in enumerate(methods)}
     seeds = sorted({c.seed for c in cells})
-    several = len(_settings(cells)) > 1
     rows = []
-    for (setting, method), by_seed in sorted(found.items(), key=lambda kv: (_axis_rank(kv[0][0][0]), kv[0][0][1:],
-                                                                            order[kv[0][1]])):
+    for (group, method), by_seed in sorted(found.items(), key=lambda kv: (_group_rank(raw[kv[0][0]]), kv[0][0],
+                                                                          order[kv[0][1]])):
         complete = [s for s in seeds if all(column in by_seed.get((t, s), {}) for t, column in columns)]
         if complete:
-            rows.append((_setting_label(setting) if several else "", LABELS[method],
+            rows.append((group, LABELS[method],
                          [[by_seed[(t, s)][column][0] for s in complete] for t, column in columns]))
     tasks = {t for t, _ in columns}
     names = [column if len(tasks) == 1 else f"{t} {column}" for t, column in columns]
-    return Table("generation", GENERATION_TITLE, "Setting" if several else None, names, rows,
-                 list(columns.values())) if rows else None
+    group_name = GROUP_AXIS[name][1] if GROUP_AXIS[name] else "Setting" if several else None
+    return Table(name, title, group_name, names, rows, list(columns.values())) if rows else None
 
 
-def build_generation_comparison(results: dict[Cell, dict], methods: tuple[str, ...],
+def build_generation_comparison(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...],
                                 reference: dict) -> paper.Comparison | None:
-    """The generation table's rows the paper also has (`reference`: paper.reference(model)["generation"]),
-    in the columns it prints (a grid's question sets `vicuna` and `mt_bench`: VIC., MT-1, MT-2, MT.)."""
+    """Generation table `name`'s rows the paper also has (`reference`: paper.reference(model)'s
+    "generation" table for the main one, "bma" for the betas), in the columns it prints (a grid's
+    question sets `vicuna` and `mt_bench`: VIC., MT-1, MT-2, MT.)."""
+    table = "generation" if name == "main" else name
     order = {m: i for i, m in enumerate(methods)}
-    cells = sorted((c for c in results if "answered" in results[c] and "main" in c.tables and c.method in methods),
-                   key=lambda c: (order[c.method], c.seed))
-    rows: dict[str, paper.Row] = {}
+    cells = sorted((c for c in results if "answered" in results[c] and name in c.tables and c.method in methods),
+                   key=lambda c: (_group_rank(getattr(c, GROUP_AXIS[name][0]) if GROUP_AXIS[name] else 0),
+                                  _cell_group(name, c, False), order[c.method], c.seed))
+    rows: dict[tuple[str, str], paper.Row] = {}
     columns = []
     for c in cells:
-        published = reference.get(paper.row_key("generation", c))
+        published = reference.get(paper.row_key(table, c))
         if published is None:
             continue
-        row = rows.setdefault(c.method, paper.Row("", LABELS[c.method], {}, {}))
+        group = _cell_group(name, c, False)
+        row = rows.setdefault((group, c.method), paper.Row(group, LABELS[c.method], {}, {}))
         values = generation_columns(results[c])
         for column, value in published.items():
             if column in values:
                 columns.append((c.task, column))
                 row.here.setdefault((c.task, column), []).append(values[column][0])
                 row.paper[(c.task, column)] = value
-    return paper.Comparison("generation", GENERATION_TITLE, None, list(dict.fromkeys(columns)), list(rows.values()),
-                            scale=1.0) if rows else None
+    return paper.Comparison(table, title, GROUP_AXIS[name][1] if GROUP_AXIS[name] else None,
+                            list(dict.fromkeys(columns)), list(rows.values()), scale=1.0) if rows else None
 
 
 def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...],
@@ -260,7 +275,7 @@ def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: 
     axis = GROUP_AXIS[name]
     several = len(_settings(cells)) > 1
     order = {m: i for i, m in enumerate(methods)}
-    cells.sort(key=lambda c: (_axis_rank(getattr(c, axis[0]) if axis else 0), _group_label(name, _setting(c), several),
+    cells.sort(key=lambda c: (_axis_rank(getattr(c, axis[0]) if axis else 0), _cell_group(name, c, several),
                               order[c.method], c.seed))
     rows: dict[tuple[str, str], paper.Row] = {}
     finals: dict[tuple[str, str], dict] = {}  # row -> (the paper's row, {(task, seed): final})
@@ -270,7 +285,7 @@ def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: 
         published = reference.get(key)
         if published is None:
             continue
-        group = _group_label(name, _setting(c), several)
+        group = _cell_group(name, c, several)
         row = rows.setdefault((group, c.method), paper.Row(group, LABELS[c.method], {}, {}))
         finals.setdefault((group, c.method), (key[:2], {}))[1][(key[2], c.seed)] = results[c]
         for (metric, short), value in zip(METRICS_SHOWN, published):
@@ -328,6 +343,11 @@ def _group_label(name: str, setting: tuple, several: bool) -> str:
     if axis:
         return _axis_label(axis[0], dict(zip(("topology", "clients", "layers_per_block"), setting))[axis[0]])
     return _setting_label(setting) if several else ""
+
+
+def _cell_group(name: str, cell: Cell, several: bool) -> str:
+    """A cell's row group in table `name`: _group_label's, or in the `bma` table the cell's betas."""
+    return cell.betas if name == "bma" else _group_label(name, _setting(cell), several)
 
 
 def _table_cells(results: dict[Cell, dict], methods: tuple[str, ...],
@@ -450,7 +470,11 @@ TABLES = (
     ("topology", "Topologies (%)", BASELINES),
     ("clients", "Numbers of clients (%)", BASELINES),
     ("granularity", "DECA's partitioning granularity (%)", ("deca",)),
+    ("bma", "DECA's BMA betas (%)", ABLATION),
 )
+# the generation tables: (table, file, title); the judge's grades, 1-10
+GENERATION_TABLES = (("main", "generation", GENERATION_TITLE),
+                     ("bma", "generation_bma", "Generation, DECA's BMA betas: the judge's grades (1-10), ROUGE-L in %"))
 
 
 def provenance(command: list[str] | None = None, *, outputs: Path | None = None) -> dict:
@@ -524,12 +548,13 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
         write_text(path, to_csv(table))
         written.append(path)
     main_methods = tuple(m for m in (*BASELINES, *ABLATION[1:]) if m in METHODS)
-    table = build_generation_table(generated, main_methods)
-    if table is not None:
-        markdown.append(to_markdown(table))
-        path = out / "generation.csv"
-        write_text(path, to_csv(table))
-        written.append(path)
+    for name, file, title in GENERATION_TABLES:
+        table = build_generation_table(name, title, generated, main_methods)
+        if table is not None:
+            markdown.append(to_markdown(table))
+            path = out / f"{file}.csv"
+            write_text(path, to_csv(table))
+            written.append(path)
     seeds = per_seed_markdown(classified, main_methods)
     if seeds is not None:
         markdown.append(seeds)
@@ -547,11 +572,15 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
         comparisons = [c for c in (build_comparison(name, title, classified, tuple(m for m in methods if m in METHODS),
                                                     reference[name])
                                    for name, title, methods in TABLES if name in reference) if c is not None]
-        if "generation" in reference:
-            found = build_generation_comparison(generated, main_methods, reference["generation"])
+        for name, _, title in GENERATION_TABLES:
+            table = "generation" if name == "main" else name
+            found = build_generation_comparison(name, title, generated, main_methods,
+                                                reference[table]) if table in reference else None
             comparisons += [found] if found else []
         if comparisons:
-            markdown += [paper.NOTE, ""] + [paper.to_markdown(c, grid.paper) for c in comparisons]
+            generation = any(c.scale != 100 for c in comparisons)
+            markdown += [paper.NOTE + (" " + paper.GENERATION_NOTE if generation else ""), ""]
+            markdown += [paper.to_markdown(c, grid.paper) for c in comparisons]
         path = out / "paper.csv"
         write_text(path, paper.to_csv(comparisons))
         written.append(path)
