@@ -15,8 +15,8 @@ section:
 
 Each generation cell's consensus model answers every set once training has ended (deca-train
 --questions, in the cell's process: answers/<set>.jsonl, ROUGE-L where the questions carry
-reference answers). Judging is a step of its own (`judge_cells`), after the cells, on the machine that runs
-the grid command (compute nodes need no network): every judgment is appended to
+reference answers). Judging is a step of its own (`judge_cells`), after the cells, on the machine
+that runs the grid command (compute nodes need no network): every judgment is appended to
 answers/<set>.<judge model>.judgments.jsonl as it arrives, so an interrupted run pays for no
 judgment twice, and the means go to the cell's scores.json under the judge model's name.
 """

@@ -578,6 +578,8 @@ class Job:
                                   self.placement, [peak for _, peak in clients], memory)
         dist.barrier()
         dist.destroy_process_group()
+        if result is not None and self.opts.questions:  # minutes of generation: no other rank waits for it
+            answer_questions(self.out, final_model, self.task, self.opts, result)
         return result
 
 
@@ -627,6 +629,18 @@ def gather_metrics(out: Path, layout: ClientLayout) -> list[list[dict]] | None:
     return gathered[::layout.ranks_per_client] if layout.rank == 0 else None
 
 
+def answer_questions(out: Path, model, task: Task, opts: RunOptions, summary: dict) -> None:
+    """--questions, on rank 0 once the process group is gone: x̄ answers each set into
+    answers/NAME.jsonl, and summary.json gains the counts and ROUGE-L (`consensus_answers`)."""
+    summary["consensus_answers"] = answer_sets(model, task.tokenizer, opts.question_sets(), out / "answers",
+                                               max_new_tokens=opts.max_new_tokens)
+    ckpt.write_json(out / "summary.json", summary)
+    for name, answered in summary["consensus_answers"].items():
+        print(f"consensus model: answered {answered['questions']} questions ({answered['turns']} turns) of {name} "
+              f"in {out / 'answers' / (name + '.jsonl')}"
+              + (f", ROUGE-L {answered['rouge_l']:.3f}" if "rouge_l" in answered else ""))
+
+
 def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[list[dict]],
                  distances: list[float], placement: dict, end_peaks: list[int | None],
                  memory: DeviceMemory) -> dict:
@@ -635,9 +649,6 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[l
     with the evaluation it runs."""
     summary = summarize(records)
     evaluation = task.evaluate(model, opts.eval_limit or None)
-    if opts.questions:  # a generation task: x̄ answers the question sets
-        summary["consensus_answers"] = answer_sets(model, task.tokenizer, opts.question_sets(), out / "answers",
-                                                   max_new_tokens=opts.max_new_tokens)
     if memory.counted:
         end_peaks = [memory.peak(), *end_peaks[1:]]
     summary.update(consensus_eval=evaluation, final_consensus_distance=distances, mem_end_peak=end_peaks,
@@ -651,10 +662,6 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[l
     print("\n" + table)
     print(f"loss (mean over clients): start {sum(x['loss_start'] for x in c) / len(c):.4f} -> "
           f"end {sum(x['loss_end'] for x in c) / len(c):.4f}")
-    for name, answered in summary.get("consensus_answers", {}).items():
-        print(f"consensus model: answered {answered['questions']} questions ({answered['turns']} turns) of {name} "
-              f"in {out / 'answers' / (name + '.jsonl')}"
-              + (f", ROUGE-L {answered['rouge_l']:.3f}" if "rouge_l" in answered else ""))
     if evaluation:
         print(f"consensus model: accuracy {evaluation['accuracy']:.3f} (chance {evaluation['chance']:.3f}), "
               f"macro-F1 {evaluation['macro_f1']:.3f} on {evaluation['n']} held-out examples")
