@@ -95,8 +95,9 @@ def settings_changed(saved: dict | None, now: dict) -> list[str]:
 def cell_settings(grid: Grid, cell: Cell, base: str | None) -> dict:
     """What decides the cell's result: its options, where the grid makes its base model the sha256
     `base` of that model's weights (None while it is not made), and for a generation cell the
-    questions its model answers (Grid.answers)."""
-    return cell.settings() | ({BASE: base} if base else {}) | ({ANSWERED: grid.answers} if grid.generates(cell) else {})
+    questions its model answers (Generation.settings)."""
+    answered = {ANSWERED: grid.generation.settings} if grid.generates(cell) else {}
+    return cell.settings() | ({BASE: base} if base else {}) | answered
 
 
 def base_weights(grid: Grid) -> str | None:

@@ -26,9 +26,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ..runtime.checkpoint import sha256
+from ..runtime.options import SET_NAME
 
 ANSWERS, SCORES = "answers", "scores.json"
 
@@ -57,9 +59,10 @@ class Generation:
         return {"questions": [f"{name}={path}" for name, path in self.questions.items()],
                 "max_new_tokens": self.max_new_tokens}
 
+    @cached_property
     def settings(self) -> dict:
-        """What decides a cell's answers: each set's questions (by their file's sha256) and the
-        length of an answer. The judge is not: its grades are kept per judge model."""
+        """What decides a cell's answers: each set's questions (by their file's sha256, read once)
+        and the length of an answer. The judge is not: its grades are kept per judge model."""
         return {"questions": {name: sha256(Path(path)) for name, path in self.questions.items()},
                 "max_new_tokens": self.max_new_tokens}
 
@@ -75,7 +78,7 @@ def _check_keys(where: str, values, known: set) -> None:
 def _files(where: str, values) -> dict[str, str]:
     if not isinstance(values, dict) or not values:
         raise GenerationError(f"{where} must map a name to a file, e.g. {{mt_bench: data/mt_bench.jsonl}}")
-    bad = [name for name in values if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name))]
+    bad = [name for name in values if not re.fullmatch(SET_NAME, str(name))]
     if bad:
         raise GenerationError(f"{where}: names {bad} must be letters, digits, '_', '-' or '.' (they name files)")
     missing = [str(path) for path in values.values() if not Path(str(path)).is_file()]

@@ -129,7 +129,6 @@ class Grid:
     pretrain: PretrainOptions | None = None  # how the cells' model is made, when the grid makes it
     paper: str | None = None  # the paper's model whose published numbers the report sets beside the cells'
     generation: Generation | None = None  # how the generation tasks' cells are answered and judged
-    answers: dict | None = None  # generation.settings(), which decides a generation cell's answers
     source: dict = field(repr=False, default_factory=dict)
 
     def cell_dir(self, cell: Cell) -> Path:
@@ -401,7 +400,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, jobs=jobs,
                 deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, paper=paper_model,
-                generation=generation, answers=generation.settings() if generation else None, source=data)
+                generation=generation, source=data)
 
 
 def _generation(section, cells: list[Cell], where: str) -> tuple[Generation | None, frozenset[str]]:

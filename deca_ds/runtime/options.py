@@ -268,7 +268,7 @@ class RunOptions:
         sets: dict[str, str] = {}
         for item in self.questions or ():
             name, sep, path = item.partition("=")
-            if not sep or not path or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in sets:
+            if not sep or not path or not re.fullmatch(SET_NAME, name) or name in sets:
                 raise ValueError(f"--questions takes NAME=FILE, each NAME once, of letters, digits, '_', '-' or '.' "
                                  f"(it names answers/NAME.jsonl), got {item!r}")
             sets[name] = path
@@ -348,6 +348,10 @@ GROUP_STARTS = {
     "micro_batch": "batch (overrides the preset's DeepSpeed keys)",
     "output_dir": "outputs",
 }
+
+
+# a question set's name (--questions NAME=FILE, a grid's `generation` section): it names answers/NAME.jsonl
+SET_NAME = r"[A-Za-z0-9_.-]+"
 
 
 def option_defaults() -> dict:

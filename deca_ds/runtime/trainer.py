@@ -261,8 +261,8 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     cap_gpu_memory(opts.gpu_memory_gb, local_device(opts.device_map), placement["clients_per_gpu"])  # before the model
     topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p,
                              seed=opts.topology_seed, matrix_file=opts.matrix_file)
-    # per-client files: a process reads its own client's only
     check_questions(opts)
+    # per-client files: a process reads its own client's only
     task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
                       if opts.client_data else None)
     laps("data")
