@@ -43,7 +43,7 @@
 #   fitsn    the two RTX 5090 presets with real neighbours: 3 clients on a ring share the GPU, each
 #            capped at the card (an H200's: an H100 refuses 3 x 32 GB at once)          2 x 3-5 min
 # Issue 19, the scaled accuracy grid (reproduce/gpu_ag_news.yaml; data/ag_news carried):
-#   reproduce  pretrain the 88M Llama (once per machine, 143 s), then the grid's cells within the
+#   reproduce  pretrain the 88M Llama (once per machine, 135-157 s), then the grid's cells within the
 #            budget, seed 0 of every method first (four at a time: 400 s each for DECA and its ablations,
 #            measured), and the tables of the finished cells; the cells finished earlier are committed in
 #            reproduce/results/gpu_ag_news/cells and start the grid's runs directory (a fresh machine
@@ -52,7 +52,7 @@
 #   decaf    DeCAF's re-factorization, pair by pair against one SVD per core shape on the host, for
 #            the grid's DeCAF cells (profiling/decaf_refactor.py)                              1 min
 # Across two calls on one warm machine (a session's 15 minutes then hold about 13 of steps, and the
-# accuracy grid about 630 s of cells after pretraining, against 400 s in one call):
+# accuracy grid about 580 s of cells after pretraining, measured, against 400 s in one call):
 #   bg STEP ...  (the call's last step) runs the steps named after it in a process session of its own,
 #            which outlives the call, with BG_BUDGET seconds (default 1100), waits out this call's
 #            BUDGET and brings back what they finished so far (their log, results.tgz, the grid's cells)
