@@ -198,8 +198,14 @@ def test_average_column_and_groups_from_cells():
     deca = table.rows[1][2]
     assert deca[4] == pytest.approx([0.7, 0.7]) and deca[5] == pytest.approx([0.35, 0.35])
     assert "**70.00 ± 0.00**" in to_markdown(table) and "<u>60.00 ± 14.14</u>" in to_markdown(table)
+    # the ER row complete too: a Setting column names each row's, Ring (the paper's first topology) before ER
+    results[cell("t2", "deca", 0, "erdos_renyi")] = {"accuracy": 0.3, "macro_f1": 0.3}
+    table = build_table("main", "T", results, ("dec_lora", "deca"))
+    assert table.group_name == "Setting"
+    assert [g for g, _, _ in table.rows] == ["Ring, N=4, lpb=1"] * 2 + ["ER, N=4, lpb=1"]
+    assert "| ER, N=4, lpb=1 | DECA | 10.00 | 10.00 | 30.00 | 30.00 | 20.00 | 20.00 |" in to_markdown(table)
     topo = build_table("topology", "T", results, ("dec_lora", "deca"))
-    assert [g for g, _, _ in topo.rows] == ["Ring", "Ring"] and topo.group_name == "Topology"
+    assert [g for g, _, _ in topo.rows] == ["Ring", "Ring", "ER"] and topo.group_name == "Topology"
 
 
 def test_per_seed_table_and_paired_differences_against_hand_computed_numbers():

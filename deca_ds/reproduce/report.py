@@ -149,39 +149,48 @@ def _group_rank(value) -> tuple:
     return _axis_rank(value)
 
 
-def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...]) -> Table | None:
-    """The table `name` from the finished cells tagged with it (the ablation table: the main table's
-    cells of DECA's variants). Cells that miss a seed or a task of their row are left out of it."""
-    tag = "main" if name == "ablation" else name
-    cells = [c for c in results if tag in c.tables and c.method in methods]
-    if not cells:
-        return None
-    tasks = list(dict.fromkeys(c.task for c in cells))
-    seeds = sorted({c.seed for c in cells})
-    axis = GROUP_AXIS[name]
-    columns = [f"{t} {short}" for t in tasks for _, short in METRICS_SHOWN]
-    if len(tasks) > 1:
-        columns += [f"Average {short}" for _, short in METRICS_SHOWN]
-    by_row: dict[tuple, dict[tuple[str, int], dict]] = {}
-    raw = {}  # group label -> the axis value it shows, for the rows' order
+def _table(name: str, title: str, cells: list[Cell], methods: tuple[str, ...], values: dict[Cell, dict],
+           columns: list[tuple[str, str]], names: list[str], scales: list[float] | None = None) -> Table | None:
+    """Table `name` of `cells`: a row per group (the value of the table's GROUP_AXIS, or the main
+    table's setting where its cells have several) and method, in that order, with per column
+    (task, column) the values (`values[cell][column]`) over the seeds on which the row has every
+    column; a row that has them on no seed is left out."""
     several = len(_settings(cells)) > 1
+    axis = GROUP_AXIS[name]
+    found: dict[tuple[str, str], dict[tuple[str, int], dict]] = {}
+    rank = {}  # group label -> its place
     for c in cells:
         group = _cell_group(name, c, several)
-        raw.setdefault(group, getattr(c, axis[0]) if axis else 0)
-        by_row.setdefault((group, c.method), {})[(c.task, c.seed)] = results[c]
-    rows = []
+        rank.setdefault(group, _group_rank(getattr(c, axis[0]) if axis else _setting(c)))
+        found.setdefault((group, c.method), {})[(c.task, c.seed)] = values[c]
+    seeds = sorted({c.seed for c in cells})
     order = {m: i for i, m in enumerate(methods)}
-    for (group, method), finals in sorted(by_row.items(), key=lambda kv: (_axis_rank(raw.get(kv[0][0], 0)), kv[0][0],
-                                                                         order[kv[0][1]])):
-        complete = [s for s in seeds if all((t, s) in finals for t in tasks)]
-        if not complete:
-            continue
-        values = [[finals[(t, s)][key] for s in complete] for t in tasks for key, _ in METRICS_SHOWN]
-        if len(tasks) > 1:
-            values += [[statistics.fmean(finals[(t, s)][key] for t in tasks) for s in complete]
-                       for key, _ in METRICS_SHOWN]
-        rows.append((group, LABELS[method], values))
-    return Table(name, title, axis[1] if axis else None, columns, rows) if rows else None
+    rows = []
+    for (group, method), by_seed in sorted(found.items(), key=lambda kv: (rank[kv[0][0]], kv[0][0], order[kv[0][1]])):
+        complete = [s for s in seeds if all(column in by_seed.get((t, s), {}) for t, column in columns)]
+        if complete:
+            rows.append((group, LABELS[method], [[by_seed[(t, s)][column] for s in complete] for t, column in columns]))
+    group_name = axis[1] if axis else "Setting" if several else None
+    return Table(name, title, group_name, names, rows, scales) if rows else None
+
+
+def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...]) -> Table | None:
+    """The table `name` from the finished cells tagged with it (the ablation table: the main table's
+    cells of DECA's variants): accuracy and macro-F1 per task, and with several tasks the paper's
+    Average column (per seed, the mean over the tasks). Cells that miss a seed or a task of their
+    row are left out of it."""
+    tag = "main" if name == "ablation" else name
+    cells = [c for c in results if tag in c.tables and c.method in methods]
+    tasks = list(dict.fromkeys(c.task for c in cells))
+    values = {c: {short: results[c][key] for key, short in METRICS_SHOWN} for c in cells}
+    columns = [(t, short) for t in tasks for _, short in METRICS_SHOWN]
+    table = _table(name, title, cells, methods, values, columns, [f"{t} {short}" for t, short in columns])
+    if table and len(tasks) > 1:
+        k = len(METRICS_SHOWN)
+        for _, _, row in table.rows:  # row: the tasks' columns, metric by metric within each task
+            row += [[statistics.fmean(seed) for seed in zip(*row[m::k])] for m in range(k)]
+        table.columns += [f"Average {short}" for _, short in METRICS_SHOWN]
+    return table
 
 
 GENERATION_TITLE = "Generation: the judge's grades (1-10) of the consensus model's answers (ROUGE-L in %)"
@@ -205,36 +214,19 @@ def generation_columns(final: dict) -> dict[str, tuple[float, float]]:
 
 
 def build_generation_table(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...]) -> Table | None:
-    """Table `name`'s generation cells (those whose final result holds "answered"): a row per group
-    (a setting; the `bma` table: the betas) and method with generation_columns' columns (per task
-    where there are several); a row takes the seeds that have all of them (a cell not yet judged
-    waits)."""
+    """Table `name`'s generation cells (those whose final result holds "answered") with
+    generation_columns' columns (per task where there are several); a cell not yet judged lacks
+    the judge's and waits."""
     cells = [c for c in results if "answered" in results[c] and name in c.tables and c.method in methods]
-    values = {c: generation_columns(results[c]) for c in cells}
-    columns: dict[tuple[str, str], float] = {}  # (task, column) -> its scale, in the cells' order
+    found = {c: generation_columns(results[c]) for c in cells}
+    scales: dict[tuple[str, str], float] = {}  # (task, column) -> its scale, in the cells' order
     for c in cells:
-        for column, (_, scale) in values[c].items():
-            columns.setdefault((c.task, column), scale)
-    several = len(_settings(cells)) > 1
-    found: dict[tuple[str, str], dict[tuple[str, int], dict]] = {}
-    raw = {}  # group label -> the value it shows, for the rows' order
-    for c in cells:
-        group = _cell_group(name, c, several)
-        raw.setdefault(group, _setting(c) if name == "main" else getattr(c, GROUP_AXIS[name][0]))
-        found.setdefault((group, c.method), {})[(c.task, c.seed)] = values[c]
-    order = {m: i for i, m in enumerate(methods)}
-    seeds = sorted({c.seed for c in cells})
-    rows = []
-    for (group, method), by_seed in sorted(found.items(), key=lambda kv: (_group_rank(raw[kv[0][0]]), kv[0][0],
-                                                                          order[kv[0][1]])):
-        complete = [s for s in seeds if all(column in by_seed.get((t, s), {}) for t, column in columns)]
-        if complete:
-            rows.append((group, LABELS[method],
-                         [[by_seed[(t, s)][column][0] for s in complete] for t, column in columns]))
-    tasks = {t for t, _ in columns}
-    names = [column if len(tasks) == 1 else f"{t} {column}" for t, column in columns]
-    group_name = GROUP_AXIS[name][1] if GROUP_AXIS[name] else "Setting" if several else None
-    return Table(name, title, group_name, names, rows, list(columns.values())) if rows else None
+        for column, (_, scale) in found[c].items():
+            scales.setdefault((c.task, column), scale)
+    several_tasks = len({t for t, _ in scales}) > 1
+    return _table(name, title, cells, methods, {c: {k: v for k, (v, _) in found[c].items()} for c in cells},
+                  list(scales), [f"{t} {column}" if several_tasks else column for t, column in scales],
+                  list(scales.values()))
 
 
 def build_generation_comparison(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...],
@@ -305,8 +297,8 @@ def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: 
             row.here[column] = [statistics.fmean(found[(t, s)][metric] for t in tasks) for s in seeds]
             row.paper[column] = value
     columns.sort(key=lambda col: col[0] == paper.AVERAGE_LABEL)  # stable: the tasks first, as they came
-    return paper.Comparison(name, title, axis[1] if axis else None, list(dict.fromkeys(columns)),
-                            list(rows.values())) if rows else None
+    return paper.Comparison(name, title, axis[1] if axis else "Setting" if several else None,
+                            list(dict.fromkeys(columns)), list(rows.values())) if rows else None
 
 
 PAIRED_TITLE = "DECA against each method, seed by seed (percentage points)"
