@@ -453,6 +453,16 @@ def test_only_takes_the_grids_own_keys_and_values(tmp_path):
         grid.select(["seed=0,7"])
     with pytest.raises(GridError, match="--only 'lr=1': give KEY=VALUE"):
         grid.select(["lr=1"])
+    # a table: the cells that feed it (a cell of two sweeps feeds both)
+    sweeps = [{"table": "main"}, {"table": "topology", "topology": ["ring", "complete"], "methods": ["deca"]}]
+    swept = build_grid(tiny_grid("tiny", sweeps=sweeps), runs_dir=tmp_path)
+    topology = swept.select(["table=topology"])
+    assert sorted(c.key for c in swept.cells if topology(c)) == sorted(
+        c.key for c in swept.cells if c.method == "deca" and c.topology in ("ring", "complete"))
+    assert [c.key for c in swept.cells if swept.select(["table=main"])(c)] == [
+        c.key for c in swept.cells if "main" in c.tables]
+    with pytest.raises(GridError, match=r"--only table=bma: the grid has no table bma \(it has main, topology\)"):
+        swept.select(["table=bma"])
 
 
 def test_generation_tasks_and_stray_sweep_tasks_are_refused(tmp_path):

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                         "or the judge's key); a later run or --report-only judges them")
     p.add_argument("--only", nargs="+", default=[], metavar="KEY=VALUE[,VALUE]",
                    help="run only the cells with these values (task, method, topology, clients, layers_per_block, "
-                        "seed), e.g. --only seed=0 method=deca,dec_lora; the tables still take every finished cell")
+                        "seed, or a table they feed), e.g. --only seed=0 method=deca,dec_lora; the tables still take "
+                        "every finished cell")
     args = p.parse_args(argv)
     log = partial(print, flush=True)
     try:

@@ -52,7 +52,8 @@ BACKENDS = ("simulate", "deepspeed")
 CELL_KEYS = ("method", "variant", "seed", "output_dir", *AXES)
 
 
-SELECTABLE = ("task", "method", "topology", "clients", "layers_per_block", "seed")  # Cell fields --only takes
+# what --only takes: Cell fields, and `table`: the tables a cell feeds (its sweeps')
+SELECTABLE = ("task", "method", "topology", "clients", "layers_per_block", "seed", "table")
 # The checkout's reproduce/*.yaml, packaged as deca_ds/grids: an installed deca-reproduce runs them by name.
 GRID_DIR = Path(__file__).resolve().parent.parent / "grids"
 
@@ -141,20 +142,23 @@ class Grid:
 
     def select(self, only: list[str]) -> Callable[[Cell], bool]:
         """`--only KEY=VALUE[,VALUE…] …`: whether a cell has one of the values for every KEY given
-        (a Cell field: task, method, topology, clients, layers_per_block, seed); a key or value
-        the grid does not have is refused, naming what it has."""
+        (SELECTABLE: a Cell field, or `table`, which a cell has if it feeds that table); a key or
+        value the grid does not have is refused, naming what it has."""
+        def has(cell: Cell, key: str) -> set[str]:
+            return set(cell.tables) if key == "table" else {str(getattr(cell, key))}
+
         wanted: dict[str, set[str]] = {}
         for item in only:
             key, sep, values = item.partition("=")
             if not sep or key not in SELECTABLE:
                 raise GridError(f"--only {item!r}: give KEY=VALUE[,VALUE...] with KEY one of {', '.join(SELECTABLE)}")
-            present = {str(getattr(c, key)) for c in self.cells}
+            present = set().union(*(has(c, key) for c in self.cells))
             missing = [v for v in values.split(",") if v not in present]
             if missing:
                 raise GridError(f"--only {item}: the grid has no {key} {', '.join(missing)} (it has "
                                 f"{', '.join(sorted(present))})")
             wanted.setdefault(key, set()).update(values.split(","))
-        return lambda cell: all(str(getattr(cell, key)) in values for key, values in wanted.items())
+        return lambda cell: all(has(cell, key) & values for key, values in wanted.items())
 
 
 _TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "ds_config",
