@@ -168,6 +168,14 @@ def test_generation_grades_against_the_papers():
     rows = list(csv.DictReader(io.StringIO(to_csv([comparison]))))
     assert rows[-1] == {"table": "generation", "group": "", "method": "DECA", "task": "alpaca", "metric": "mt_bench",
                         "seeds": "1", "mean": "3.5000", "std": "", "paper": "4.10", "difference": "-0.6000"}
+    # the main table at a second setting: rows of its own, named, not a second seed of the first's
+    results[cell("deca", task="alpaca", topology="ring")] = graded(7.0, 7.0, 7.0)
+    comparison = build_generation_comparison("main", "Generation", results, ("dec_lora", "dadam", "deca"),
+                                             reference("qwen2-1.5b")["generation"])
+    assert comparison.group_name == "Setting"
+    assert [(r.group, r.method) for r in comparison.rows] == [
+        ("Ring, N=8, lpb=2", "DECA"), ("ER, N=8, lpb=2", "Dec-LoRA"), ("ER, N=8, lpb=2", "DECA")]
+    assert comparison.rows[-1].here[("alpaca", "vicuna")] == [5.0]
 
 
 def test_orderings_against_hand_counted_pairs():

@@ -229,32 +229,47 @@ def build_generation_table(name: str, title: str, results: dict[Cell, dict], met
                   list(scales.values()))
 
 
+def _compared(name: str, table: str, cells: list[Cell], methods: tuple[str, ...], reference: dict,
+              here: dict[Cell, dict[str, float]]) -> tuple[dict[tuple[str, str], paper.Row], dict, str | None]:
+    """The rows of table `name` that the paper's `table` also has (`reference`: {paper.row_key:
+    {column: the paper's number}}), a row per group and method as in `_table`, with per (task,
+    column) both have the values over the seeds (`here[cell][column]`) and the paper's. Returns
+    the rows, the cells behind each row and the group column's name."""
+    axis = GROUP_AXIS[name]
+    several = len(_settings(cells)) > 1
+    order = {m: i for i, m in enumerate(methods)}
+    rows: dict[tuple[str, str], paper.Row] = {}
+    members: dict[tuple[str, str], list[Cell]] = {}
+    for c in sorted(cells, key=lambda c: (_group_rank(getattr(c, axis[0]) if axis else _setting(c)),
+                                          _cell_group(name, c, several), order[c.method], c.seed)):
+        published = reference.get(paper.row_key(table, c))
+        if published is None:
+            continue
+        group = _cell_group(name, c, several)
+        row = rows.setdefault((group, c.method), paper.Row(group, LABELS[c.method], {}, {}))
+        members.setdefault((group, c.method), []).append(c)
+        for column, value in published.items():
+            if column in here[c]:
+                row.here.setdefault((c.task, column), []).append(here[c][column])
+                row.paper[(c.task, column)] = value
+    return rows, members, axis[1] if axis else "Setting" if several else None
+
+
+def _columns(rows) -> list[tuple[str, str]]:
+    return list(dict.fromkeys(column for row in rows for column in row.here))
+
+
 def build_generation_comparison(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...],
                                 reference: dict) -> paper.Comparison | None:
     """Generation table `name`'s rows the paper also has (`reference`: paper.reference(model)'s
     "generation" table for the main one, "bma" for the betas), in the columns it prints (a grid's
     question sets `vicuna` and `mt_bench`: VIC., MT-1, MT-2, MT.)."""
     table = "generation" if name == "main" else name
-    order = {m: i for i, m in enumerate(methods)}
-    cells = sorted((c for c in results if "answered" in results[c] and name in c.tables and c.method in methods),
-                   key=lambda c: (_group_rank(getattr(c, GROUP_AXIS[name][0]) if GROUP_AXIS[name] else 0),
-                                  _cell_group(name, c, False), order[c.method], c.seed))
-    rows: dict[tuple[str, str], paper.Row] = {}
-    columns = []
-    for c in cells:
-        published = reference.get(paper.row_key(table, c))
-        if published is None:
-            continue
-        group = _cell_group(name, c, False)
-        row = rows.setdefault((group, c.method), paper.Row(group, LABELS[c.method], {}, {}))
-        values = generation_columns(results[c])
-        for column, value in published.items():
-            if column in values:
-                columns.append((c.task, column))
-                row.here.setdefault((c.task, column), []).append(values[column][0])
-                row.paper[(c.task, column)] = value
-    return paper.Comparison(table, title, GROUP_AXIS[name][1] if GROUP_AXIS[name] else None,
-                            list(dict.fromkeys(columns)), list(rows.values()), scale=1.0) if rows else None
+    cells = [c for c in results if "answered" in results[c] and name in c.tables and c.method in methods]
+    here = {c: {k: v for k, (v, _) in generation_columns(results[c]).items()} for c in cells}
+    rows, _, group_name = _compared(name, table, cells, methods, reference, here)
+    return paper.Comparison(table, title, group_name, _columns(rows.values()), list(rows.values()),
+                            scale=1.0) if rows else None
 
 
 def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...],
@@ -264,41 +279,23 @@ def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: 
     row has every task of the paper's row."""
     tag = "main" if name == "ablation" else name
     cells = [c for c in results if tag in c.tables and c.method in methods]
-    axis = GROUP_AXIS[name]
-    several = len(_settings(cells)) > 1
-    order = {m: i for i, m in enumerate(methods)}
-    cells.sort(key=lambda c: (_axis_rank(getattr(c, axis[0]) if axis else 0), _cell_group(name, c, several),
-                              order[c.method], c.seed))
-    rows: dict[tuple[str, str], paper.Row] = {}
-    finals: dict[tuple[str, str], dict] = {}  # row -> (the paper's row, {(task, seed): final})
-    columns = []
-    for c in cells:
-        key = paper.row_key(name, c)
-        published = reference.get(key)
-        if published is None:
-            continue
-        group = _cell_group(name, c, several)
-        row = rows.setdefault((group, c.method), paper.Row(group, LABELS[c.method], {}, {}))
-        finals.setdefault((group, c.method), (key[:2], {}))[1][(key[2], c.seed)] = results[c]
-        for (metric, short), value in zip(METRICS_SHOWN, published):
-            column = (c.task, short)
-            columns.append(column)
-            row.here.setdefault(column, []).append(results[c][metric])
-            row.paper[column] = value
+    here = {c: {short: results[c][metric] for metric, short in METRICS_SHOWN} for c in cells}
+    shorts = [short for _, short in METRICS_SHOWN]
+    rows, members, group_name = _compared(name, name, cells, methods,
+                                          {k: dict(zip(shorts, v)) for k, v in reference.items()}, here)
     for at, row in rows.items():
-        paper_row, found = finals[at]
+        paper_row = paper.row_key(name, members[at][0])[:2]
+        found = {(paper.row_key(name, c)[2], c.seed): results[c] for c in members[at]}
         tasks = [k[2] for k in reference if k[:2] == paper_row and k[2] != paper.AVERAGE]
         seeds = sorted({s for _, s in found if all((t, s) in found for t in tasks)})
         if (*paper_row, paper.AVERAGE) not in reference or not seeds:
             continue
         for (metric, short), value in zip(METRICS_SHOWN, reference[(*paper_row, paper.AVERAGE)]):
             column = (paper.AVERAGE_LABEL, short)
-            columns.append(column)
             row.here[column] = [statistics.fmean(found[(t, s)][metric] for t in tasks) for s in seeds]
             row.paper[column] = value
-    columns.sort(key=lambda col: col[0] == paper.AVERAGE_LABEL)  # stable: the tasks first, as they came
-    return paper.Comparison(name, title, axis[1] if axis else "Setting" if several else None,
-                            list(dict.fromkeys(columns)), list(rows.values())) if rows else None
+    columns = sorted(_columns(rows.values()), key=lambda col: col[0] == paper.AVERAGE_LABEL)  # stable: tasks first
+    return paper.Comparison(name, title, group_name, columns, list(rows.values())) if rows else None
 
 
 PAIRED_TITLE = "DECA against each method, seed by seed (percentage points)"
