@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                 state = f"running ({held}), step {steps_done(d)} of {steps}"
             else:
                 resume = resume_step(grid, cell, d, sha)
-                state = "to run" if resume is None else f"to run from its checkpoint at step {resume} of {steps}"
+                logged = steps_done(d) if resume is None and d.is_dir() else 0  # a stopped run, no checkpoint
+                state = (f"to run from its checkpoint at step {resume} of {steps}" if resume is not None else
+                         f"to run afresh (an earlier run stopped at step {logged} of {steps})" if logged else "to run")
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
         if grid.paper:
             log(f"the paper's {grid.paper} numbers beside {len(published_cells(grid.cells, grid.paper))} of the "
