@@ -896,7 +896,7 @@ def test_estimate_gives_each_cells_memory_as_deca_train_does(tmp_path, capsys):
 
 def test_dry_run_says_a_stopped_cell_without_a_checkpoint_starts_afresh(tmp_path, capsys):
     """A simulated cell stopped part way (a lease or a time limit ran out) keeps no checkpoint: the
-    dry run says how far it had come and that it starts again from step 0."""
+    dry run says how far it had come, how fast, and that it starts again from step 0."""
     from deca_ds.reproduce.cli import main
 
     path = tmp_path / "tiny.yaml"
@@ -904,10 +904,11 @@ def test_dry_run_says_a_stopped_cell_without_a_checkpoint_starts_afresh(tmp_path
     grid = load_grid(str(path))
     stopped, fresh = grid.cells[:2]
     grid.cell_dir(stopped).mkdir(parents=True)
-    (grid.cell_dir(stopped) / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "loss": 1.0}}\n' for i in range(3)))
+    rows = [{"step": i, "loss": 1.0, "wall_s": 0.75 * (i + 1)} for i in range(3)]  # seconds since the cell began
+    (grid.cell_dir(stopped) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main([str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     steps = grid.budgets[stopped.key][0]
     assert f"{stopped.key}: {steps} steps x 4 examples per client step, tables ['main'], to run afresh (an earlier " \
-           f"run stopped at step 3 of {steps})\n" in out
+           f"run stopped at step 3 of {steps}, 0.75 s a step)\n" in out
     assert f"{fresh.key}: {steps} steps x 4 examples per client step, tables ['main'], to run\n" in out

@@ -316,6 +316,14 @@ def steps_done(cell_dir: Path) -> int:
     return 0
 
 
+def seconds_per_step(cell_dir: Path) -> float | None:
+    """A simulated cell's mean seconds per step so far, from its metrics' `wall_s` (None without)."""
+    path = cell_dir / METRICS
+    lines = path.read_text().splitlines() if path.is_file() else []
+    last = json.loads(lines[-1]) if lines else {}
+    return last["wall_s"] / len(lines) if "wall_s" in last else None
+
+
 class Running:
     """The cells' processes running now. Each has a session of its own (so a cell over its time is
     stopped with every rank it started), which also keeps a terminal's Ctrl-C from reaching it: the

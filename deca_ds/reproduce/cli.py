@@ -20,6 +20,7 @@ from .cells import (
     pretrain_base,
     resume_step,
     run_grid,
+    seconds_per_step,
     steps_done,
 )
 from .figures import write_figures
@@ -117,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 resume = resume_step(grid, cell, d, sha)
                 logged = steps_done(d) if resume is None and d.is_dir() else 0  # a stopped run, no checkpoint
+                rate = seconds_per_step(d) if logged else None
                 state = (f"to run from its checkpoint at step {resume} of {steps}" if resume is not None else
-                         f"to run afresh (an earlier run stopped at step {logged} of {steps})" if logged else "to run")
+                         f"to run afresh (an earlier run stopped at step {logged} of {steps}"
+                         + (f", {rate:.2f} s a step" if rate else "") + ")" if logged else "to run")
             log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
         if grid.paper:
             log(f"the paper's {grid.paper} numbers beside {len(published_cells(grid.cells, grid.paper))} of the "
