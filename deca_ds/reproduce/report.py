@@ -149,6 +149,19 @@ def _group_rank(value) -> tuple:
     return _axis_rank(value)
 
 
+def _group_place(name: str, cell: Cell) -> tuple:
+    """Where the cell's row group stands in table `name`: by the table's GROUP_AXIS value, or the
+    main table's setting."""
+    axis = GROUP_AXIS[name]
+    return _group_rank(getattr(cell, axis[0]) if axis else _setting(cell))
+
+
+def _group_name(name: str, several: bool) -> str | None:
+    """The group column's name in table `name` (the main table's: "Setting" where it has several)."""
+    axis = GROUP_AXIS[name]
+    return axis[1] if axis else "Setting" if several else None
+
+
 def _table(name: str, title: str, cells: list[Cell], methods: tuple[str, ...], values: dict[Cell, dict],
            columns: list[tuple[str, str]], names: list[str], scales: list[float] | None = None) -> Table | None:
     """Table `name` of `cells`: a row per group (the value of the table's GROUP_AXIS, or the main
@@ -156,12 +169,11 @@ def _table(name: str, title: str, cells: list[Cell], methods: tuple[str, ...], v
     (task, column) the values (`values[cell][column]`) over the seeds on which the row has every
     column; a row that has them on no seed is left out."""
     several = len(_settings(cells)) > 1
-    axis = GROUP_AXIS[name]
     found: dict[tuple[str, str], dict[tuple[str, int], dict]] = {}
     rank = {}  # group label -> its place
     for c in cells:
         group = _cell_group(name, c, several)
-        rank.setdefault(group, _group_rank(getattr(c, axis[0]) if axis else _setting(c)))
+        rank.setdefault(group, _group_place(name, c))
         found.setdefault((group, c.method), {})[(c.task, c.seed)] = values[c]
     seeds = sorted({c.seed for c in cells})
     order = {m: i for i, m in enumerate(methods)}
@@ -170,8 +182,7 @@ def _table(name: str, title: str, cells: list[Cell], methods: tuple[str, ...], v
         complete = [s for s in seeds if all(column in by_seed.get((t, s), {}) for t, column in columns)]
         if complete:
             rows.append((group, LABELS[method], [[by_seed[(t, s)][column] for s in complete] for t, column in columns]))
-    group_name = axis[1] if axis else "Setting" if several else None
-    return Table(name, title, group_name, names, rows, scales) if rows else None
+    return Table(name, title, _group_name(name, several), names, rows, scales) if rows else None
 
 
 def build_table(name: str, title: str, results: dict[Cell, dict], methods: tuple[str, ...]) -> Table | None:
@@ -235,13 +246,12 @@ def _compared(name: str, table: str, cells: list[Cell], methods: tuple[str, ...]
     {column: the paper's number}}), a row per group and method as in `_table`, with per (task,
     column) both have the values over the seeds (`here[cell][column]`) and the paper's. Returns
     the rows, the cells behind each row and the group column's name."""
-    axis = GROUP_AXIS[name]
     several = len(_settings(cells)) > 1
     order = {m: i for i, m in enumerate(methods)}
     rows: dict[tuple[str, str], paper.Row] = {}
     members: dict[tuple[str, str], list[Cell]] = {}
-    for c in sorted(cells, key=lambda c: (_group_rank(getattr(c, axis[0]) if axis else _setting(c)),
-                                          _cell_group(name, c, several), order[c.method], c.seed)):
+    for c in sorted(cells, key=lambda c: (_group_place(name, c), _cell_group(name, c, several), order[c.method],
+                                          c.seed)):
         published = reference.get(paper.row_key(table, c))
         if published is None:
             continue
@@ -252,7 +262,7 @@ def _compared(name: str, table: str, cells: list[Cell], methods: tuple[str, ...]
             if column in here[c]:
                 row.here.setdefault((c.task, column), []).append(here[c][column])
                 row.paper[(c.task, column)] = value
-    return rows, members, axis[1] if axis else "Setting" if several else None
+    return rows, members, _group_name(name, several)
 
 
 def _columns(rows) -> list[tuple[str, str]]:
@@ -528,22 +538,17 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
                 + ("Accuracy and macro-F1 of the consensus model x̄ on the test split, in %, "
                    if classified or not generated else "")
                 + "mean ± std over seeds (ddof 1); **best**, <u>second</u> per group.", ""]
-    for name, title, methods in TABLES:
-        table = build_table(name, title, classified, tuple(m for m in methods if m in METHODS))
-        if table is None:
-            continue
-        markdown.append(to_markdown(table))
-        path = out / f"{name}.csv"
-        write_text(path, to_csv(table))
-        written.append(path)
-    main_methods = tuple(m for m in (*BASELINES, *ABLATION[1:]) if m in METHODS)
-    for name, file, title in GENERATION_TABLES:
-        table = build_generation_table(name, title, generated, main_methods)
+    def add(table: Table | None, file: str) -> None:  # into tables.md and its own CSV
         if table is not None:
             markdown.append(to_markdown(table))
-            path = out / f"{file}.csv"
-            write_text(path, to_csv(table))
-            written.append(path)
+            written.append(out / f"{file}.csv")
+            write_text(written[-1], to_csv(table))
+
+    for name, title, methods in TABLES:
+        add(build_table(name, title, classified, tuple(m for m in methods if m in METHODS)), name)
+    main_methods = tuple(m for m in (*BASELINES, *ABLATION[1:]) if m in METHODS)
+    for name, file, title in GENERATION_TABLES:
+        add(build_generation_table(name, title, generated, main_methods), file)
     seeds = per_seed_markdown(classified, main_methods)
     if seeds is not None:
         markdown.append(seeds)
