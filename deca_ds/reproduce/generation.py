@@ -98,7 +98,7 @@ def parse_generation(section, where: str) -> Generation:
     try:
         for path in questions.values():
             read_questions(path)
-    except (ValueError, KeyError) as err:
+    except ValueError as err:  # read_questions names the file and line
         raise GenerationError(f"{at}.questions: {err}") from None
     tokens = section.get("max_new_tokens", 512)
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
