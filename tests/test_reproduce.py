@@ -298,8 +298,6 @@ def test_smooth_is_a_trailing_mean():
     ({"seeds": [0, "a"]}, r"seeds must be integers, got \['a'\]"),
     ({"results_dir": 5}, r"results_dir must be text, got \[5\]"),
     ({"jobs": 0}, r"jobs must be an integer >= 1, got 0"),
-    ({"options": {"model": "tiny", "clients": 3, "checkpoint_interval": 4}},
-     r"checkpoint_interval 4: the simulate backend writes no checkpoints"),
     ({"pretrain": {"output_dir": "x"}}, r"pretrain: unknown key\(s\) \['output_dir'\]"),
     ({"pretrain": {}}, r"pretrain makes the one model every cell fine-tunes.*\['tiny'\]"),
     ({"sweeps": [{"table": "bma", "bma_betas": [[0.3, 0.2]]}]}, r"bma_betas: BMA's betas are DECA's; the sweep's "
@@ -706,6 +704,62 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     assert final.pop("resumed_from") == [step] and "resumed_from" not in want
     assert {k: v for k, v in final.items() if k != "wall_s"} == {k: v for k, v in want.items() if k != "wall_s"}
     assert not (d / "train" / "checkpoints").exists()  # a finished cell's checkpoints are removed
+
+
+def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_bits(tmp_path, monkeypatch, capsys):
+    """A simulated cell with checkpoint_interval, stopped between its first and second checkpoint
+    (the first mid-block for DECA; LoRA's dropout draws from the saved random state), goes on from
+    the first in the next run of the grid, logs the steps after it again, and ends with the metrics
+    and scores of an uninterrupted run, to the bit."""
+    from deca_ds.reproduce import cells
+    from deca_ds.reproduce.cli import main
+    from helpers import torch_threads
+
+    grid = tiny_grid("tiny", methods=["deca", "dec_lora"], seeds=[0], results_dir=str(tmp_path / "res"))
+    # 4 blocks x R = 3 x T = 1: 12 steps; the checkpoint at step 4 is DECA's second block after one step
+    grid["options"].update(steps_per_block=3, checkpoint_interval=4)
+    files = {}
+    for name in ("reference", "stopped"):
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(yaml.safe_dump({**grid, "runs_dir": str(tmp_path / name)}))
+    assert main([str(files["reference"])]) == 0
+    built = load_grid(str(files["stopped"]))
+
+    class Stop(Exception):
+        pass
+
+    def save_or_stop(d, step, *rest):
+        if step > 4:
+            raise Stop
+        save(d, step, *rest)
+
+    save = cells.save_checkpoint
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the thread count the grid gives its cells' processes
+    for cell in built.cells:  # run here, in this process, up to the second checkpoint, which is not written
+        d = built.cell_dir(cell)
+        cells._prepare(built, cell, d, None)
+        with monkeypatch.context() as stopped, torch_threads(), pytest.raises(Stop):
+            stopped.setattr(cells, "save_checkpoint", save_or_stop)
+            cells.run_simulated(d)
+        assert cells.resume_step(built, cell, d, None) == 4 and len((d / "metrics.jsonl").read_text().splitlines()) == 8
+    capsys.readouterr()
+    assert main([str(files["stopped"]), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("to run from its checkpoint at step 4 of 12") == 2, out
+
+    assert main([str(files["stopped"])]) == 0
+    out = capsys.readouterr().out
+    reference = load_grid(str(files["reference"]))
+    read = lambda path: [{k: v for k, v in json.loads(line).items() if k != "wall_s"}  # noqa: E731
+                         for line in path.read_text().splitlines()]
+    for cell in built.cells:
+        d, want = built.cell_dir(cell), reference.cell_dir(cell)
+        assert f"{cell.key} ... (resuming from its checkpoint at step 4)" in out, out
+        assert read(d / "metrics.jsonl") == read(want / "metrics.jsonl")  # every step once, the same numbers
+        final, expected = (json.loads((x / "final.json").read_text()) for x in (d, want))
+        assert final.pop("resumed_from") == [4] and "resumed_from" not in expected
+        assert {k: v for k, v in final.items() if k != "wall_s"} == {k: v for k, v in expected.items() if k != "wall_s"}
+        assert not (d / "checkpoint.pt").exists() and not (d / "checkpoint.json").exists()
 
 
 def test_fetch_names_the_hub_models_and_tasks_a_grid_reads(tmp_path):

@@ -5,6 +5,9 @@ resolved: topology, client sizes, trainable parameters, budget), metrics.jsonl (
 model update step: the clients' mean training loss, the consensus distance every
 `consensus_interval` steps and, in simulated cells, the seconds since the cell started) and, once
 it has finished, final.json (accuracy and macro-F1 of the consensus model x̄, losses, wall time).
+A simulated cell with `checkpoint_interval` also holds checkpoint.pt (every client's model and
+optimizer, the data streams' positions and the random state) and checkpoint.json (its step and
+size, written after it) while it runs: a stopped cell goes on from there, to the same bits.
 A cell with final.json and the same settings is skipped; one with other settings stops the grid
 before anything runs. Where the grid makes its base model
 (`pretrain`), the settings include the sha256 of its weights: cells fine-tuned from other weights
@@ -36,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..reporting import REPO
-from ..runtime.checkpoint import atomic_write, sha256
+from ..runtime.checkpoint import atomic_write, random_state, restore_random_state, sha256
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
@@ -46,6 +49,7 @@ from .placement import Launch, Placement, placement
 from .pretrain import WEIGHTS, pretrain, pretrained_state
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
+CHECKPOINT, CHECKPOINT_META = "checkpoint.pt", "checkpoint.json"  # a simulated cell's
 STOPPED = "stopped: the grid was stopped before this cell started"
 
 
@@ -377,19 +381,32 @@ def kill_session(proc: subprocess.Popen) -> None:
 
 
 def resume_step(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
-    """The checkpoint step an unfinished cell of the deepspeed backend goes on from: the newest one
-    complete for every client in its train/ (deca-train's --checkpoint-interval), where the cell was
-    started with the grid's settings; None: the cell starts afresh. Files are checked by size here;
-    deca-train --resume checks their sha256 as well, and goes back to an older step where one fails."""
+    """The checkpoint step an unfinished cell goes on from, where it was started with the grid's
+    settings: a simulated cell's checkpoint (simulated_checkpoint), or for the deepspeed backend the
+    newest one complete for every client in its train/ (deca-train's --checkpoint-interval; files
+    checked by size here, deca-train --resume checks their sha256 as well and goes back to an older
+    step where one fails). None: the cell starts afresh."""
     from ..runtime.checkpoint import complete_steps
 
     train = d / "train"
-    if grid.backend != "deepspeed" or not (train / RUN_CONFIG).is_file() \
-            or settings_changed(saved_settings(d), cell_settings(grid, cell, base)):
+    ran = (d if grid.backend == "simulate" else train) / RUN_CONFIG
+    if not ran.is_file() or settings_changed(saved_settings(d), cell_settings(grid, cell, base)):
         return None
+    if grid.backend == "simulate":
+        return simulated_checkpoint(d)
     common = set.intersection(*(set(complete_steps(train, c, cell.ranks_per_client, hashes=False))
                                 for c in range(cell.clients)))
     return max(common, default=None)
+
+
+def simulated_checkpoint(d: Path) -> int | None:
+    """The step of a simulated cell's checkpoint, None without a whole one: checkpoint.json, written
+    after checkpoint.pt and removed before it is replaced, must give checkpoint.pt's size."""
+    try:
+        meta = read_json(d / CHECKPOINT_META)
+        return int(meta["step"]) if (d / CHECKPOINT).stat().st_size == meta["bytes"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _prepare(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
@@ -481,8 +498,9 @@ def collect_deepspeed(d: Path, *, wall_s: float) -> None:
 
 
 def finish(d: Path, evaluation: dict, *, wall_s: float, final_distance: float) -> dict:
-    """final.json from the cell's metrics and the consensus model's evaluation. A resumed cell's
-    wall_s is that of its last attempt, and `resumed_from` names the checkpoint steps it went on from."""
+    """final.json from the cell's metrics and the consensus model's evaluation. A resumed deepspeed
+    cell's wall_s is that of its last attempt (a simulated one's, of every attempt's steps up to its
+    checkpoint), and `resumed_from` names the checkpoint steps it went on from."""
     losses = [json.loads(line)["loss"] for line in (d / METRICS).read_text().splitlines() if line]
     loss_start, loss_end = loss_ends(losses)
     final = {**evaluation, "loss_start": loss_start, "loss_end": loss_end, "steps": len(losses),
@@ -498,10 +516,11 @@ def finish(d: Path, evaluation: dict, *, wall_s: float, final_distance: float) -
 
 
 class Recording:
-    """A method that remembers the client models and optimizers simulate() builds from it."""
+    """A method that remembers the client models and optimizers simulate() builds from it and,
+    resuming, gives each client its checkpointed weights and optimizer state."""
 
-    def __init__(self, method) -> None:
-        self.method, self.models, self.optimizers = method, [], []
+    def __init__(self, method, saved: dict | None = None) -> None:
+        self.method, self.models, self.optimizers, self.saved = method, [], [], saved
 
     def prepare(self, model):
         model = self.method.prepare(model)
@@ -509,9 +528,48 @@ class Recording:
         return model
 
     def optimizer(self, model, mixer=None):
+        i, saved = len(self.optimizers), self.saved
+        if saved:
+            model.load_state_dict(saved["models"][i])
         opt = self.method.optimizer(model, mixer)
         self.optimizers.append(opt)
+        if saved:
+            opt.load_state_dict(saved["optimizers"][i])
+            if i == len(saved["models"]) - 1:  # simulate() builds the last client just before its first step
+                restore_random_state(saved)
+                self.saved = None  # the clients hold their own copies now
         return opt
+
+
+def save_checkpoint(d: Path, step: int, recording: Recording, streams: list, wall_s: float) -> None:
+    """The cell after `step` steps, replacing the previous checkpoint; a stop while it is written
+    leaves no checkpoint.json, so no half-written state is ever resumed (the cell starts afresh)."""
+    import torch
+
+    state = {"step": step, "wall_s": wall_s, "models": [m.state_dict() for m in recording.models],
+             "optimizers": [o.state_dict() for o in recording.optimizers],
+             "streams": [s.state_dict() for s in streams], **random_state()}
+    (d / CHECKPOINT_META).unlink(missing_ok=True)
+    atomic_write(d / CHECKPOINT, lambda tmp: torch.save(state, tmp))
+    write_json(d / CHECKPOINT_META, {"step": step, "bytes": (d / CHECKPOINT).stat().st_size})
+
+
+def load_checkpoint(d: Path, device) -> dict | None:
+    """The cell's checkpoint (on `device`), None without one; the metrics of the steps after it are
+    dropped, as the resumed cell logs them again."""
+    import torch
+
+    step = simulated_checkpoint(d)
+    if step is None:
+        return None
+    saved = torch.load(d / CHECKPOINT, map_location=device, weights_only=True)
+    if saved["step"] != step:
+        raise ValueError(f"{d / CHECKPOINT} holds step {saved['step']}, {d / CHECKPOINT_META} says {step}")
+    lines = [line for line in (d / METRICS).read_text().splitlines() if line and json.loads(line)["step"] < step]
+    if len(lines) != step:
+        raise ValueError(f"{d / METRICS} logs {len(lines)} of the {step} steps before the checkpoint")
+    write_text(d / METRICS, "".join(line + "\n" for line in lines))
+    return saved
 
 
 def _distances(vectors) -> list[float]:
@@ -565,7 +623,6 @@ def run_simulated(d: Path) -> dict:
     from ..simulate import simulate
     from ..topology import make_topology
 
-    start = time.perf_counter()
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
@@ -579,8 +636,14 @@ def run_simulated(d: Path) -> dict:
     model = build_model(opts, len(task.tokenizer)).to(device)
     partition = model_partition(model, opts.deca_config())
     method = opts.build_method(partition)
-    recording = Recording(method)
-    streams = [(to_device(batch, device) for batch in task.stream(opts, i)) for i in range(n)]
+    saved = load_checkpoint(d, device)  # the parent kept it (cells._prepare): the cell goes on from there
+    # wall_s counts the steps' time of every attempt up to its checkpoint
+    start = time.perf_counter() - (saved["wall_s"] if saved else 0.0)
+    recording = Recording(method, saved)
+    client_streams = [task.stream(opts, i) for i in range(n)]
+    for stream, state in zip(client_streams, saved["streams"] if saved else []):
+        stream.load_state_dict(state)
+    streams = [(to_device(batch, device) for batch in stream) for stream in client_streams]
     probe = method.prepare(build_model(opts, len(task.tokenizer)))
     write_json(d / RUN_CONFIG, {
         "options": asdict(opts), "topology": topology.to_dict(), "method": opts.method,
@@ -589,7 +652,7 @@ def run_simulated(d: Path) -> dict:
         "split_keys": list(task.key_names), "split_histogram": task.key_histogram, "device": str(device),
         "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}})
     del probe
-    metrics = (d / METRICS).open("w", buffering=1)  # line by line: progress is visible
+    metrics = (d / METRICS).open("a" if saved else "w", buffering=1)  # line by line: progress is visible
 
     def on_step(info) -> None:
         # wall_s: seconds since the cell started, at the end of the step (beside other cells on one
@@ -601,8 +664,12 @@ def run_simulated(d: Path) -> dict:
             vectors = _final_vectors(recording) if lead.done else [o.consensus_vector() for o in recording.optimizers]
             rec["consensus_distance"] = sum(_distances(vectors)) / n
         metrics.write(json.dumps(rec, allow_nan=False) + "\n")
+        done = info.step + 1
+        if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not recording.optimizers[0].done:
+            save_checkpoint(d, done, recording, client_streams, time.perf_counter() - start)
 
-    torch.manual_seed(opts.seed)  # LoRA dropout
+    if saved is None:
+        torch.manual_seed(opts.seed)  # LoRA dropout (resumed: the checkpoint's state, set by Recording)
     simulate(model, streams, topology.W, recording, on_step=on_step)
     metrics.close()
     final_distance = sum(_distances(_final_vectors(recording))) / n
@@ -614,7 +681,10 @@ def run_simulated(d: Path) -> dict:
         evaluation = task.evaluate(consensus, opts.eval_limit or None)
         if not evaluation or not math.isfinite(evaluation.get("accuracy", math.nan)):
             raise ValueError(f"the consensus model of {d} has no classification metrics: {evaluation}")
-    return finish(d, evaluation, wall_s=time.perf_counter() - start, final_distance=final_distance)
+    final = finish(d, evaluation, wall_s=time.perf_counter() - start, final_distance=final_distance)
+    for name in (CHECKPOINT_META, CHECKPOINT):  # the cell is done: what it would go on from is not needed
+        (d / name).unlink(missing_ok=True)
+    return final
 
 
 if __name__ == "__main__":

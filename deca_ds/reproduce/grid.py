@@ -371,10 +371,6 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
             if (c.options.get("grad_accum") or 1) != 1 or c.ranks_per_client != 1:
                 raise GridError(f"{where}: cell {c.key}: the simulate backend takes one micro-batch per client step "
                                 "(grad_accum 1, ranks_per_client 1); use the deepspeed backend")
-            if c.options.get("checkpoint_interval"):
-                raise GridError(f"{where}: cell {c.key}: checkpoint_interval {c.options['checkpoint_interval']}: the "
-                                "simulate backend writes no checkpoints (an interrupted cell starts afresh); "
-                                "deepspeed cells resume from theirs")
     # One thread per cell by default: on a shared CPU, torch's threads spinning against other processes
     # cost several times the work (measured here: 21 s with one thread, minutes with two under load).
     threads = data.get("threads", 1 if backend == "simulate" else None)

@@ -364,9 +364,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     if opts.resume:
         optimizer.load_state_dict(state["optimizer"])
         stream.load_state_dict(state["rank"]["stream"])
-        torch.set_rng_state(state["rank"]["torch_rng"])
-        if "cuda_rng" in state["rank"]:  # dropout on a GPU draws from the device's generator
-            torch.cuda.set_rng_state(state["rank"]["cuda_rng"].cpu())
+        ckpt.restore_random_state(state["rank"])
         if rank == 0:
             print(f"resumed from step {start} of {optimizer.total_steps}")
     if node_lead():
@@ -603,9 +601,8 @@ def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer
     lead = layout.local_rank == 0
     ckpt.save_client(out, step, layout.client, layout.local_rank,
                      model=model if lead else None, optimizer_state=optimizer.state_dict() if lead else None,
-                     rank_state={"step": step, "stream": stream.state_dict(), "torch_rng": torch.get_rng_state(),
-                                 "nonfinite_skipped": nonfinite_skipped,
-                                 **({"cuda_rng": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})})
+                     rank_state={"step": step, "stream": stream.state_dict(), "nonfinite_skipped": nonfinite_skipped,
+                                 **ckpt.random_state()})
     dist.barrier()  # every client has `step` before anyone drops an older one
     if lead:
         done = ckpt.complete_steps(out, layout.client, layout.ranks_per_client, hashes=False)  # sizes only: cheap
