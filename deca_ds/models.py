@@ -196,9 +196,11 @@ def compile_layers(model: nn.Module) -> None:
     every layer (the weights are its inputs), in a few versions: no gradient below the active block,
     the block's own, and only the input's above it. Where the device waits for the host's launches
     (a small micro-batch on a fast GPU), the fused kernels launch fewer times; the arithmetic is the
-    same up to rounding. Call it after enable_activation_checkpointing, whose wrapper it compiles."""
+    same up to rounding, and dropout (LoRA's) draws the eager masks from torch's generator
+    (fallback_random: inductor's own generator would draw others). Call it after
+    enable_activation_checkpointing, whose wrapper it compiles."""
     for layer in find_decoder_layers(model)[1]:
-        eager, compiled = layer.forward, torch.compile(layer.forward)
+        eager, compiled = layer.forward, torch.compile(layer.forward, options={"fallback_random": True})
 
         def forward(*args, eager=eager, compiled=compiled, **kwargs):
             return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)

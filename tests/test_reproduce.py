@@ -762,6 +762,33 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
         assert not (d / "checkpoint.pt").exists() and not (d / "checkpoint.json").exists()
 
 
+def test_a_simulated_cell_compiles_its_layers_where_asked(tmp_path, monkeypatch):
+    """compile_layers in a simulated cell, as deca-train's --compile-layers: the clients' decoder
+    layers run compiled (Dynamo makes graphs), and the cell trains as the eager cell does, to fp32
+    rounding, LoRA's dropout included."""
+    from torch._dynamo.utils import counters
+
+    from deca_ds.reproduce import cells
+    from helpers import torch_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    losses = {}
+    for compiled in (False, True):
+        data = tiny_grid("tiny", methods=["dec_lora"], seeds=[0])
+        data["options"]["compile_layers"] = compiled
+        grid = build_grid(data, runs_dir=tmp_path / str(compiled))
+        cell = grid.cells[0]
+        d = grid.cell_dir(cell)
+        cells._prepare(grid, cell, d, None)
+        graphs = counters["stats"]["unique_graphs"]
+        with torch_threads():
+            cells.run_simulated(d)
+        assert (counters["stats"]["unique_graphs"] > graphs) == compiled
+        losses[compiled] = [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses[True]) == 8
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+
 def test_fetch_names_the_hub_models_and_tasks_a_grid_reads(tmp_path):
     from deca_ds.runtime.fetch import CONFIG_FILES, WEIGHTS, hub_needs
 

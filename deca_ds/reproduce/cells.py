@@ -516,14 +516,20 @@ def finish(d: Path, evaluation: dict, *, wall_s: float, final_distance: float) -
 
 
 class Recording:
-    """A method that remembers the client models and optimizers simulate() builds from it and,
+    """A method that remembers the client models and optimizers simulate() builds from it, compiles
+    each client's decoder layers where the cell asks (`compile_layers`, as deca-train does) and,
     resuming, gives each client its checkpointed weights and optimizer state."""
 
-    def __init__(self, method, saved: dict | None = None) -> None:
+    def __init__(self, method, saved: dict | None = None, *, compiled: bool = False) -> None:
         self.method, self.models, self.optimizers, self.saved = method, [], [], saved
+        self.compiled = compiled
 
     def prepare(self, model):
+        from ..models import compile_layers
+
         model = self.method.prepare(model)
+        if self.compiled:
+            compile_layers(model)
         self.models.append(model)
         return model
 
@@ -639,7 +645,7 @@ def run_simulated(d: Path) -> dict:
     saved = load_checkpoint(d, device)  # the parent kept it (cells._prepare): the cell goes on from there
     # wall_s counts the steps' time of every attempt up to its checkpoint
     start = time.perf_counter() - (saved["wall_s"] if saved else 0.0)
-    recording = Recording(method, saved)
+    recording = Recording(method, saved, compiled=opts.compile_layers)
     client_streams = [task.stream(opts, i) for i in range(n)]
     for stream, state in zip(client_streams, saved["streams"] if saved else []):
         stream.load_state_dict(state)
