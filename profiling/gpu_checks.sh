@@ -48,7 +48,9 @@
 #            measured), and the tables of the finished cells; the cells finished earlier are committed in
 #            reproduce/results/gpu_ag_news/cells and start the grid's runs directory (a fresh machine
 #            pretrains again, to the same weights on the same GPU type, which the cells' base hash checks)
-#            GRID_ARGS picks the cells: e.g. "--only seed=1 method=deca,dadam --jobs 2"
+#            GRID_ARGS picks the cells: e.g. "--only seed=1 method=deca,dadam --jobs 2"; GRID_SET sets an
+#            option of every cell (deca-reproduce --set), whose cells then run in GRID_RUNS (default
+#            runs/gpu_ag_news), e.g. GRID_SET=compile_layers=true GRID_RUNS=runs/gpu_ag_news_compiled
 #   decaf    DeCAF's re-factorization, pair by pair against one SVD per core shape on the host, for
 #            the grid's DeCAF cells (profiling/decaf_refactor.py)                              1 min
 # Across two calls on one warm machine (a session's 15 minutes then hold about 13 of steps, and the
@@ -212,26 +214,34 @@ while (($#)); do
                # the cells earlier calls finished (committed in reproduce/results/gpu_ag_news/cells), unless this
                # machine holds its own; the grid pretrains its model first (once per machine) and runs
                # those cells again only if the weights differ (their settings hold the weights' sha256)
-               [[ -n ${DRY_RUN:-} || -d runs/gpu_ag_news ]] || { mkdir -p runs && cp -r reproduce/results/gpu_ag_news/cells runs/gpu_ag_news; }
+               # GRID_SET: options of every cell in place of the grid file's (deca-reproduce --set), run in
+               # GRID_RUNS, e.g. GRID_SET=compile_layers=true GRID_RUNS=runs/gpu_ag_news_compiled
+               runs=${GRID_RUNS:-runs/gpu_ag_news}
+               # shellcheck disable=SC2206  # GRID_SET: words
+               set_options=(${GRID_SET:+--set $GRID_SET})
+               [[ -n ${DRY_RUN:-} || -d $runs || $runs != runs/gpu_ag_news ]] ||
+                 { mkdir -p runs && cp -r reproduce/results/gpu_ag_news/cells runs/gpu_ag_news; }
                [[ -n ${DRY_RUN:-} ]] || { nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 10 \
                                             > "$RES/gpu_ag_news_utilization.csv" & util=$!; }
                # stopped by its time limit, the grid stops its cells (SIGTERM) and finished cells stay finished;
                # 60 s are left for that, the tables and the packing
                # shellcheck disable=SC2206  # GRID_ARGS: words, e.g. --only seed=1 --jobs 2
-               grid=(python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --results-dir "$RES/gpu_ag_news" ${GRID_ARGS:-})
+               grid=(python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --runs-dir "$runs" --results-dir "$RES/${runs##*/}"
+                     "${set_options[@]}" ${GRID_ARGS:-})
                step $((DEADLINE - SECONDS - 70)) grid "${grid[@]}"
-               if (($? == 2)) && [[ -z ${DRY_RUN:-} && ! -d runs/gpu_ag_news.other_base ]]; then
+               if (($? == 2)) && [[ -z ${DRY_RUN:-} && ! -d $runs.other_base ]]; then
                  # refused before any cell ran: e.g. the committed cells were fine-tuned from other weights
                  # than this machine's pretraining made (the grid mixes no two bases); they are set aside
                  # (and stay committed) and the grid starts afresh on this machine's base
-                 mv runs/gpu_ag_news runs/gpu_ag_news.other_base
+                 mv "$runs" "$runs.other_base"
                  step $((DEADLINE - SECONDS - 70)) grid "${grid[@]}"
                fi
-               run python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --report-only --results-dir "$RES/gpu_ag_news"
+               run python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --runs-dir "$runs" --report-only \
+                 --results-dir "$RES/${runs##*/}" "${set_options[@]}"
                # the cell directories (settings, metrics, scores: kilobytes) come back too, for
                # reproduce/results/gpu_ag_news/cells
-               [[ -n ${DRY_RUN:-} ]] || { kill "$util"; mkdir -p "$RES/gpu_ag_news_runs"
-                                          cp -r runs/gpu_ag_news/. "$RES/gpu_ag_news_runs/"; pack; } ;;
+               [[ -n ${DRY_RUN:-} ]] || { kill "$util"; mkdir -p "$RES/${runs##*/}_runs"
+                                          cp -r "$runs/." "$RES/${runs##*/}_runs/"; pack; } ;;
     bg) if [[ -n ${DRY_RUN:-} ]]; then bash "$0" "$@"; break; fi
         if [[ -f $BG/pid ]] && kill -0 "$(cat "$BG/pid")" 2> /dev/null; then
           echo "bg: a background run is still going (pid $(cat "$BG/pid")): bg-finish it first"; exit 2

@@ -277,7 +277,9 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     # bg: the steps after it, in the background
     steps = ("exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events "
              "fused4 fits fitsn decaf reproduce bg-finish bg reproduce").split()
-    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out")}
+    # the grid with an option of every cell set (the compiled cells' speed), in a runs directory of its own
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out"), "GRID_SET": "compile_layers=true",
+           "GRID_RUNS": "runs/gpu_ag_news_compiled", "GRID_ARGS": "--only seed=0 method=dec_lora,decaf"}
     done = subprocess.run(["bash", "profiling/gpu_checks.sh", *steps], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and not done.stderr, done.stderr
@@ -299,6 +301,9 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
         if parsed.__dict__.get("train_args") and "--ds_config" not in parsed.train_args:
             parse_run_args([*ds_config, *parsed.train_args])
     assert len(commands) == 37 and len(tools) == 9, sorted(tools)
+    grids = [c for c in commands if c[1] == "launch/reproduce.py"]
+    assert len(grids) == 4 and all(c[c.index("--set") + 1] == "compile_layers=true" for c in grids)
+    assert all(c[c.index("--runs-dir") + 1] == "runs/gpu_ag_news_compiled" for c in grids)
 
 
 def test_profile_resources_says_where_clients_time_share_a_gpu():

@@ -463,6 +463,25 @@ def test_only_takes_the_grids_own_keys_and_values(tmp_path):
         swept.select(["table=bma"])
 
 
+def test_set_overrides_every_cells_options_as_the_file_would(tmp_path, capsys):
+    """deca-reproduce --set KEY=VALUE: each value read as YAML into every cell's options, checked as
+    the grid file's options are, before anything runs."""
+    from deca_ds.reproduce.cli import main
+    from deca_ds.reproduce.grid import parse_settings
+
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(tiny_grid("tiny", runs_dir=str(tmp_path / "runs"))))
+    grid = load_grid(path, options=parse_settings(["compile_layers=true", "lr=2e-3"]))
+    assert {(c.options["compile_layers"], c.options["lr"]) for c in grid.cells} == {(True, 2e-3)}
+    assert {c.options["lr"] for c in load_grid(path).cells} == {1e-3}
+    for words, error in ((["lr"], "--set 'lr': expected KEY=VALUE"),
+                         (["seed=3"], r"\['seed'\] are set per cell by the grid"),
+                         (["lrr=1"], r"unknown option 'lrr' \(did you mean 'lr'\?\)")):
+        assert main([str(path), "--dry-run", "--set", *words]) == 2
+        assert re.search(error, capsys.readouterr().err)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_generation_tasks_and_stray_sweep_tasks_are_refused(tmp_path):
     with pytest.raises(GridError, match="alpaca is a generation task: .* a `generation` section"):
         build_grid(tiny_grid("tiny", tasks={"alpaca": {"dataset": "alpaca"}}), runs_dir=tmp_path)

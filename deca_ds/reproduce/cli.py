@@ -26,7 +26,7 @@ from .cells import (
 from .figures import write_figures
 from .footprint import estimate_cells
 from .generation import judge_cells
-from .grid import GridError, grid_names, load_grid
+from .grid import GridError, grid_names, load_grid, parse_settings
 from .paper import published_cells
 from .placement import placement
 from .report import recorded_results, write_report
@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-judge", action="store_true",
                    help="leave the generation cells' answers unjudged in this run (compute nodes without a network "
                         "or the judge's key); a later run or --report-only judges them")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="set an option of every cell in place of the grid file's, e.g. --set compile_layers=true "
+                        "(cells then differ from the file's: give them a --runs-dir of their own)")
     p.add_argument("--only", nargs="+", default=[], metavar="KEY=VALUE[,VALUE]",
                    help="run only the cells with these values (task, method, topology, clients, layers_per_block, "
                         "seed, or a table they feed), e.g. --only seed=0 method=deca,dec_lora; the tables still take "
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     log = partial(print, flush=True)
     try:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs,
-                         deepspeed_args=args.deepspeed_args)
+                         deepspeed_args=args.deepspeed_args, options=parse_settings(args.set))
         if args.tables_from:  # the results.json alone: the runs directory and the base model are not read
             recorded = recorded_results(grid, args.tables_from)
         else:

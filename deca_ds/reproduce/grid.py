@@ -264,16 +264,32 @@ def grid_path(spec: str | Path) -> Path:
 
 
 def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_dir: str | Path | None = None,
-              jobs: int | None = None, deepspeed_args: list[str] | None = None) -> Grid:
+              jobs: int | None = None, deepspeed_args: list[str] | None = None, options: dict | None = None) -> Grid:
     """Read and check a grid file (a path, or a shipped grid's name); `runs_dir`, `results_dir`,
-    `jobs` and `deepspeed_args` override the file's."""
+    `jobs` and `deepspeed_args` override the file's, and `options` its options (every cell's)."""
     path = grid_path(path)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise GridError(f"{path} is not valid YAML: {err}") from None
+    if options and isinstance(data, dict):
+        data = {**data, "options": {**(data.get("options") or {}), **options}}
     return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, deepspeed_args=deepspeed_args,
                       where=str(path))
+
+
+def parse_settings(pairs: list[str]) -> dict:
+    """`KEY=VALUE` words (deca-reproduce --set) as options, each value read as YAML: 1e-4, true, [a, b]."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise GridError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set compile_layers=true")
+        try:
+            options[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise GridError(f"--set {pair!r}: the value is not valid YAML: {err}") from None
+    return options
 
 
 def _seeds(values, where: str) -> list[int]:
