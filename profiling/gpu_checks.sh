@@ -24,10 +24,10 @@
 #   update   the fused update on the device (target 3)                                     50 s measured
 #   aggshare DECA's Agg & Up share with the eager and the fused update (target 3) at 1 x 512, each
 #            run twice in alternating order (--repeats 2: the later of two runs was the slower)  5 min
-#   aggpreset the same at the rtxpro6000 preset's 4 x 512, 2 layers per block                  7 min
-#   compile  the fused run at 1 x 512 with the decoder layers compiled (--compile-layers), in one
-#            call with aggshare, whose fused runs come before and after it: does it shorten a step
-#            the host's launches set (da61034: the device worked 49 of 104-127 ms)             2-3 min
+#   aggpreset the fused update at the rtxpro6000 preset's 4 x 512, 2 layers per block, with the
+#            decoder layers compiled and not, alternated (--repeats 2): should the presets compile  7 min
+#   compile  the fused run at 1 x 512 with the decoder layers compiled (--compile-layers) and not,
+#            alternated (--repeats 2; c65074b: 40.5 against 118.2 ms, one run each)       4-5 min
 #   trace    aggshare's 1 x 512 runs with steps 9-11 traced by torch.profiler (--trace-steps): where the
 #            time of Agg & Up beside the update goes, and why the fused run's backward was slower; and
 #            the rtx5090_qwen2.5-3b preset's steps 4-5 at 4 x 512 and at the 2 x 2 x 512 it had (its
@@ -152,13 +152,13 @@ while (($#)); do
     aggshare) step 360 aggshare python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
                 --steps-per-block 3 --warmup 3 --updates eager fused --repeats 2 --name profile_resources_llama-3.1-8b \
                 --train-args "${LLAMA[@]}" --layers-per-block 1 ;;
-    compile) step 240 compile python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
-               --steps-per-block 3 --warmup 3 --updates fused --name profile_resources_llama-3.1-8b_compiled \
-               --train-args "${LLAMA[@]}" --layers-per-block 1 --compile-layers ;;
+    compile) step 360 compile python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
+               --steps-per-block 3 --warmup 3 --updates fused compiled --repeats 2 \
+               --name profile_resources_llama-3.1-8b_compiled --train-args "${LLAMA[@]}" --layers-per-block 1 ;;
     aggpreset) # the same at the preset's micro-batch (4 x 512) and granularity (2 layers per block)
                step 480 aggpreset python3 profiling/profile_resources.py \
                  --ds-config ds_configs/rtxpro6000_llama-3.1-8b.json --out "$RES" --ranks 1 --methods deca \
-                 --steps-per-block 3 --warmup 3 --updates eager fused --repeats 2 \
+                 --steps-per-block 3 --warmup 3 --updates fused compiled --repeats 2 \
                  --name profile_resources_llama-3.1-8b_preset \
                  --train-args "${LLAMA[@]}" --dataset synthetic --synthetic-words 600 ;;
     trace) # a block's three steps (the last activates the next block), after the fused kernels compiled

@@ -35,17 +35,20 @@ from report import provenance, pyplot, save_figure, write_results
 from runs import ROOT
 
 METHODS = ("deca", "dadam", "dec_lora", "dec_adapter", "decaf")
-# the optimizers' update: (suffix of run directories and ratio keys, suffix of method labels)
-UPDATES = {"eager": ("", ""), "fused": ("_fused", " (fused)")}
+# the optimizers' update, and the decoder layers compiled with it or not: (suffix of run directories and
+# ratio keys, suffix of method labels, launch/train.py's options)
+UPDATES = {"eager": ("", "", []), "fused": ("_fused", " (fused)", ["--fused-update"]),
+           "compiled": ("_compiled", " (fused, compiled layers)", ["--fused-update", "--compile-layers"])}
 LABELS = {"deca": "DECA", "dadam": "D-Adam", "dec_lora": "Dec-LoRA", "dec_adapter": "Dec-Adapter", "decaf": "DeCAF"}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--updates", nargs="+", default=["eager"], choices=["eager", "fused"],
+    p.add_argument("--updates", nargs="+", default=["eager"], choices=list(UPDATES),
                    help="the optimizers' update: PyTorch's eager ops, or --fused-update (torch.compile'd kernels; "
-                        "compiled in the warm-up steps); every method runs once per choice")
+                        "compiled in the warm-up steps), or compiled: --fused-update with the decoder layers "
+                        "compiled too (--compile-layers); every method runs once per choice")
     p.add_argument("--steps-per-block", type=int, default=8, help="DECA's R; the baselines take as many steps")
     p.add_argument("--out", default=str(ROOT / "profiling" / "results"))
     p.add_argument("--name", default="profile_resources", help="base name of the result files")
@@ -120,7 +123,7 @@ def ratios_of(results: list[dict]) -> dict:
     """DECA's shares of its step and its step over each baseline's, per update (eager, fused)."""
     by = {r["method"]: r for r in results}
     ratios = {}
-    for update, (tag, label) in UPDATES.items():
+    for tag, label, _ in UPDATES.values():
         deca = by.get("DECA" + label)
         if deca is None:
             continue
@@ -131,6 +134,9 @@ def ratios_of(results: list[dict]) -> dict:
                 ratios[f"deca{tag}_step_over_{name}{tag}"] = deca["step_ms"] / by[name + label]["step_ms"]
     if {"DECA", "DECA (fused)"} <= by.keys():
         ratios["deca_fused_agg_up_over_eager"] = by["DECA (fused)"]["agg_up_ms"] / by["DECA"]["agg_up_ms"]
+    compiled = "DECA" + UPDATES["compiled"][1]
+    if {compiled, "DECA (fused)"} <= by.keys():
+        ratios["deca_compiled_step_over_fused"] = by[compiled]["step_ms"] / by["DECA (fused)"]["step_ms"]
     return ratios
 
 
@@ -145,8 +151,7 @@ def main(argv=None) -> dict:
             run = method + UPDATES[update][0] + (f"_{k + 1}" if args.repeats > 1 else "")
             train_args = ["--ds_config", args.ds_config, "--method", method, "--rounds", "1",
                           "--steps-per-block", str(args.steps_per_block), "--eval-limit", "16",
-                          "--consensus-interval", "0", *(["--fused-update"] if update == "fused" else []),
-                          *args.train_args]
+                          "--consensus-interval", "0", *UPDATES[update][2], *args.train_args]
             out = runs.train(train_args, args.ranks, Path(args.work_dir) / run, args.timeout, run)
             if (out / "trace").is_dir():  # --train-args --trace-steps N: each rank's trace beside the tables
                 shutil.copytree(out / "trace", Path(args.out) / f"{args.name}_trace" / run, dirs_exist_ok=True)
@@ -178,7 +183,7 @@ def of_runs(measured: list[dict]) -> dict:
 def report(args, made: dict, kept: list[dict], results: list[dict]) -> dict:
     """The summary of the rows kept (--merge) and the runs so far, written to <out>/<name>.*."""
     done = {r["method"] for r in results}
-    order = [LABELS[m] + label for _, label in UPDATES.values() for m in METHODS]
+    order = [LABELS[m] + label for _, label, _ in UPDATES.values() for m in METHODS]
     rows = sorted([r for r in kept if r["method"] not in done] + results, key=lambda r: order.index(r["method"]))
     summary = {
         **made,

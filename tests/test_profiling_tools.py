@@ -345,6 +345,32 @@ def test_profile_resources_repeats_alternate_the_settings_and_report_the_medians
         profile_resources.parse_args(["--repeats", "0"])
 
 
+def test_profile_resources_compiled_runs_compile_the_layers_beside_the_fused_update(tmp_path, monkeypatch):
+    """--updates fused compiled: the compiled runs are the fused ones with --compile-layers, each a row of
+    its own, and the compiled step over the fused one is a ratio."""
+    import profile_resources
+
+    ran, steps = {}, iter([120.0, 40.0])
+
+    def measure(out, warmup):
+        step = next(steps)
+        return {"trainable_params": 7, "samples": 3, "fwd_ms": step / 2, "bkwd_ms": step / 2 - 4, "agg_up_ms": 4.0,
+                "agg_ms": 1.0, "exchange_ms": 0.0, "update_ms": 3.0, "step_ms": step, "wall_ms": step + 1,
+                "comm_mb": 0.0, "clients_per_gpu": {}}
+
+    monkeypatch.setattr(profile_resources.runs, "train",
+                        lambda args, ranks, out, limit, what: ran.setdefault(what, args) and out)
+    monkeypatch.setattr(profile_resources, "measure", measure)
+    summary = profile_resources.main(["--methods", "deca", "--updates", "fused", "compiled",
+                                      "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path)])
+    flags = {what: [a for a in args if a in ("--fused-update", "--compile-layers")] for what, args in ran.items()}
+    assert flags == {"deca_fused": ["--fused-update"], "deca_compiled": ["--fused-update", "--compile-layers"]}
+    assert [(r["method"], r["update"]) for r in summary["results"]] == [
+        ("DECA (fused)", "fused"), ("DECA (fused, compiled layers)", "compiled")]
+    assert summary["ratios"]["deca_compiled_step_over_fused"] == 40.0 / 120.0
+    assert summary["ratios"]["deca_compiled_agg_up_share_of_step"] == 4.0 / 40.0
+
+
 def test_device_peak_is_a_gpu_runs_peak_beside_its_estimate(tmp_path, monkeypatch):
     """runs.device_peak (profile_resources' memory column): the largest mem_peak of any client's step
     beside the estimate of the run run_config.json describes, a baseline's from
