@@ -22,7 +22,7 @@ from transformers import LlamaForCausalLM
 from deca_ds.models import load_model, load_tokenizer
 from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_finished, pretrain, run_grid
 from deca_ds.reproduce.figures import smooth, write_figures
-from deca_ds.reproduce.grid import Cell, load_grid
+from deca_ds.reproduce.grid import Cell, Grid, load_grid
 from deca_ds.reproduce.report import (
     Table,
     build_granularity_paired,
@@ -657,6 +657,30 @@ def test_deepspeed_cells_run_side_by_side_each_at_its_own_rendezvous(tmp_path, c
     assert len(ports) == 2 and all((built.cell_dir(c) / "final.json").is_file() for c in built.cells)
 
 
+def reference_and_stopped(tmp_path, grid: dict) -> tuple[dict, Grid]:
+    """`grid` as two grid files with runs directories of their own: 'reference' run to its end, and
+    'stopped' (returned loaded, with both files) for a test to stop and resume."""
+    from deca_ds.reproduce.cli import main
+
+    files = {}
+    for name in ("reference", "stopped"):
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(yaml.safe_dump({**grid, "runs_dir": str(tmp_path / name)}))
+    assert main([str(files["reference"])]) == 0
+    return files, load_grid(str(files["stopped"]))
+
+
+def assert_resumed_as_reference(d: Path, reference: Path, step: int) -> None:
+    """A cell resumed from `step` logged every step once with the reference's numbers, and ended with
+    its scores (the wall times aside)."""
+    read = lambda path: [{k: v for k, v in json.loads(line).items() if k != "wall_s"}  # noqa: E731
+                         for line in path.read_text().splitlines()]
+    assert read(d / "metrics.jsonl") == read(reference / "metrics.jsonl")
+    final, want = (json.loads((x / "final.json").read_text()) for x in (d, reference))
+    assert final.pop("resumed_from") == [step] and "resumed_from" not in want
+    assert {k: v for k, v in final.items() if k != "wall_s"} == {k: v for k, v in want.items() if k != "wall_s"}
+
+
 def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, capsys):
     """A deepspeed cell that writes checkpoints (deca-train's checkpoint_interval), stopped by the
     grid's SIGTERM after its first checkpoint, goes on from it in the next run of the grid instead of
@@ -675,12 +699,7 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     # two clients (ranks), 4 blocks x R = 16 x T = 2: 128 steps, of which 120 come after the first checkpoint
     grid["options"].update(clients=2, topology="ring", steps_per_block=16, rounds=2, checkpoint_interval=8,
                            consensus_interval=4, eval_limit=16)
-    files = {}
-    for name in ("reference", "stopped"):
-        files[name] = tmp_path / f"{name}.yaml"
-        files[name].write_text(yaml.safe_dump({**grid, "runs_dir": str(tmp_path / name)}))
-    assert main([str(files["reference"])]) == 0
-    built = load_grid(str(files["stopped"]))
+    files, built = reference_and_stopped(tmp_path, grid)
     cell = built.cells[0]
     d = built.cell_dir(cell)
 
@@ -716,12 +735,7 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     assert main([str(files["stopped"])]) == 0
     out = capsys.readouterr().out
     assert f"{cell.key} ... (resuming from its checkpoint at step {step})" in out, out
-    reference = load_grid(str(files["reference"])).cell_dir(cell)
-    read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
-    assert read(d / "metrics.jsonl") == read(reference / "metrics.jsonl")  # every step once, the same numbers
-    final, want = (json.loads((x / "final.json").read_text()) for x in (d, reference))
-    assert final.pop("resumed_from") == [step] and "resumed_from" not in want
-    assert {k: v for k, v in final.items() if k != "wall_s"} == {k: v for k, v in want.items() if k != "wall_s"}
+    assert_resumed_as_reference(d, load_grid(str(files["reference"])).cell_dir(cell), step)
     assert not (d / "train" / "checkpoints").exists()  # a finished cell's checkpoints are removed
 
 
@@ -737,12 +751,7 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
     grid = tiny_grid("tiny", methods=["deca", "dec_lora"], seeds=[0], results_dir=str(tmp_path / "res"))
     # 4 blocks x R = 3 x T = 1: 12 steps; the checkpoint at step 4 is DECA's second block after one step
     grid["options"].update(steps_per_block=3, checkpoint_interval=4)
-    files = {}
-    for name in ("reference", "stopped"):
-        files[name] = tmp_path / f"{name}.yaml"
-        files[name].write_text(yaml.safe_dump({**grid, "runs_dir": str(tmp_path / name)}))
-    assert main([str(files["reference"])]) == 0
-    built = load_grid(str(files["stopped"]))
+    files, built = reference_and_stopped(tmp_path, grid)
 
     class Stop(Exception):
         pass
@@ -769,15 +778,10 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
     assert main([str(files["stopped"])]) == 0
     out = capsys.readouterr().out
     reference = load_grid(str(files["reference"]))
-    read = lambda path: [{k: v for k, v in json.loads(line).items() if k != "wall_s"}  # noqa: E731
-                         for line in path.read_text().splitlines()]
     for cell in built.cells:
-        d, want = built.cell_dir(cell), reference.cell_dir(cell)
+        d = built.cell_dir(cell)
         assert f"{cell.key} ... (resuming from its checkpoint at step 4)" in out, out
-        assert read(d / "metrics.jsonl") == read(want / "metrics.jsonl")  # every step once, the same numbers
-        final, expected = (json.loads((x / "final.json").read_text()) for x in (d, want))
-        assert final.pop("resumed_from") == [4] and "resumed_from" not in expected
-        assert {k: v for k, v in final.items() if k != "wall_s"} == {k: v for k, v in expected.items() if k != "wall_s"}
+        assert_resumed_as_reference(d, reference.cell_dir(cell), 4)
         assert not (d / "checkpoint.pt").exists() and not (d / "checkpoint.json").exists()
 
 
