@@ -239,9 +239,10 @@ while (($#)); do
                run python3 launch/reproduce.py reproduce/gpu_ag_news.yaml --runs-dir "$runs" --report-only \
                  --results-dir "$RES/${runs##*/}" "${set_options[@]}"
                # the cell directories (settings, metrics, scores: kilobytes) come back too, for
-               # reproduce/results/gpu_ag_news/cells
+               # reproduce/results/gpu_ag_news/cells; not a simulated cell's checkpoint (gigabytes)
                [[ -n ${DRY_RUN:-} ]] || { kill "$util"; mkdir -p "$RES/${runs##*/}_runs"
-                                          cp -r "$runs/." "$RES/${runs##*/}_runs/"; pack; } ;;
+                                          cp -r "$runs/." "$RES/${runs##*/}_runs/"
+                                          find "$RES/${runs##*/}_runs" -name 'checkpoint.*' -delete; pack; } ;;
     bg) if [[ -n ${DRY_RUN:-} ]]; then bash "$0" "$@"; break; fi
         if [[ -f $BG/pid ]] && kill -0 "$(cat "$BG/pid")" 2> /dev/null; then
           echo "bg: a background run is still going (pid $(cat "$BG/pid")): bg-finish it first"; exit 2
