@@ -28,10 +28,9 @@
 #            decoder layers compiled and not, alternated (--repeats 2): should the presets compile  7 min
 #   compile  the fused run at 1 x 512 with the decoder layers compiled (--compile-layers) and not,
 #            alternated (--repeats 2; c65074b: 40.5 against 118.2 ms, one run each)       4-5 min
-#   trace    aggshare's 1 x 512 runs with steps 9-11 traced by torch.profiler (--trace-steps): where the
-#            time of Agg & Up beside the update goes, and why the fused run's backward was slower; and
-#            the rtx5090_qwen2.5-3b preset's steps 4-5 at 4 x 512 and at the 2 x 2 x 512 it had (its
-#            step was slower than Llama-2-7B's)                                         3 + 2 x 2 min
+#   trace    the fused update's 1 x 512 runs, the layers compiled and not, with steps 9-11 traced by
+#            torch.profiler (--trace-steps): where the compiled step's time goes (da61034 traced the
+#            eager one: the device worked 49 of 104-127 ms)                                    4 min
 #   events   the fused update's share at 1 x 512 with the phases timed by CUDA events and by waiting
 #            (--phase-timing), and the rtx5090_qwen2.5-3b preset with events       2 x 2 + 2 min
 #   fused4   the same with neighbours: DECA eager and fused, table9's 4 clients (target 3) 3-5 min
@@ -161,20 +160,12 @@ while (($#)); do
                  --steps-per-block 3 --warmup 3 --updates fused compiled --repeats 2 \
                  --name profile_resources_llama-3.1-8b_preset \
                  --train-args "${LLAMA[@]}" --dataset synthetic --synthetic-words 600 ;;
-    trace) # a block's three steps (the last activates the next block), after the fused kernels compiled
-           step 240 trace python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
-             --steps-per-block 3 --warmup 3 --updates eager fused --name profile_resources_llama-3.1-8b_trace \
-             --train-args "${LLAMA[@]}" --layers-per-block 1 --trace-steps 3 --trace-start 9
-           # the rtx5090_qwen2.5-3b preset: one micro-batch of 4, and the two of 2 it had when its step (fits)
-           # was slower than Llama-2-7B's for as many tokens
-           for batches in 4x1 2x2; do
-             step 180 "trace qwen2.5-3b $batches" python3 profiling/profile_resources.py \
-               --ds-config ds_configs/rtx5090_qwen2.5-3b.json --out "$RES" --ranks 1 --methods deca \
-               --steps-per-block 2 --warmup 2 --updates eager --name "profile_resources_qwen2.5-3b_${batches}_trace" \
-               --train-args --from-config --model profiling/configs/qwen2.5-3b-instruct.json --dataset synthetic \
-               --synthetic-words 600 --layers-per-block 2 --micro-batch "${batches%x*}" --grad-accum "${batches#*x}" \
-               --trace-steps 2 --trace-start 4
-           done ;;
+    trace) # a block's three steps (the last activates the next block), after the kernels compiled: where the
+           # compiled step's time goes, beside the fused update's eager layers
+           step 300 trace python3 profiling/profile_resources.py "${BF16[@]}" --ranks 1 --methods deca \
+             --steps-per-block 3 --warmup 3 --updates fused compiled \
+             --name profile_resources_llama-3.1-8b_compiled_trace \
+             --train-args "${LLAMA[@]}" --layers-per-block 1 --trace-steps 3 --trace-start 9 ;;
     events) # target 3 with the phases timed by CUDA events (--phase-timing events: the host runs ahead of the
             # device) beside the default, which waits for the device at each phase: the fused update, 1 x 512
             for timing in sync events; do

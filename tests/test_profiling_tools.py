@@ -300,7 +300,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
         ds_config = ["--ds_config", parsed.ds_config] if hasattr(parsed, "ds_config") else []
         if parsed.__dict__.get("train_args") and "--ds_config" not in parsed.train_args:
             parse_run_args([*ds_config, *parsed.train_args])
-    assert len(commands) == 37 and len(tools) == 9, sorted(tools)
+    assert len(commands) == 35 and len(tools) == 9, sorted(tools)
     grids = [c for c in commands if c[1] == "launch/reproduce.py"]
     assert len(grids) == 4 and all(c[c.index("--set") + 1] == "compile_layers=true" for c in grids)
     assert all(c[c.index("--runs-dir") + 1] == "runs/gpu_ag_news_compiled" for c in grids)
