@@ -69,7 +69,7 @@ def run(args, lpb: int, offload: str, keep: int) -> Path:
     train_args = ["--ds_config", args.ds_config, "--layers-per-block", str(lpb), "--offload", offload,
                   *(["--offload-keep", str(keep)] if keep else []),
                   "--steps-per-block", str(args.steps_per_block), "--rounds", str(args.rounds),
-                  "--eval-limit", "16", "--no-export",
+                  "--eval-limit", "16",
                   *(["--gpu-memory-gb", f"{card_cap_gb(args.card):.3f}"] if args.card else []), *args.train_args]
     return runs.train(train_args, args.ranks, Path(args.work_dir) / f"lpb{lpb}_{offload}{keep or ''}", args.timeout,
                       f"layers_per_block={lpb}, offload={offload}, keep={keep}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -77,9 +76,10 @@ def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> 
     """Run launch/train.py with `args` on `ranks` ranks into `out`; exit naming `what` if a rank fails,
     the ranks are still running after `timeout` seconds, or the tool is stopped (SIGTERM), with each
     rank's last output (a stopped rank's says where it was). The ranks never outlive the call: left
-    running, they would hold the GPU through whatever the machine runs next. The run's exported
-    model is removed after it: the tools read its metrics, and its run_config."""
-    argv = [*args, "--output-dir", str(out), "--overwrite"]
+    running, they would hold the GPU through whatever the machine runs next. The run forms and
+    evaluates x̄ but writes no model (--no-export): the tools read its metrics and run_config, and an
+    8B model is 16 GB (written by each run, they filled a lent machine's 64 GiB disk in one call)."""
+    argv = [*args, "--output-dir", str(out), "--overwrite", "--no-export"]
     port = str(free_port())
     previous = signal.signal(signal.SIGTERM, _stopped)
     # output to files: a pipe would fill with a long run's progress bar and block the rank
@@ -102,9 +102,6 @@ def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> 
         failed = [f"rank {rank} exited {code}:\n{tail(log[rank])}" for rank, code in enumerate(codes) if code]
         if failed:  # every failed rank's own error: the first to fail is often not rank 0
             raise SystemExit(f"{what}: " + "\n".join(failed))
-    # no tool reads the exported model, and an 8B one is 16 GB: a lent GPU machine's 64 GiB disk
-    # filled on the fifth 8B run of one call (2026-11-28)
-    shutil.rmtree(out / "consensus", ignore_errors=True)
     return out
 
 

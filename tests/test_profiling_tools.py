@@ -209,7 +209,7 @@ def test_shared_device_exact_on_cpu_ranks(tmp_path, profiling_runs, monkeypatch)
     assert result["device_type"] == "cpu" and [c["client"] for c in result["clients"]] == [0, 1]
     assert result["within_bound"] and result["max_abs_diff"] <= result["bound"] == 1e-6
     assert all(c["max_change_from_init"] > 1e-4 for c in result["clients"])
-    # the run's exported model is not kept: an 8B one filled a lent machine's disk
+    # the run writes no model (--no-export): 8B ones filled a lent machine's disk
     assert (tmp_path / "run" / "run_config.json").is_file() and not (tmp_path / "run" / "consensus").exists()
 
 
