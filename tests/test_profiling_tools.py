@@ -1,7 +1,7 @@
 """profiling/matmul_efficiency.py, profiling/offload_sweep.py and profiling/save_init.py (issue 17's
 GPU measurements): the analytic FLOP count against torch's FlopCounterMode, each tool's smoke run on
 CPU, and the saved initialisation against the run's own; profiling/decaf_refactor.py's two paths;
-every command of gpu_checks.sh;
+profiling/op_counts.py's phases; every command of gpu_checks.sh;
 profiling/shared_device_exact.py on CPU ranks; and profiling/state_8bit.py's measurement of the
 8-bit moments."""
 
@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "profiling"))
 import decaf_refactor  # noqa: E402
 import matmul_efficiency  # noqa: E402
 import offload_sweep  # noqa: E402
+import op_counts  # noqa: E402
 import save_init  # noqa: E402
 import state_8bit  # noqa: E402
 from helpers import RANK_THREADS, needs_bnb, torch_threads  # noqa: E402
@@ -240,6 +241,28 @@ def test_decaf_refactor_times_both_paths_to_the_same_factors(tmp_path):
     assert [r["path"] for r in payload["rows"]] == ["pair_by_pair", "batched"]
     assert all(len(r["ms_runs"].split(", ")) == 2 for r in payload["rows"])
     assert json.loads((tmp_path / "decaf_refactor.json").read_text())["rows"] == payload["rows"]
+
+
+def test_op_counts_attributes_each_operation_to_its_phase(tmp_path):
+    """profiling/op_counts.py on the synthetic grid's model (4 layers, 8 clients): Dec-LoRA and
+    DeCAF differ only in their combination, and Dec-LoRA's local step issues exactly the eager
+    half step's operations (kernels.half_step, P tensors, no weight decay or clipping): 3 scalars,
+    a view of each gradient, 2 splits, 4 in-place ops of the fold per tensor, x½'s buffer and
+    the step's 5 ops over the flat vectors, 5P + 11, nothing of the forward or backward."""
+    grid = ROOT / "deca_ds" / "grids" / "cpu_synthetic.yaml"
+    payload = op_counts.main(["--grid", str(grid), "--vocab", "64", "--methods", "deca", "dec_lora", "decaf",
+                              "--cells", str(tmp_path / "none"), "--threads", "1", "--out", str(tmp_path)])
+    rows = {r["method"]: r for r in payload["rows"]}
+    lora, decaf = rows["dec_lora"], rows["decaf"]
+    for phase in ("forward", "backward", "local_step"):
+        assert lora[f"{phase}_ops"] == decaf[f"{phase}_ops"] > 0
+    assert decaf["combine_ops"] > lora["combine_ops"] > 0
+    P = 2 * 7 * 4  # A and B of every linear layer of 4 decoder layers
+    assert lora["local_step_ops"] == 5 * P + 11
+    assert rows["deca"]["forward_ops"] < lora["forward_ops"]  # no LoRA factors, dropout
+    assert round(lora["step_ops"] / 8) == lora["client_step_ops"] and lora["gpu_s_per_step"] is None  # 8 clients
+    assert json.loads((tmp_path / "op_counts.json").read_text())["rows"] == payload["rows"]
+    assert "| dec_lora |" in (tmp_path / "op_counts.md").read_text()
 
 
 def test_gpu_carry_fetches_only_wheels_the_lock_pins():
