@@ -13,8 +13,8 @@ one block is that trainable set, with DECA's phase model (deca_ds.memory's docst
     mixing     x½ and DistributedMixer.mix's chunk buffers (x⁺ is summed into x½); DeCAF exchanges
                the whole vector at once (mixer.exchange) and writes the re-factorized pairs into a
                new one: a receive buffer of the whole vector per neighbour, and x_plus; and the
-               re-factorization's (refactor_elements): every pair's small core, one pair's
-               factors at a time
+               re-factorization's (refactor_elements): every pair's small core, the factors of one
+               chunk of pairs of one shape at a time
 
 Activations: the gradient flows from the loss down to the lowest layer holding a trainable tensor
 (layer 0 in every baseline). With checkpointing each of those layers keeps its input and backward
@@ -43,6 +43,7 @@ from .memory import (
 )
 from .methods import Method
 from .methods.adapter import ATTENTION, Bottleneck
+from .methods.lora import refactor_chunks
 from .mixing import MIX_CHUNK
 
 
@@ -71,11 +72,12 @@ def refactor_elements(pairs: list[tuple[int, int]], rank: int, terms: int, *, ho
     """Elements methods.lora.refactor_pairs holds at its peak for LoRA pairs of (fan_in, fan_out)
     (A: rank × fan_in, B: fan_out × rank) combined over `terms` clients, kr = terms · rank wide.
 
-    Pass 1: every pair's core R_b·R_aᵀ (qb × qa, in one buffer per shape) beside one pair's
-    concatenations B_cat (fan_out × kr) and A_cat (kr × fan_in) and their reduced QR factors. The
-    SVDs run on the host, whose U_k, √S_k and Vh_k of every pair come back in one buffer. Pass 2,
-    beside that buffer, one pair at a time: the same QRs, or after them Q_b, Q_a, the new B and A
-    and the two products that fill the wider of them (a matmul, then its scaling). On CPU ranks
+    Pass 1: every pair's core R_b·R_aᵀ (qb × qa, in one buffer per shape) beside one chunk's
+    (methods.lora.refactor_chunks: pairs of one shape) concatenations B_cat (fan_out × kr) and
+    A_cat (kr × fan_in) and their reduced QR factors. The SVDs run on the host, whose U_k, √S_k and
+    Vh_k of every pair come back in one buffer. Pass 2, beside that buffer, one chunk at a time: the
+    same QRs, or after them Q_b, Q_a, the new B and A and the two products that fill the wider of
+    them (a matmul, then its scaling). On CPU ranks
     (`host_is_device`) the host's tensors count too: its buffer from the end of pass 1 on, and
     during each shape's SVD the cores not yet taken and that SVD's U, S and Vh (full matrices)."""
     r, kr = rank, terms * rank
@@ -90,6 +92,9 @@ def refactor_elements(pairs: list[tuple[int, int]], rank: int, terms: int, *, ho
         group = groups.setdefault((qb, qa), [0, 0])
         group[0] += qb * qa
         group[1] += qb * qb + min(qb, qa) + qa * qa
+    chunks = refactor_chunks([(i, o, ()) for i, o in pairs], kr)  # a client's pairs share its weights
+    qrs = [sum(qrs[p] for p in chunk) for chunk in chunks]
+    after = [sum(after[p] for p in chunk) for chunk in chunks]
     cores = sum(core for core, _ in groups.values())
     peak = max(cores + max(qrs), kept + max(max(qrs), max(after)))
     if host_is_device:
@@ -148,7 +153,7 @@ def estimate_method(spec, method: Method, workload: Workload = Workload()) -> Me
     if optimizer.linear:  # DistributedMixer.mix: chunk by chunk, x⁺ summed into x½ (a new chunk when cast)
         chunk, refactor = min(n, MIX_CHUNK), 0
         x_plus = chunk * mb if cast and n_neighbors else 0
-    else:  # DeCAF: whole vectors exchanged (mixer.exchange), combined into a new one pair by pair
+    else:  # DeCAF: whole vectors exchanged (mixer.exchange), combined into a new one a chunk of pairs at a time
         chunk, x_plus = n, n * mb
         pairs = optimizer.params  # A (rank × in), B (out × rank) of each LoRA pair
         refactor = refactor_elements([(A.shape[1], B.shape[0]) for A, B in zip(pairs[::2], pairs[1::2])],

@@ -5,7 +5,8 @@ rank r; by default the GPU accuracy grid's 88M Llama, reproduce/gpu_ag_news.yaml
 over `--terms` clients' random factors (the client and its neighbours): `pair_by_pair` takes
 methods.lora.truncated_factors for each pair in turn, as DeCAF did until 2026-11-28 (on a GPU an
 SVD and a wait for the device per pair); `batched` is methods.lora.refactor_pairs (one SVD per core
-shape, on the host, and one copy back). The device is synchronized around each timed call; medians
+shape, on the host, and one copy back; since 2026-11-28 evening the QRs, products and copies of the
+pairs of one shape in one batch, too). The device is synchronized around each timed call; medians
 over --repeats after a warm-up call. Both must give the same B·A (to the bit on CPU; on a GPU the
 SVDs run elsewhere: its largest relative difference is reported). Writes <out>/<name>.{md,csv,json}.
 

@@ -157,10 +157,11 @@ def test_truncated_svd_reproduces_the_product_when_r_covers_its_rank(rank_of_pro
 
 
 def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
-    """refactor_pairs (one batch of SVDs per core shape, on the host, then the factors pair by pair)
-    gives each pair exactly truncated_factors' B and A, whatever mix of core shapes the pairs have:
-    kr = 4 clients × rank 3 = 12 is above some fan-ins and fan-outs here, and a client's B may be 0
-    (peft's start)."""
+    """refactor_pairs (one batch of SVDs per core shape, on the host; the QRs and factors of the
+    pairs of one shape and weights in one batch) gives each pair exactly truncated_factors' B and
+    A, whatever mix of core shapes the pairs have: kr = 4 clients × rank 3 = 12 is above some
+    fan-ins and fan-outs here, a client's B may be 0 (peft's start), and the last pair has weights
+    of its own (DeCAF's pairs share their client's)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from deca_ds.methods.lora import refactor_pairs
@@ -168,8 +169,10 @@ def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
     g = torch.Generator().manual_seed(11)
     r, terms = 3, 4
     pairs, want = [], []
-    for fan_in, fan_out in [(16, 16), (16, 8), (10, 16), (16, 16), (30, 6), (16, 8)]:
-        factors = [(float(torch.rand(1, generator=g)), torch.randn(r, fan_in, generator=g),
+    weights = torch.rand(terms, generator=g).tolist()
+    for p, (fan_in, fan_out) in enumerate([(16, 16), (16, 8), (10, 16), (16, 16), (30, 6), (16, 8), (16, 16)]):
+        ws = weights if p < 6 else torch.rand(terms, generator=g).tolist()
+        factors = [(ws[j], torch.randn(r, fan_in, generator=g),
                     torch.randn(fan_out, r, generator=g) * (j != 1)) for j in range(terms)]
         pairs.append((torch.empty(r, fan_in), torch.empty(fan_out, r), factors))
         want.append(truncated_factors(torch.cat([w * B for w, _, B in factors], dim=1),
@@ -188,8 +191,10 @@ def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
         refactor_pairs(pairs)
     for (A, B, _), (B_want, A_want) in zip(pairs, want):
         assert torch.equal(A, A_want) and torch.equal(B, B_want)
-    # one SVD per core shape, not per pair: (12, 12) twice, (8, 12) twice, (12, 10), (6, 12)
+    # one SVD per core shape, not per pair: (12, 12) three times, (8, 12) twice, (12, 10), (6, 12); two QRs a
+    # pass per chunk: (16, 16) twice and the last pair, (16, 8) twice, (10, 16), (30, 6)
     assert sum(name.startswith("_linalg_svd") for name in calls.names) == 4, sorted(set(calls.names))
+    assert sum(name.startswith("linalg_qr") for name in calls.names) == 2 * 2 * 5
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))

@@ -28,6 +28,10 @@ from .base import seeded
 
 # "all-linear": every linear layer of the decoder (attention and MLP), not the LM head.
 DEFAULT_TARGETS = "all-linear"
+# Elements of the concatenations DeCAF's re-factorization forms at once (16 MiB in fp32; about as much
+# again for their QR factors): with 5 clients' factors, all pairs of a shape of the GPU grid's 88M model, 5
+# of Llama-3.1-8B's MLP.
+REFACTOR_CHUNK = 2**22
 
 
 class DecLoRA(AdamMethod):
@@ -88,52 +92,64 @@ class DecLoRA(AdamMethod):
 
 def truncated_factors(B_cat: torch.Tensor, A_cat: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, A) with B·A the best rank-`rank` approximation of B_cat·A_cat, singular values split
-    evenly; zero-padded when the product's rank is below `rank`."""
-    Q_b, R_b = torch.linalg.qr(B_cat)
-    Q_a, R_a = torch.linalg.qr(A_cat.T)
-    U, S, Vh = torch.linalg.svd(R_b @ R_a.T)
-    k = min(rank, S.numel())
-    return _split(Q_b, Q_a, U[:, :k], S[:k].sqrt(), Vh[:k], rank)
+    evenly; zero-padded when the product's rank is below `rank`. Taken as a batch of one pair, as
+    refactor_pairs takes its pairs (on CPU a batched product with a transposed operand rounds
+    otherwise than a plain one), so that the two agree to the bit."""
+    Q_b, R_b = torch.linalg.qr(B_cat[None])
+    Q_a, R_a = torch.linalg.qr(A_cat.T[None])
+    U, S, Vh = torch.linalg.svd(R_b @ R_a.mT)
+    k = min(rank, S.shape[-1])
+    B, A = _split(Q_b, Q_a, U[..., :k], S[..., :k].sqrt(), Vh[..., :k, :], rank)
+    return B[0], A[0]
 
 
 def _split(Q_b: torch.Tensor, Q_a: torch.Tensor, U_k: torch.Tensor, root: torch.Tensor, Vh_k: torch.Tensor,
            rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """B = Q_b·U_k·√S and A = √S·Vh_k·Q_aᵀ, zero-padded to `rank` columns and rows."""
-    k = root.numel()
-    B = Q_b.new_zeros(Q_b.shape[0], rank)
-    A = Q_a.new_zeros(rank, Q_a.shape[0])
-    B[:, :k] = (Q_b @ U_k) * root
-    A[:k] = root[:, None] * (Vh_k @ Q_a.T)
+    """B = Q_b·U_k·√S and A = √S·Vh_k·Q_aᵀ, zero-padded to `rank` columns and rows (of each pair,
+    where leading dimensions stack pairs)."""
+    k = root.shape[-1]
+    B = Q_b.new_zeros(*Q_b.shape[:-1], rank)
+    A = Q_a.new_zeros(*Q_a.shape[:-2], rank, Q_a.shape[-2])
+    B[..., :k] = (Q_b @ U_k) * root[..., None, :]
+    A[..., :k, :] = root[..., :, None] * (Vh_k @ Q_a.mT)
     return B, A
 
 
-def _thin_qrs(factors: list[tuple[float, torch.Tensor, torch.Tensor]]):
-    """Q_b R_b = B_cat = [w_1 B_1 … w_k B_k] and Q_a R_a = A_catᵀ, A_cat = [A_1; …; A_k]."""
-    B_cat = torch.cat([w * B_j for w, _, B_j in factors], dim=1)
-    A_cat = torch.cat([A_j for _, A_j, _ in factors], dim=0)
-    Q_b, R_b = torch.linalg.qr(B_cat)
-    Q_a, R_a = torch.linalg.qr(A_cat.T)
+def refactor_chunks(pairs: list[tuple[int, int, tuple[float, ...]]], kr: int,
+                    limit: int = REFACTOR_CHUNK) -> list[list[int]]:
+    """The pairs refactor_pairs takes together, given each pair's (fan_in, fan_out, weights of its
+    terms): pairs alike in all three, in order of their first, cut where a chunk's concatenations
+    would hold more than `limit` elements (a pair at least); kr wide."""
+    alike: dict[tuple, list[int]] = {}
+    for i, key in enumerate(pairs):
+        alike.setdefault(key, []).append(i)
+    chunks = []
+    for (fan_in, fan_out, _), idx in alike.items():
+        n = max(1, limit // (kr * (fan_in + fan_out)))
+        chunks += [idx[s:s + n] for s in range(0, len(idx), n)]
+    return chunks
+
+
+def _thin_qrs(pairs, chunk: list[int]):
+    """Q_b R_b = B_cat = [w_1 B_1 … w_k B_k] and Q_a R_a = A_catᵀ, A_cat = [A_1; …; A_k], of each
+    pair of `chunk` (stacked along a leading dimension). B_cat is formed as its transpose, each
+    client's B_jᵀ a block of rows, so that both concatenations are one stack of the factors."""
+    first = pairs[chunk[0]][2]
+    r, fan_in, fan_out = first[0][1].shape[0], first[0][1].shape[1], first[0][2].shape[0]
+    A_cat = torch.stack([A_j for i in chunk for _, A_j, _ in pairs[i][2]]).view(len(chunk), -1, fan_in)
+    B_catT = torch.stack([B_j.T for i in chunk for _, _, B_j in pairs[i][2]]).view(len(chunk), -1, fan_out)
+    for j, (w, _, _) in enumerate(first):
+        B_catT[:, j * r:(j + 1) * r].mul_(w)
+    Q_b, R_b = torch.linalg.qr(B_catT.mT)
+    Q_a, R_a = torch.linalg.qr(A_cat.mT)
     return Q_b, R_b, Q_a, R_a
-
-
-# One pair at a time: each pass's temporaries are freed when its function returns.
-def _core_into(core: torch.Tensor, factors) -> None:
-    _, R_b, _, R_a = _thin_qrs(factors)
-    torch.matmul(R_b, R_a.T, out=core)
-
-
-def _refactor_into(A_out: torch.Tensor, B_out: torch.Tensor, factors, split) -> None:
-    Q_b, R_b, Q_a, R_a = _thin_qrs(factors)
-    del R_b, R_a
-    B, A = _split(Q_b, Q_a, *split, rank=A_out.shape[0])
-    A_out.copy_(A)
-    B_out.copy_(B)
 
 
 def refactor_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor, list[tuple[float, torch.Tensor, torch.Tensor]]]],
                    ) -> None:
     """For each (A_out, B_out, [(w_j, A_j, B_j), …]): A_out, B_out = the truncated factors of
-    Σ_j w_j B_j A_j (truncated_factors), in two passes over the pairs, one pair's temporaries at a time.
+    Σ_j w_j B_j A_j (truncated_factors), in two passes over the pairs, the pairs of one shape and
+    weights together (refactor_chunks: a chunk's temporaries at a time).
 
     The first pass writes each pair's small core R_b·R_aᵀ into one buffer per core shape; the host
     takes their SVDs, a batch per shape, and sends every pair's U_k, √S_k and Vh_k back in one
@@ -141,20 +157,25 @@ def refactor_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor, list[tuple[floa
     small matrix is a slow kernel followed by a wait for its convergence flag, and a copy from the
     host waits too: one per pair, 84 per client step in the GPU accuracy grid's 12-layer model,
     where a DeCAF step took 3.4 times a Dec-LoRA one (the same step but for the re-factorization).
-    Forming the QRs again costs less memory than holding every pair's Q_b and Q_a until the SVDs
-    are done (baseline_memory.refactor_elements)."""
+    There, too, every operation costs the host about as much as a kernel does (profiling/op_counts.py):
+    a chunk's QRs, products and copies are one operation each, not one per pair. Forming the QRs
+    again costs less memory than holding every pair's Q_b and Q_a until the SVDs are done
+    (baseline_memory.refactor_elements)."""
     rank, device, dtype = pairs[0][0].shape[0], pairs[0][0].device, pairs[0][0].dtype
-    groups: dict[tuple[int, int], list[int]] = {}  # core shape -> its pairs, in order
-    for i, (A_out, B_out, factors) in enumerate(pairs):
-        kr = sum(A_j.shape[0] for _, A_j, _ in factors)
-        groups.setdefault((min(B_out.shape[0], kr), min(A_out.shape[1], kr)), []).append(i)
-    cores = {shape: torch.empty(len(idx), *shape, dtype=dtype, device=device) for shape, idx in groups.items()}
-    for shape, idx in groups.items():
-        for j, i in enumerate(idx):
-            _core_into(cores[shape][j], pairs[i][2])
-    host = torch.empty(sum(len(idx) * min(rank, qb, qa) * (qb + 1 + qa) for (qb, qa), idx in groups.items()),
-                       dtype=dtype)
-    for shape, (U_k, root, Vh_k) in _layout(host, groups, rank).items():
+    kr = sum(A_j.shape[0] for _, A_j, _ in pairs[0][2])
+    chunks = refactor_chunks([(A_out.shape[1], B_out.shape[0], tuple(w for w, _, _ in factors))
+                              for A_out, B_out, factors in pairs], kr)
+    groups: dict[tuple[int, int], list[list[int]]] = {}  # core shape -> its chunks, in order
+    for chunk in chunks:
+        A_out, B_out, _ = pairs[chunk[0]]
+        groups.setdefault((min(B_out.shape[0], kr), min(A_out.shape[1], kr)), []).append(chunk)
+    counts = {shape: sum(map(len, cs)) for shape, cs in groups.items()}
+    cores = {shape: torch.empty(n, *shape, dtype=dtype, device=device) for shape, n in counts.items()}
+    for shape, shape_chunks in groups.items():
+        for s, chunk in _offsets(shape_chunks):
+            _core_into(cores[shape][s:s + len(chunk)], pairs, chunk)
+    host = torch.empty(sum(n * min(rank, qb, qa) * (qb + 1 + qa) for (qb, qa), n in counts.items()), dtype=dtype)
+    for shape, (U_k, root, Vh_k) in _layout(host, counts, rank).items():
         U, S, Vh = torch.linalg.svd(cores.pop(shape).cpu())  # the cores freed on the device once copied
         k = root.shape[1]
         U_k.copy_(U[..., :k])
@@ -163,17 +184,38 @@ def refactor_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor, list[tuple[floa
         del U, S, Vh
     on_device = host.to(device)  # one copy, one wait (on CPU the same tensor)
     del host
-    for shape, (U_k, root, Vh_k) in _layout(on_device, groups, rank).items():
-        for j, i in enumerate(groups[shape]):
-            A_out, B_out, factors = pairs[i]
-            _refactor_into(A_out, B_out, factors, (U_k[j], root[j], Vh_k[j]))
+    for shape, (U_k, root, Vh_k) in _layout(on_device, counts, rank).items():
+        for s, chunk in _offsets(groups[shape]):
+            _refactor_into(pairs, chunk, (U_k[s:s + len(chunk)], root[s:s + len(chunk)], Vh_k[s:s + len(chunk)]))
 
 
-def _layout(flat: torch.Tensor, groups: dict[tuple[int, int], list[int]], rank: int) -> dict:
+def _offsets(chunks: list[list[int]]):
+    """(first row in the core shape's buffers, chunk) for each chunk of one core shape."""
+    s = 0
+    for chunk in chunks:
+        yield s, chunk
+        s += len(chunk)
+
+
+# One chunk at a time: each pass's temporaries are freed when its function returns.
+def _core_into(core: torch.Tensor, pairs, chunk: list[int]) -> None:
+    _, R_b, _, R_a = _thin_qrs(pairs, chunk)
+    torch.matmul(R_b, R_a.mT, out=core)
+
+
+def _refactor_into(pairs, chunk: list[int], split) -> None:
+    Q_b, R_b, Q_a, R_a = _thin_qrs(pairs, chunk)
+    del R_b, R_a
+    B, A = _split(Q_b, Q_a, *split, rank=pairs[chunk[0]][0].shape[0])
+    torch._foreach_copy_([pairs[i][0] for i in chunk], list(A.unbind(0)))
+    torch._foreach_copy_([pairs[i][1] for i in chunk], list(B.unbind(0)))
+
+
+def _layout(flat: torch.Tensor, counts: dict[tuple[int, int], int], rank: int) -> dict:
     """Each core shape's (U_k, √S_k, Vh_k) of its pairs as views of `flat`, one shape after the other."""
     views, offset = {}, 0
-    for (qb, qa), idx in groups.items():
-        g, k = len(idx), min(rank, qb, qa)
+    for (qb, qa), g in counts.items():
+        k = min(rank, qb, qa)
         sizes = (g * qb * k, g * k, g * k * qa)
         U_k, root, Vh_k = flat[offset:offset + sum(sizes)].split(sizes)
         views[(qb, qa)] = U_k.view(g, qb, k), root.view(g, k), Vh_k.view(g, k, qa)
