@@ -25,7 +25,7 @@ import yaml
 
 from deca_ds.memory import load_config, meta_model
 from deca_ds.methods import AdamConfig, DeCAF, truncated_factors
-from deca_ds.methods.lora import refactor_pairs
+from deca_ds.methods.lora import LoRAPair, refactor_pairs
 from report import provenance, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +79,8 @@ def main(argv=None) -> dict:
     factors = [[(1.0 / args.terms, torch.randn(args.rank, i, generator=g).to(device),
                  torch.randn(o, args.rank, generator=g).to(device)) for _ in range(args.terms)] for i, o in shapes]
     one = [(torch.empty(args.rank, i, device=device), torch.empty(o, args.rank, device=device)) for i, o in shapes]
-    every = [(torch.empty_like(A), torch.empty_like(B), f) for (A, B), f in zip(one, factors)]
+    every = [LoRAPair(i, o, torch.empty_like(A), torch.empty_like(B), f)
+             for (i, o), (A, B), f in zip(shapes, one, factors)]
 
     def pair_by_pair() -> None:
         for (A_out, B_out), f in zip(one, factors):
@@ -95,7 +96,7 @@ def main(argv=None) -> dict:
             ms = timed(fn, device)
             if repeat:
                 times[name].append(ms)
-    difference = max(float((B1 @ A1 - B2 @ A2).norm() / (B1 @ A1).norm()) for (A1, B1), (A2, B2, _) in zip(one, every))
+    difference = max(float((B1 @ A1 - p.B_out @ p.A_out).norm() / (B1 @ A1).norm()) for (A1, B1), p in zip(one, every))
     rows = [{"path": name, "ms": statistics.median(ms), "ms_runs": ", ".join(f"{t:.2f}" for t in ms)}
             for name, ms in times.items()]
     speedup = rows[0]["ms"] / rows[1]["ms"]

@@ -164,7 +164,7 @@ def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
     of its own (DeCAF's pairs share their client's)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from deca_ds.methods.lora import refactor_pairs
+    from deca_ds.methods.lora import LoRAPair, refactor_pairs
 
     g = torch.Generator().manual_seed(11)
     r, terms = 3, 4
@@ -174,7 +174,7 @@ def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
         ws = weights if p < 6 else torch.rand(terms, generator=g).tolist()
         factors = [(ws[j], torch.randn(r, fan_in, generator=g),
                     torch.randn(fan_out, r, generator=g) * (j != 1)) for j in range(terms)]
-        pairs.append((torch.empty(r, fan_in), torch.empty(fan_out, r), factors))
+        pairs.append(LoRAPair(fan_in, fan_out, torch.empty(r, fan_in), torch.empty(fan_out, r), factors))
         want.append(truncated_factors(torch.cat([w * B for w, _, B in factors], dim=1),
                                       torch.cat([A for _, A, _ in factors], dim=0), r))
 
@@ -189,8 +189,8 @@ def test_decaf_refactors_all_pairs_at_once_as_pair_by_pair():
 
     with Calls() as calls:
         refactor_pairs(pairs)
-    for (A, B, _), (B_want, A_want) in zip(pairs, want):
-        assert torch.equal(A, A_want) and torch.equal(B, B_want)
+    for pair, (B_want, A_want) in zip(pairs, want):
+        assert torch.equal(pair.A_out, A_want) and torch.equal(pair.B_out, B_want)
     # one SVD per core shape, not per pair: (12, 12) three times, (8, 12) twice, (12, 10), (6, 12); two QRs a
     # pass per chunk: (16, 16) twice and the last pair, (16, 8) twice, (10, 16), (30, 6)
     assert sum(name.startswith("_linalg_svd") for name in calls.names) == 4, sorted(set(calls.names))

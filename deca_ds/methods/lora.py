@@ -17,11 +17,11 @@ M's exactly: U = Q_b U_c, V = Q_a V_c. Adam moments stay with the factors, as in
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from ..kernels import segments
 from ..mixing import Mixer
 from .adam import AdamConfig, AdamMethod, MixedAdam
 from .base import seeded
@@ -130,26 +130,40 @@ def refactor_chunks(pairs: list[tuple[int, int, tuple[float, ...]]], kr: int,
     return chunks
 
 
-def _thin_qrs(pairs, chunk: list[int]):
+class LoRAPair(NamedTuple):
+    """A LoRA pair for refactor_pairs: its shape, where its new factors go, and the factors
+    (w_j, A_j, B_j) of the clients it combines. A is rank × fan_in and B fan_out × rank, each
+    shaped so or flat, row by row (a view of a mixed vector, as DeCAF's are: one split a vector,
+    not a view a tensor)."""
+
+    fan_in: int
+    fan_out: int
+    A_out: torch.Tensor
+    B_out: torch.Tensor
+    factors: list[tuple[float, torch.Tensor, torch.Tensor]]
+
+
+def _thin_qrs(pairs: list[LoRAPair], chunk: list[int], rank: int):
     """Q_b R_b = B_cat = [w_1 B_1 … w_k B_k] and Q_a R_a = A_catᵀ, A_cat = [A_1; …; A_k], of each
-    pair of `chunk` (stacked along a leading dimension). B_cat is formed as its transpose, each
-    client's B_jᵀ a block of rows, so that both concatenations are one stack of the factors."""
-    first = pairs[chunk[0]][2]
-    r, fan_in, fan_out = first[0][1].shape[0], first[0][1].shape[1], first[0][2].shape[0]
-    A_cat = torch.stack([A_j for i in chunk for _, A_j, _ in pairs[i][2]]).view(len(chunk), -1, fan_in)
-    B_catT = torch.stack([B_j.T for i in chunk for _, _, B_j in pairs[i][2]]).view(len(chunk), -1, fan_out)
-    for j, (w, _, _) in enumerate(first):
-        B_catT[:, j * r:(j + 1) * r].mul_(w)
+    pair of `chunk` (stacked along a leading dimension): one stack of the chunk's A_j, one of its
+    B_j, whose weighted transposes, a block of rows each, form B_catᵀ."""
+    first = pairs[chunk[0]]
+    G, k = len(chunk), len(first.factors)
+    A_cat = torch.stack([A_j for i in chunk for _, A_j, _ in pairs[i].factors]).view(G, k * rank, first.fan_in)
+    Bs = torch.stack([B_j for i in chunk for _, _, B_j in pairs[i].factors]).view(G, k, first.fan_out, rank)
+    for j, (w, _, _) in enumerate(first.factors):
+        Bs[:, j].mul_(w)
+    B_catT = Bs.mT.reshape(G, k * rank, first.fan_out)
+    del Bs
     Q_b, R_b = torch.linalg.qr(B_catT.mT)
     Q_a, R_a = torch.linalg.qr(A_cat.mT)
     return Q_b, R_b, Q_a, R_a
 
 
-def refactor_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor, list[tuple[float, torch.Tensor, torch.Tensor]]]],
-                   ) -> None:
-    """For each (A_out, B_out, [(w_j, A_j, B_j), …]): A_out, B_out = the truncated factors of
-    Σ_j w_j B_j A_j (truncated_factors), in two passes over the pairs, the pairs of one shape and
-    weights together (refactor_chunks: a chunk's temporaries at a time).
+def refactor_pairs(pairs: list[LoRAPair]) -> None:
+    """For each pair: A_out, B_out = the truncated factors of Σ_j w_j B_j A_j (truncated_factors),
+    in two passes over the pairs, the pairs of one shape and weights together (refactor_chunks: a
+    chunk's temporaries at a time).
 
     The first pass writes each pair's small core R_b·R_aᵀ into one buffer per core shape; the host
     takes their SVDs, a batch per shape, and sends every pair's U_k, √S_k and Vh_k back in one
@@ -161,19 +175,19 @@ def refactor_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor, list[tuple[floa
     a chunk's QRs, products and copies are one operation each, not one per pair. Forming the QRs
     again costs less memory than holding every pair's Q_b and Q_a until the SVDs are done
     (baseline_memory.refactor_elements)."""
-    rank, device, dtype = pairs[0][0].shape[0], pairs[0][0].device, pairs[0][0].dtype
-    kr = sum(A_j.shape[0] for _, A_j, _ in pairs[0][2])
-    chunks = refactor_chunks([(A_out.shape[1], B_out.shape[0], tuple(w for w, _, _ in factors))
-                              for A_out, B_out, factors in pairs], kr)
+    first = pairs[0]
+    rank, device, dtype = first.A_out.numel() // first.fan_in, first.A_out.device, first.A_out.dtype
+    kr = len(first.factors) * rank
+    chunks = refactor_chunks([(p.fan_in, p.fan_out, tuple(w for w, _, _ in p.factors)) for p in pairs], kr)
     groups: dict[tuple[int, int], list[list[int]]] = {}  # core shape -> its chunks, in order
     for chunk in chunks:
-        A_out, B_out, _ = pairs[chunk[0]]
-        groups.setdefault((min(B_out.shape[0], kr), min(A_out.shape[1], kr)), []).append(chunk)
+        pair = pairs[chunk[0]]
+        groups.setdefault((min(pair.fan_out, kr), min(pair.fan_in, kr)), []).append(chunk)
     counts = {shape: sum(map(len, cs)) for shape, cs in groups.items()}
     cores = {shape: torch.empty(n, *shape, dtype=dtype, device=device) for shape, n in counts.items()}
     for shape, shape_chunks in groups.items():
         for s, chunk in _offsets(shape_chunks):
-            _core_into(cores[shape][s:s + len(chunk)], pairs, chunk)
+            _core_into(cores[shape][s:s + len(chunk)], pairs, chunk, rank)
     host = torch.empty(sum(n * min(rank, qb, qa) * (qb + 1 + qa) for (qb, qa), n in counts.items()), dtype=dtype)
     for shape, (U_k, root, Vh_k) in _layout(host, counts, rank).items():
         U, S, Vh = torch.linalg.svd(cores.pop(shape).cpu())  # the cores freed on the device once copied
@@ -186,7 +200,8 @@ def refactor_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor, list[tuple[floa
     del host
     for shape, (U_k, root, Vh_k) in _layout(on_device, counts, rank).items():
         for s, chunk in _offsets(groups[shape]):
-            _refactor_into(pairs, chunk, (U_k[s:s + len(chunk)], root[s:s + len(chunk)], Vh_k[s:s + len(chunk)]))
+            rows = slice(s, s + len(chunk))
+            _refactor_into(pairs, chunk, rank, (U_k[rows], root[rows], Vh_k[rows]))
 
 
 def _offsets(chunks: list[list[int]]):
@@ -198,17 +213,18 @@ def _offsets(chunks: list[list[int]]):
 
 
 # One chunk at a time: each pass's temporaries are freed when its function returns.
-def _core_into(core: torch.Tensor, pairs, chunk: list[int]) -> None:
-    _, R_b, _, R_a = _thin_qrs(pairs, chunk)
+def _core_into(core: torch.Tensor, pairs: list[LoRAPair], chunk: list[int], rank: int) -> None:
+    _, R_b, _, R_a = _thin_qrs(pairs, chunk, rank)
     torch.matmul(R_b, R_a.mT, out=core)
 
 
-def _refactor_into(pairs, chunk: list[int], split) -> None:
-    Q_b, R_b, Q_a, R_a = _thin_qrs(pairs, chunk)
+def _refactor_into(pairs: list[LoRAPair], chunk: list[int], rank: int, split) -> None:
+    Q_b, R_b, Q_a, R_a = _thin_qrs(pairs, chunk, rank)
     del R_b, R_a
-    B, A = _split(Q_b, Q_a, *split, rank=pairs[chunk[0]][0].shape[0])
-    torch._foreach_copy_([pairs[i][0] for i in chunk], list(A.unbind(0)))
-    torch._foreach_copy_([pairs[i][1] for i in chunk], list(B.unbind(0)))
+    B, A = _split(Q_b, Q_a, *split, rank=rank)
+    first = pairs[chunk[0]]
+    torch._foreach_copy_([pairs[i].A_out for i in chunk], list(A.view(len(chunk), *first.A_out.shape).unbind(0)))
+    torch._foreach_copy_([pairs[i].B_out for i in chunk], list(B.view(len(chunk), *first.B_out.shape).unbind(0)))
 
 
 def _layout(flat: torch.Tensor, counts: dict[tuple[int, int], int], rank: int) -> dict:
@@ -237,10 +253,11 @@ class DeCAFAdam(MixedAdam):
     def aggregate(self, mixer: Mixer, x_half: torch.Tensor) -> torch.Tensor:
         terms = mixer.exchange(x_half)
         out = torch.empty_like(x_half)
-        views = [list(segments(self.params, x)) for _, x in terms]
-        mine = list(segments(self.params, out))
-        refactor_pairs([(mine[k][1], mine[k + 1][1], [(w, v[k][1], v[k + 1][1]) for (w, _), v in zip(terms, views)])
-                        for k in range(0, len(self.params), 2)])
+        sizes = [p.numel() for p in self.params]
+        mine, views = out.split(sizes), [x.split(sizes) for _, x in terms]  # flat: one split a vector
+        refactor_pairs([LoRAPair(A.shape[1], B.shape[0], mine[k], mine[k + 1],
+                                 [(w, v[k], v[k + 1]) for (w, _), v in zip(terms, views)])
+                        for k, (A, B) in zip(range(0, len(sizes), 2), zip(self.params[::2], self.params[1::2]))])
         return out
 
 
