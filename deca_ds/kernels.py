@@ -151,9 +151,10 @@ def half_step(params: Sequence[nn.Parameter], x: torch.Tensor, m: torch.Tensor, 
 
 @torch.no_grad()
 def write_params(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
-    """Copy the flat master vector into the (possibly lower-precision) working parameters."""
-    for p, x in segments(params, flat):
-        p.copy_(x)
+    """Copy the flat master vector into the (possibly lower-precision) working parameters, as one
+    foreach copy: on a GPU a few kernels, not one per tensor (where the host issuing them sets a
+    step's time, profiling/op_counts.py, each costs about as much as a kernel)."""
+    torch._foreach_copy_(list(params), [x.view_as(p) for p, x in zip(params, flat_segments(params, flat))])
 
 
 # ---- DECA's steps 6–8 (BMA), for deca_ds.optimizer's update paths
