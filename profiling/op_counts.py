@@ -14,13 +14,14 @@ leaves out the operations that only make a view or allocate (no kernel on a GPU)
 The model is the grid's, drawn from its config (what a step runs does not depend on the weights),
 with the grid's clients, graph, blocks, LoRA and adapter settings and dtypes. A batch is
 `--micro-batch` × `--seq-len` random tokens, its last row padded at the end, one labelled token per
-row (a classification answer); the counts do not depend on the batch's size (`--check-shape`
-counts one client step at the grid's 8 × 128 as well). DECA's steps are counted over one pass
-over its blocks, two steps each (the block's first step activates it), and weighted as the
-grid's R steps a block; a baseline's steps are all alike. Where the grid has run a method's cells on
-a GPU (`--cells`, their metrics.jsonl), the table sets each one's seconds per step beside its
-count. torch.compile'd code (compile_layers, fused_update) runs its own kernels, which this
-cannot count. Writes <out>/op_counts.{md,csv,json}.
+row (a classification answer); the counts hardly depend on the batch's size (`--check-shape`
+counts DECA's steps at the grid's 8 × 128 as well). DECA's steps are counted over one pass over
+its blocks, two steps each (the block's first step activates it), and weighted as the grid's R
+steps a block; a baseline's steps are all alike. Where the grid has run a method's cells on a GPU
+(`--cells`, their metrics.jsonl), the table sets their seconds per step beside its count: divided
+by the count of the code those cells ran, the host's time per operation. torch.compile'd code
+(compile_layers, fused_update) launches its own kernels, which this cannot count. Writes
+<out>/op_counts.{md,csv,json}.
 
     python profiling/op_counts.py      # about 3 minutes on 2 cores
 """
@@ -216,9 +217,7 @@ def main(argv=None) -> dict:
                    "client_step_ops": round(total["ops"] / n), "client_step_kernels": round(total["kernels"] / n),
                    "step_ops": round(total["ops"]), "step_kernels": round(total["kernels"]),
                    "gpu_s_per_step": round(statistics.mean(seconds), 4) if seconds else None,
-                   "gpu_cells": len(seconds),
-                   "us_per_op": round(1e6 * statistics.mean(seconds) / total["ops"], 2) if seconds else None,
-                   "us_per_kernel": round(1e6 * statistics.mean(seconds) / total["kernels"], 2) if seconds else None}
+                   "gpu_cells": len(seconds)}
             rows.append(row)
             print(row, flush=True)
         if args.check_shape:  # two DECA clients, one step a block: every step's counts at both shapes
@@ -240,16 +239,14 @@ def write(out: Path, rows: list[dict], shape_check: dict | None, args) -> dict:
     lines = [f"# ATen operations per step of a simulated cell of `{Path(args.grid).name}`", "",
              "Per client step, by phase (the backward's column includes the simulator loop's own few); per "
              "simulator step (all clients), all operations and those that launch a kernel; the seconds per "
-             "step of the grid's finished GPU cells and the microseconds that makes per operation.", "",
+             "step the grid's finished GPU cells took, with the code they ran (which may count otherwise).", "",
              "| method | forward | backward | local step | combine | client step | step: ops | step: kernels "
-             "| GPU s/step (cells) | µs/op | µs/kernel |",
-             "| :-- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |"]
+             "| GPU s/step (cells) |",
+             "| :-- | --: | --: | --: | --: | --: | --: | --: | --: |"]
     for r in rows:
         gpu = "–" if r["gpu_s_per_step"] is None else f"{r['gpu_s_per_step']:.3f} ({r['gpu_cells']})"
-        per = lambda k: "–" if r[k] is None else f"{r[k]:.1f}"  # noqa: E731
         lines.append(f"| {r['method']} | {r['forward_ops']} | {r['backward_ops']} | {r['local_step_ops']} | "
-                     f"{r['combine_ops']} | {r['client_step_ops']} | {r['step_ops']} | {r['step_kernels']} | {gpu} | "
-                     f"{per('us_per_op')} | {per('us_per_kernel')} |")
+                     f"{r['combine_ops']} | {r['client_step_ops']} | {r['step_ops']} | {r['step_kernels']} | {gpu} |")
     if shape_check is not None:
         d = shape_check["max_difference"]
         lines += ["", f"Counted at micro-batch {args.micro_batch} × {args.seq_len} tokens. Two DECA clients, one step "
