@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from deca_ds.models import load_model, load_tokenizer
+from deca_ds.reporting import commit
 from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_finished, pretrain, run_grid
 from deca_ds.reproduce.figures import smooth, write_figures
 from deca_ds.reproduce.grid import Cell, Grid, load_grid
@@ -134,6 +135,7 @@ def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
     for cell in data["cells"]:
         assert cell["finished"] and cell["run_config"]["n_clients"] == 3
         assert cell["run_config"]["device"] == "cpu"  # where the simulated clients ran (a GPU's where one is)
+        assert cell["run_config"]["commit"] == commit() != "unknown"  # the code the cell ran
         assert cell["run_config"]["options"]["method"] == ("deca" if cell["method"] == "deca" else "dec_lora")
         assert cell["final"]["steps"] == 4 and 0 <= cell["final"]["accuracy"] <= 1
         assert cell["final"]["n"] == 40 and cell["final"]["wall_s"] > 0

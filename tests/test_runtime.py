@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 import deca_ds
 from deca_ds.memory import offload_block_stream
 from deca_ds.models import tiny_llama
+from deca_ds.reporting import commit
 from deca_ds.runtime import trainer
 from deca_ds.runtime.dist import ClientLayout, Heartbeat, cap_gpu_memory, torchrun_env
 from deca_ds.runtime.options import parse_args
@@ -110,6 +111,7 @@ def test_reference_run_file_is_the_command_line_and_is_written_back(reference_ru
     run = json.loads((out / "run_config.json").read_text())
     assert run["options"]["lr"] == 1e-3 and run["ds_config"]["train_micro_batch_size_per_gpu"] == 4
     assert run["n_clients"] == N
+    assert run["commit"] == commit() != "unknown"  # the checkout's (the tests run in one)
     assert parse_args(["--config", str(out / "config.yaml")]) == parse_args(given)
 
 

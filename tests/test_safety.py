@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import test_runtime
+from deca_ds.reporting import commit
 from deca_ds.runtime import nonfinite, outputs, trainer
 from deca_ds.train import STORE_LINGER_S
 from deca_ds.train import main as train_main
@@ -313,6 +314,7 @@ def test_record_resume_appends_to_run_config(tmp_path):
     outputs.record_resume(tmp_path, {"timeout": [60.0, 5.0]})
     saved = json.loads((tmp_path / "run_config.json").read_text())
     assert saved["options"] == {"timeout": 60.0} and saved["resumes"][0]["changed"] == {"timeout": [60.0, 5.0]}
+    assert saved["resumes"][0]["commit"] == commit()  # the code it went on with (the checkout's here)
 
 
 def test_not_result_names_real_options():

@@ -38,7 +38,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict
 from pathlib import Path
 
-from ..reporting import REPO
+from ..reporting import REPO, commit
 from ..runtime.checkpoint import atomic_write, random_state, restore_random_state, sha256
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
@@ -656,7 +656,8 @@ def run_simulated(d: Path) -> dict:
         "trainable_params": method.num_trainable(probe), "n_clients": n,
         "blocks": [asdict(b) for b in partition.blocks], "client_sizes": task.client_sizes,
         "split_keys": list(task.key_names), "split_histogram": task.key_histogram, "device": str(device),
-        "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}})
+        "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
+        "commit": commit()})  # of this attempt: a cell resumed later may finish at another
     del probe
     metrics = (d / METRICS).open("a" if saved else "w", buffering=1)  # line by line: progress is visible
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .. import __version__
+from ..reporting import commit
 from .checkpoint import write_json
 
 MARKER = "run_owner.json"
@@ -118,8 +119,9 @@ def _plain(value):
 
 
 def record_resume(out: Path, changes: dict[str, list]) -> None:
-    """Rank 0, resuming: append to run_config.json when and with which changed options it resumed."""
+    """Rank 0, resuming: append to run_config.json when, with which changed options and at which
+    commit (a resumed run may run other code than its start) it resumed."""
     config = json.loads((out / "run_config.json").read_text())
     config.setdefault("resumes", []).append(
-        {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "changed": changes})
+        {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "changed": changes, "commit": commit()})
     write_json(out / "run_config.json", config)

@@ -39,6 +39,7 @@ from ..models import (
 from ..offload import FrozenLayerOffload, check_keep
 from ..optimizer import block_schedule, model_partition
 from ..prefix import FrozenPrefix
+from ..reporting import commit
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from . import cleanup, outputs
@@ -211,6 +212,7 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
         "split_keys": list(task.key_names), "split_histogram": task.key_histogram,
         "data_fingerprints": task.data_fingerprints,
         "versions": {"deca_ds": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
+        "commit": commit(),  # the checkout's ("+dirty": changed files), "unknown" outside one
     }
     ckpt.write_json(out / "run_config.json", resolved)
     # the same run as a run file: deca-train --config <out>/config.yaml (with --resume or --overwrite)
