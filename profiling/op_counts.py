@@ -61,7 +61,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.phase = "backward"  # what runs outside the wrapped calls: loss.backward() and the loop's own
-        self.ops: Counter = Counter()  # (phase, op name) -> count
+        self.ops: Counter = Counter()  # (phase, op name, whether it launches no kernel) -> count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[self.phase, func.overloadpacket.__name__, not makes_kernel(func)] += 1
@@ -107,7 +107,7 @@ class Counted:
         return opt
 
 
-def batches(opts: RunOptions, vocab: int, micro_batch: int, seq_len: int, seed: int):
+def batches(vocab: int, micro_batch: int, seq_len: int, seed: int):
     """Endless random micro-batches: the last row padded in its second half, one label a row."""
     g = torch.Generator().manual_seed(seed)
     while True:
@@ -132,7 +132,7 @@ def count_cell(options: dict, model_dir: Path, vocab: int, *, micro_batch: int, 
     counter = OpCounter()
     method = Counted(opts.build_method(partition), counter)
     W = make_topology(opts.topology, opts.clients, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed).W
-    streams = [batches(opts, vocab, micro_batch, seq_len, seed=i) for i in range(opts.clients)]
+    streams = [batches(vocab, micro_batch, seq_len, seed=i) for i in range(opts.clients)]
     per_step, snapshots = [], []
 
     def on_step(info) -> None:
@@ -186,7 +186,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--check-shape", action="store_true",
-                   help="count DECA's first step again at the grid's micro-batch and length, and compare")
+                   help="count two DECA clients' steps, one a block, at the grid's micro-batch and length and at "
+                        "the counted ones, and compare")
     p.add_argument("--cells", default=str(ROOT / "reproduce" / "results" / "gpu_ag_news" / "cells"),
                    help="the grid's finished GPU cells")
     p.add_argument("--threads", type=int, default=2)

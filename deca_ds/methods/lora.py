@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..kernels import flat_segments
 from ..mixing import Mixer
 from .adam import AdamConfig, AdamMethod, MixedAdam
 from .base import seeded
@@ -253,11 +254,11 @@ class DeCAFAdam(MixedAdam):
     def aggregate(self, mixer: Mixer, x_half: torch.Tensor) -> torch.Tensor:
         terms = mixer.exchange(x_half)
         out = torch.empty_like(x_half)
-        sizes = [p.numel() for p in self.params]
-        mine, views = out.split(sizes), [x.split(sizes) for _, x in terms]  # flat: one split a vector
-        refactor_pairs([LoRAPair(A.shape[1], B.shape[0], mine[k], mine[k + 1],
+        mine = flat_segments(self.params, out)  # flat: one split a vector
+        views = [flat_segments(self.params, x) for _, x in terms]
+        refactor_pairs([LoRAPair(self.params[k].shape[1], self.params[k + 1].shape[0], mine[k], mine[k + 1],
                                  [(w, v[k], v[k + 1]) for (w, _), v in zip(terms, views)])
-                        for k, (A, B) in zip(range(0, len(sizes), 2), zip(self.params[::2], self.params[1::2]))])
+                        for k in range(0, len(self.params), 2)])
         return out
 
 
