@@ -52,13 +52,15 @@ def setting(row: dict) -> str:
 
 def commit(exclude: Path | None = None) -> str:
     """HEAD's short hash, "+dirty" when tracked files differ from it (aside from those under
-    `exclude`, the result's own directory); "unknown" outside a checkout."""
+    `exclude`, the result's own directory, where it lies inside the checkout: git refuses a
+    pathspec outside it); "unknown" outside a checkout."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30,
                               check=True).stdout.strip()
 
-    skip = [f":(exclude){Path(exclude).resolve()}"] if exclude is not None else []
+    inside = exclude is not None and Path(exclude).resolve().is_relative_to(REPO.resolve())
+    skip = [f":(exclude){Path(exclude).resolve()}"] if inside else []
     try:
         head = git("rev-parse", "--short=7", "HEAD")
         return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", str(REPO), *skip) else "")

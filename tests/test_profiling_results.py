@@ -97,3 +97,5 @@ def test_provenance_names_the_checkout_s_head(tmp_path):
     assert made["commit"] == head + ("+dirty" if dirty else "")
     assert made["command"] == "python profiling/x.py --out y" and made["device"].endswith(", 2 threads)")
     assert reporting.commit(exclude=ROOT) == head  # every change is inside `exclude`
+    # results written outside the checkout (a grid's --results-dir in /tmp) exclude nothing of it
+    assert reporting.commit(exclude=tmp_path) == made["commit"]
