@@ -201,3 +201,58 @@ def test_deca_reproduce_places_a_run_by_its_own_hostfile(tmp_path, capsys):
     with pytest.raises(GridError, match=r"deepspeed_args \['--hostfile', 'hosts'\]: the simulate backend starts no"):
         build_grid({"options": {"model": "tiny", "clients": 2}, "tasks": {"synthetic": {}}, "methods": ["deca"],
                     "seeds": [0], "deepspeed_args": ["--hostfile", "hosts"]})
+
+
+def test_clients_share_the_gpus_a_cell_takes_started_by_torchrun(tmp_path, gpus):
+    """clients_per_gpu 4 on the two GPUs a scheduler gave the grid: a cell's ranks spread over both
+    as evenly as their room allows, each local rank put on its GPU by --device-map, over gloo."""
+    g = grid(tmp_path, clients=(3, 8), jobs=2, clients_per_gpu=4)
+    place = placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "6,7"})
+    assert place.where == "GPUs 6,7 of this machine (CUDA_VISIBLE_DEVICES), up to 4 clients a GPU"
+    with place.cell(cell(8), lambda: False) as full:
+        assert full.launcher == "torchrun" and full.env == {"CUDA_VISIBLE_DEVICES": "6,7"}
+        assert full.args[:2] == ["--nproc-per-node", "8"] and full.args[-2] == "--master-port"
+        assert full.rendezvous == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": full.args[-1]}
+        assert full.train_args == ["--device-map", "0,0,0,0,1,1,1,1", "--transport", "gloo"]
+        with place.cell(cell(1), lambda: True) as waited:  # no room left: it waits, here until stopped
+            assert waited is None
+    with place.cell(cell(3), lambda: False) as first, place.cell(cell(3), lambda: False) as second:
+        # the first takes 2 + 1; the second the freest GPU first, 7 (3 free) then 6 (2 free): 1 + 2
+        assert [launch.train_args[1] for launch in (first, second)] == ["0,0,1", "0,1,1"]
+        assert first.args[-1] != second.args[-1]
+        with place.cell(cell(3), lambda: True) as waited:  # 2 free, 3 needed
+            assert waited is None
+        with place.cell(cell(2), lambda: False) as third:
+            assert third.train_args[1] == "0,1" and third.env == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    small = [c for c in g.cells if c.clients == 3]
+    with placement(g, small, env={"CUDA_VISIBLE_DEVICES": "5"}).cell(cell(3), lambda: False) as one:
+        assert one.env == {"CUDA_VISIBLE_DEVICES": "5"} and one.train_args[1] == "0,0,0"
+    with pytest.raises(GridError, match=r"1 cell\(s\) need more GPUs than GPU 5 of this machine "
+                                        r"\(CUDA_VISIBLE_DEVICES\), up to 4 clients a GPU, e\.g\. "
+                                        r"synthetic/ring-n8-lpb1/deca/seed0: 8 clients x 1 rank\(s\), "
+                                        r"up to 4 on a GPU"):
+        placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "5"})
+
+
+def test_clients_per_gpu_is_refused_where_it_cannot_place_ranks(tmp_path):
+    g = grid(tmp_path, clients_per_gpu=2)
+    place = placement(g, g.cells, env={})  # CPU ranks share no GPU: started by count, as without it
+    assert place.where == "CPU ranks" and args_of(place, 8)[:2] == ["--num_gpus", "8"]
+    (tmp_path / "hosts").write_text("node-a slots=8\n")
+    g = grid(tmp_path, clients_per_gpu=2, deepspeed_args=["--hostfile", str(tmp_path / "hosts")])
+    with pytest.raises(GridError, match=r"clients_per_gpu 2: ranks that share a GPU are started by torchrun on this "
+                                        r"machine, without the deepspeed launcher's hostfile .*hosts"):
+        placement(g, g.cells, env={})
+    g = grid(tmp_path, clients_per_gpu=2, deepspeed_args=["--include", "localhost:0"])
+    with pytest.raises(GridError, match=r"without the deepspeed launcher's arguments \['--include', 'localhost:0'\]"):
+        placement(g, g.cells, env={})
+    for change, message in (({"clients_per_gpu": 0}, r"clients_per_gpu must be an integer >= 1, got 0"),
+                            ({"clients_per_gpu": True}, r"clients_per_gpu must be an integer >= 1, got True"),
+                            ({"clients_per_gpu": 2, "backend": "simulate"},
+                             r"clients_per_gpu 2: the simulate backend runs every client of a cell in one process"),
+                            ({"clients_per_gpu": 2, "options": {"model": "tiny", "clients": 4, "ranks_per_client": 2}},
+                             r"cell synthetic/ring-n4-lpb1/deca/seed0 has 2 ranks per client, which need a GPU each"),
+                            ({"clients_per_gpu": 2, "options": {"model": "tiny", "clients": 4, "transport": "nccl"}},
+                             r"sets transport nccl, and ranks that share a GPU talk over gloo")):
+        with pytest.raises(GridError, match=message):
+            grid(tmp_path, **change)

@@ -510,7 +510,7 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
     d = tmp_path / "cell"
     d.mkdir()
     with placement(grid, grid.cells, env={}).cell(cell, lambda: False) as launch:
-        command = _deepspeed_command(grid, cell, d, launch.args)
+        command = _deepspeed_command(grid, cell, d, launch)
     # deca-train as a module: no checkout's launch/ needed; the preset by its path in the package or checkout
     # (here on CPU ranks, 12 of them: tests/test_placement.py places them on GPUs and hosts)
     assert command[1:4] == ["--num_gpus", "12", "--master_port"] and command[5:7] == ["--module", "deca_ds.train"]
@@ -657,6 +657,33 @@ def test_deepspeed_cells_run_side_by_side_each_at_its_own_rendezvous(tmp_path, c
     ports = {re.search(r"--master_port=(\d+)", (built.cell_dir(c) / "log.txt").read_text()).group(1)
              for c in built.cells}
     assert len(ports) == 2 and all((built.cell_dir(c) / "final.json").is_file() for c in built.cells)
+
+
+def test_clients_that_share_a_gpu_run_the_cell_as_a_gpu_each_would(tmp_path):
+    """clients_per_gpu 2: the cell's two ranks started by torchrun on one GPU (here CPU ranks, which
+    ignore its --device-map), over gloo; its metrics and scores are those the deepspeed launcher's
+    ranks give the same cell (both at one thread: torchrun's default, pinned for the launcher's)."""
+    from deca_ds.reproduce.cells import run_grid
+    from deca_ds.reproduce.placement import Placement
+
+    cells = {}
+    for name, sharing in (("alone", 1), ("shared", 2)):
+        grid = tiny_grid("tiny", backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"],
+                         seeds=[0], clients_per_gpu=sharing, threads=1, runs_dir=str(tmp_path / name))
+        grid["options"].update(clients=2, topology="ring", eval_limit=8)
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(grid))
+        built = load_grid(str(tmp_path / f"{name}.yaml"))
+        place = Placement("GPU 0", {"localhost": ["0"]}, per_gpu=2) if sharing > 1 else None
+        assert run_grid(built, place=place, log=lambda *_: None) == {built.cells[0].key: "done"}
+        cells[name] = built.cell_dir(built.cells[0])
+    options = [json.loads((d / "train" / "run_config.json").read_text())["options"] for d in cells.values()]
+    assert [(o["device_map"], o["transport"]) for o in options] == [("auto", "auto"), ("0,0", "gloo")]
+    read = lambda d: [{k: v for k, v in json.loads(line).items() if k != "wall_s"}  # noqa: E731
+                      for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert read(cells["shared"]) == read(cells["alone"])
+    final = [{k: v for k, v in json.loads((d / "final.json").read_text()).items() if k != "wall_s"}
+             for d in cells.values()]
+    assert final[0] == final[1]
 
 
 def reference_and_stopped(tmp_path, grid: dict) -> tuple[dict, Grid]:
@@ -993,6 +1020,13 @@ def test_estimate_gives_each_cells_memory_as_deca_train_does(tmp_path, capsys):
         assert f": {peak} GiB per client ({method}); RTX 5090: " in line
     assert "RTX 5090: 1 of 2 do not fit: synthetic/ring-n4-lpb1/dadam" in lines
     assert "RTX PRO 6000: every cell fits" in lines
+    # up to 4 of a cell's clients on one card (clients_per_gpu): each needs its own peak and reserve
+    deca = float(re.search(r"deca: ([\d.]+) GiB", lines[0]).group(1))
+    assert 4 * (deca + 1) > 32607 / 1024 > 4 * deca  # RTX 5090's 32607 MiB, the estimator's 1 GiB reserve
+    assert reproduce_main([str(path), "--estimate", "--clients-per-gpu", "4"]) == 0
+    shared = capsys.readouterr().out.splitlines()
+    assert shared[0].startswith(f"synthetic/ring-n4-lpb1/deca: {deca:.3f} GiB per client (deca, 4 clients a GPU); "
+                                "RTX 5090: no, RTX PRO 6000: yes")
     assert not (tmp_path / "runs").exists()
     grid.update(backend="simulate")
     path.write_text(yaml.safe_dump(grid))

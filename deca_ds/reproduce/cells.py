@@ -429,7 +429,7 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, launch: Launch, 
     if grid.backend == "simulate":
         command = [sys.executable, "-m", "deca_ds.reproduce.cells", str(d)]
     else:
-        command = _deepspeed_command(grid, cell, d, launch.args, resume=resume)
+        command = _deepspeed_command(grid, cell, d, launch, resume=resume)
     start = time.time()
     # the children import the deca_ds this process runs (a checkout's too, where it is not installed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -460,15 +460,19 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, launch: Launch, 
     return "done"
 
 
-def _deepspeed_command(grid: Grid, cell: Cell, d: Path, where: list[str], *, resume: bool = False) -> list[str]:
-    """The deepspeed launcher, with `where`'s arguments (Placement.cell's), starting deca-train on the cell."""
+def _deepspeed_command(grid: Grid, cell: Cell, d: Path, launch: Launch, *, resume: bool = False) -> list[str]:
+    """The launcher `launch` (Placement.cell's) names, with its arguments, starting deca-train on the cell."""
     import yaml
 
     options = json.loads(json.dumps(cell.options, allow_nan=False))
     (d / "options.yaml").write_text(yaml.safe_dump(options))
-    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    return [launcher, *where, "--module", "deca_ds.train", "--ds_config", str(preset_path(grid.ds_config).resolve()),
-            "--config", str(d / "options.yaml"), "--no-export", "--resume" if resume else "--overwrite"]
+    if launch.launcher == "torchrun":
+        launcher = [sys.executable, "-m", "torch.distributed.run"]
+    else:
+        launcher = [shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")]
+    return [*launcher, *launch.args, "--module", "deca_ds.train",
+            "--ds_config", str(preset_path(grid.ds_config).resolve()), "--config", str(d / "options.yaml"),
+            "--no-export", "--resume" if resume else "--overwrite", *launch.train_args]
 
 
 def collect_deepspeed(d: Path, *, wall_s: float) -> None:

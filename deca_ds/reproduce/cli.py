@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", help="where tables and figures go (default: the grid's results_dir)")
     p.add_argument("--jobs", type=int, help="cells run at once, each on GPUs of its own in the deepspeed backend "
                                             "(default: the grid's jobs, else 1)")
+    p.add_argument("--clients-per-gpu", type=int, metavar="K",
+                   help="deepspeed backend: up to K clients (ranks) on one GPU, started by torchrun and talking over "
+                        "gloo (default: the grid's clients_per_gpu, else 1: a GPU each)")
     p.add_argument("--deepspeed-args", metavar="ARGS", type=shlex.split,
                    help="the deepspeed launcher's arguments for this run, in place of the grid's deepspeed_args "
                         "(deepspeed backend), e.g. --deepspeed-args='--hostfile hosts.$SLURM_JOB_ID'")
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     log = partial(print, flush=True)
     try:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs,
-                         deepspeed_args=args.deepspeed_args, options=parse_settings(args.set))
+                         clients_per_gpu=args.clients_per_gpu, deepspeed_args=args.deepspeed_args,
+                         options=parse_settings(args.set))
         if args.tables_from:  # the results.json alone: the runs directory and the base model are not read
             recorded = recorded_results(grid, args.tables_from)
         else:

@@ -34,9 +34,12 @@ def estimate_cells(grid: Grid, select: Callable[[Cell], bool], *, log=print) -> 
             est, setting = footprint.estimate(opts, ds_config)
         except ValueError as err:
             raise GridError(f"--estimate: {key}: {err}") from None
-        fits = {name: fit for name, (_, fit) in footprint.card_fits(opts, est, setting["clients_per_gpu"]).items()}
+        # the grid's clients_per_gpu may put up to that many of the cell's clients on one card
+        sharing = max(setting["clients_per_gpu"], min(grid.clients_per_gpu, cell.clients))
+        fits = {name: fit for name, (_, fit) in footprint.card_fits(opts, est, sharing).items()}
         found[key] = fits
-        log(f"{key}: {est.process_peak / GiB:.3f} GiB per client ({est.method}); "
+        log(f"{key}: {est.process_peak / GiB:.3f} GiB per client ({est.method}"
+            + (f", {sharing} clients a GPU" if sharing > 1 else "") + "); "
             + ", ".join(f"{name}: {'yes' if fit else 'no'}" for name, fit in fits.items()))
     for name in next(iter(found.values()), {}):
         short = [key for key, fits in found.items() if not fits[name]]

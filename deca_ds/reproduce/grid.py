@@ -126,6 +126,7 @@ class Grid:
     ds_config: str | None
     threads: int | None  # torch threads of each cell's process (None: torch's default)
     jobs: int  # cells run at once (deepspeed backend: each on GPUs of its own, reproduce.placement)
+    clients_per_gpu: int  # deepspeed backend: the ranks one GPU holds (above 1: they share it over gloo)
     deepspeed_args: list[str]  # the deepspeed launcher's, besides those placement adds for each cell
     pretrain: PretrainOptions | None = None  # how the cells' model is made, when the grid makes it
     paper: str | None = None  # the paper's model whose published numbers the report sets beside the cells'
@@ -161,12 +162,12 @@ class Grid:
         return lambda cell: all(has(cell, key) & values for key, values in wanted.items())
 
 
-_TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "ds_config",
-        "deepspeed_args", "pretrain", "paper", "generation", "options", "tasks", "methods", "method_options", "seeds",
-        "sweeps"}
+_TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "clients_per_gpu",
+        "ds_config", "deepspeed_args", "pretrain", "paper", "generation", "options", "tasks", "methods",
+        "method_options", "seeds", "sweeps"}
 _SWEEP = {"table", "tasks", "seeds", "methods", "bma_betas", *AXES}
 # Keys that decide where, how fast and under which limits cells run and how they are reported, not a result.
-NOT_RESULT = {"runs_dir", "results_dir", "cell_timeout_s", "jobs", "deepspeed_args", "paper"}
+NOT_RESULT = {"runs_dir", "results_dir", "cell_timeout_s", "jobs", "clients_per_gpu", "deepspeed_args", "paper"}
 
 
 def _as_list(value, what: str) -> list:
@@ -264,9 +265,11 @@ def grid_path(spec: str | Path) -> Path:
 
 
 def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_dir: str | Path | None = None,
-              jobs: int | None = None, deepspeed_args: list[str] | None = None, options: dict | None = None) -> Grid:
+              jobs: int | None = None, clients_per_gpu: int | None = None, deepspeed_args: list[str] | None = None,
+              options: dict | None = None) -> Grid:
     """Read and check a grid file (a path, or a shipped grid's name); `runs_dir`, `results_dir`,
-    `jobs` and `deepspeed_args` override the file's, and `options` its options (every cell's)."""
+    `jobs`, `clients_per_gpu` and `deepspeed_args` override the file's, and `options` its options
+    (every cell's)."""
     path = grid_path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -274,8 +277,8 @@ def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_d
         raise GridError(f"{path} is not valid YAML: {err}") from None
     if options and isinstance(data, dict):
         data = {**data, "options": {**(data.get("options") or {}), **options}}
-    return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, deepspeed_args=deepspeed_args,
-                      where=str(path))
+    return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, clients_per_gpu=clients_per_gpu,
+                      deepspeed_args=deepspeed_args, where=str(path))
 
 
 def parse_settings(pairs: list[str]) -> dict:
@@ -292,6 +295,25 @@ def parse_settings(pairs: list[str]) -> dict:
     return options
 
 
+def _clients_per_gpu(k, backend: str, cells: list[Cell], where: str) -> int:
+    """The grid's clients_per_gpu, checked against its backend and cells."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise GridError(f"{where}: clients_per_gpu must be an integer >= 1, got {k!r}")
+    if k == 1:
+        return k
+    if backend != "deepspeed":
+        raise GridError(f"{where}: clients_per_gpu {k}: the {backend} backend runs every client of a cell in one "
+                        "process; it places ranks of the deepspeed backend")
+    for c in cells:
+        if c.ranks_per_client != 1:
+            raise GridError(f"{where}: clients_per_gpu {k}: cell {c.key} has {c.ranks_per_client} ranks per client, "
+                            "which need a GPU each; share GPUs only between clients of one rank")
+        if c.options.get("transport", "auto") not in ("auto", "gloo"):
+            raise GridError(f"{where}: clients_per_gpu {k}: cell {c.key} sets transport {c.options['transport']}, "
+                            "and ranks that share a GPU talk over gloo (docs/transport.md)")
+    return k
+
+
 def _seeds(values, where: str) -> list[int]:
     seeds = _as_list(values, where)
     bad = [s for s in seeds if not isinstance(s, int) or isinstance(s, bool)]
@@ -300,7 +322,7 @@ def _seeds(values, where: str) -> list[int]:
     return seeds
 
 
-def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepspeed_args=None,
+def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, clients_per_gpu=None, deepspeed_args=None,
                where: str = "grid") -> Grid:
     _check_keys(where, data, _TOP)
     text = [k for k in ("name", "backend", "runs_dir", "results_dir", "ds_config")
@@ -395,6 +417,8 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
     jobs = data.get("jobs", 1) if jobs is None else jobs
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise GridError(f"{where}: jobs must be an integer >= 1, got {jobs!r}")
+    sharing = _clients_per_gpu(data.get("clients_per_gpu", 1) if clients_per_gpu is None else clients_per_gpu,
+                               backend, list(cells.values()), where)
     deepspeed_args = data.get("deepspeed_args") if deepspeed_args is None else deepspeed_args
     if deepspeed_args is not None and not isinstance(deepspeed_args, list):
         raise GridError(f"{where}: deepspeed_args must be a list of the launcher's arguments, e.g. [--hostfile, "
@@ -415,8 +439,8 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, deepsp
                 results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, jobs=jobs,
-                deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain, paper=paper_model,
-                generation=generation, source=data)
+                clients_per_gpu=sharing, deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain,
+                paper=paper_model, generation=generation, source=data)
 
 
 def _generation(section, cells: list[Cell], where: str) -> tuple[Generation | None, frozenset[str]]:

@@ -18,6 +18,12 @@ runs, and a cell that finds too few free waits for the cells that hold them:
   GPUs, do not meet at the launcher's 29500 either;
 - on CPU ranks (no GPU): `--num_gpus N` processes and a free port.
 
+With `clients_per_gpu` K above 1 a GPU of this machine holds up to K ranks (a client each), and a
+cell's clients spread over all GPUs with room, as evenly as it allows, so that they time-share as
+few to a card as they can. The deepspeed launcher gives every slot one process, so these cells are
+started by torchrun, with the GPUs they take as CUDA_VISIBLE_DEVICES, deca-train's `--device-map`
+putting each local rank on its GPU, and `--transport gloo` (NCCL refuses two ranks of one GPU).
+
 deepspeed_args that place the ranks themselves (`--include`, `--exclude`, `--num_nodes`,
 `--num_gpus`) or name the port are passed as they are. A simulated cell (every client in one
 process) runs on the visible GPU that runs the fewest cells then (its CUDA_VISIBLE_DEVICES), so
@@ -45,8 +51,10 @@ class Launch:
     """How one cell starts: the deepspeed launcher's arguments (deepspeed backend) and what its
     process's environment changes."""
 
-    args: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)  # the launcher's
     env: dict[str, str] = field(default_factory=dict)
+    launcher: str = "deepspeed"  # or "torchrun": ranks that share a GPU
+    train_args: list[str] = field(default_factory=list)  # deca-train's, besides the cell's options
     # a launch on this machine: its rendezvous, which names its ranks' DeepSpeed shared-memory buffers
     # (deca_ds.runtime.cleanup), for the grid to remove when it has to kill the ranks
     rendezvous: dict[str, str] | None = None
@@ -60,6 +68,7 @@ class Placement:
     by_count: bool = False  # CPU ranks: --num_gpus N processes
     port: str = "given"  # "free": a free one per launch (this machine); "slot": 29500 + the first slot (hosts)
     shared: bool = False  # simulated cells: one GPU each, shared with other cells
+    per_gpu: int = 1  # deepspeed cells: ranks a GPU holds (the grid's clients_per_gpu; one host)
     _held: dict[str, Counter] = field(init=False, repr=False)  # host -> slot -> cells on it
     _changed: threading.Condition = field(init=False, repr=False, default_factory=threading.Condition)
 
@@ -68,7 +77,7 @@ class Placement:
 
     def capacity(self, ranks_per_client: int) -> int:
         """Clients the slots hold, each client's ranks on one host."""
-        return sum(len(s) // ranks_per_client for s in self.slots.values())
+        return sum(len(s) * self.per_gpu // ranks_per_client for s in self.slots.values())
 
     @contextmanager
     def cell(self, cell: Cell, stopped: Callable[[], bool]) -> Iterator[Launch | None]:
@@ -98,6 +107,12 @@ class Placement:
         if self.shared:
             host, slots = next(iter(self.slots.items()))
             return {host: [min(slots, key=lambda s: self._held[host][s])]}  # the first of the least busy
+        if self.per_gpu > 1:  # one host; ranks_per_client is 1 (Grid)
+            host, slots = next(iter(self.slots.items()))
+            room = [self.per_gpu - self._held[host][s] for s in slots]
+            if sum(room) < clients:
+                return None
+            return {host: [s for s, n in zip(slots, _spread(clients, room, fewest=False)) for _ in range(n)]}
         free = {host: [s for s in slots if not self._held[host][s]] for host, slots in self.slots.items()}
         room = [len(f) // ranks_per_client for f in free.values()]
         if sum(room) < clients:
@@ -107,6 +122,8 @@ class Placement:
     def _launch(self, taken: dict[str, list[str]], ranks: int) -> Launch:
         if self.shared:
             return Launch(env={"CUDA_VISIBLE_DEVICES": next(iter(taken.values()))[0]})
+        if self.per_gpu > 1:
+            return _torchrun(next(iter(taken.values())))
         args = list(self.given)
         if self.by_count:
             args += ["--num_gpus", str(ranks)]
@@ -119,6 +136,17 @@ class Placement:
         elif self.port == "slot":
             args += ["--master_port", str(PORT + int(next(iter(taken.values()))[0]))]
         return Launch(args=args, rendezvous=rendezvous)
+
+
+def _torchrun(gpus: list[str]) -> Launch:
+    """One rank per entry of `gpus` (a GPU's name once for each rank it holds), on this machine."""
+    visible = list(dict.fromkeys(gpus))
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return Launch(args=["--nproc-per-node", str(len(gpus)), "--master-addr", rendezvous["MASTER_ADDR"],
+                        "--master-port", rendezvous["MASTER_PORT"]],
+                  env={"CUDA_VISIBLE_DEVICES": ",".join(visible)}, launcher="torchrun",
+                  train_args=["--device-map", ",".join(str(visible.index(g)) for g in gpus), "--transport", "gloo"],
+                  rendezvous=rendezvous)
 
 
 def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None = None) -> Placement:
@@ -146,6 +174,12 @@ def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None =
         raise GridError(f"deepspeed_args: --launcher {args.launcher}: deca-train joins its job through RANK, "
                         f"WORLD_SIZE and MASTER_ADDR, which the {PDSH_LAUNCHER} launcher (the default) sets on every "
                         "host and the MPI and slurm ones do not")
+    sharing = grid.clients_per_gpu > 1
+    if sharing and (hostfile or given):
+        raise GridError(f"clients_per_gpu {grid.clients_per_gpu}: ranks that share a GPU are started by torchrun on "
+                        "this machine, without the deepspeed launcher's "
+                        + (f"hostfile {args.hostfile}" if hostfile else f"arguments {list(given)}")
+                        + "; share GPUs on one node, or give each client a GPU of its own")
     named = any(a.split("=", 1)[0].startswith("--master_p") for a in given)
     port = "given" if named else "slot" if hostfile else "free"
     if args.include or args.exclude or args.num_nodes > 0 or args.num_gpus > 0:
@@ -166,14 +200,18 @@ def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None =
         raise GridError(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}: the deepspeed launcher places "
                         "ranks by GPU index; name the GPUs by index")
     else:
-        found = Placement(gpus[1], {"localhost": gpus[0]}, given=given, port=port)
+        k = grid.clients_per_gpu
+        found = Placement(gpus[1] + (f", up to {k} clients a GPU" if sharing else ""), {"localhost": gpus[0]},
+                          given=given, port=port, per_gpu=k)
     short = [c for c in cells if c.clients > found.capacity(c.ranks_per_client)]
     if short:
         c = short[0]
         raise GridError(
             f"{len(short)} cell(s) need more GPUs than {found.where}, e.g. {c.key}: {c.clients} clients x "
-            f"{c.ranks_per_client} rank(s), each on a GPU of its own. Give the grid a hostfile "
-            "of more nodes (deepspeed_args: [--hostfile, FILE]), or run those cells where they fit (--only)")
+            f"{c.ranks_per_client} rank(s), "
+            + (f"up to {found.per_gpu} on a GPU" if found.per_gpu > 1 else "each on a GPU of its own")
+            + ". Give the grid a hostfile of more nodes (deepspeed_args: [--hostfile, FILE]) or more clients a GPU "
+            "(clients_per_gpu), or run those cells where they fit (--only)")
     return found
 
 
@@ -192,11 +230,11 @@ def _visible_gpus(env: Mapping[str, str]) -> tuple[list[str], str] | None:
     return gpus, where
 
 
-def _spread(clients: int, room: list[int]) -> list[int]:
-    """Clients per host: on the fewest hosts that hold them (those with the most room, the first of
-    equal ones), as evenly as each one's room allows."""
+def _spread(clients: int, room: list[int], *, fewest: bool = True) -> list[int]:
+    """Clients per host (or GPU): on the fewest hosts that hold them (those with the most room, the
+    first of equal ones), or on all with room where not `fewest`, as evenly as each one's room allows."""
     order = sorted(range(len(room)), key=lambda i: -room[i])
-    n = next(n for n in range(1, len(room) + 1) if sum(room[i] for i in order[:n]) >= clients)
+    n = next(n for n in range(1, len(room) + 1) if sum(room[i] for i in order[:n]) >= clients) if fewest else len(room)
     take = [0] * len(room)
     while clients:
         for i in order[:n]:
