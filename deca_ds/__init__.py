@@ -17,6 +17,7 @@ _SOURCES = {
     ".methods": ("METHODS", "Method"),
     ".mixing": ("IdentityMixer", "InProcessMixer", "Mixer"),
     ".optimizer": ("DecaOptimizer",),
+    ".rng": ("ClientGenerators",),
     ".simulate": ("StepInfo", "simulate"),
     ".topology": ("TOPOLOGIES", "WEIGHT_SCHEMES", "Topology", "load_mixing_matrix", "make_topology", "spectral_rho",
                   "validate_mixing_matrix"),

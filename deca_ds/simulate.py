@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
@@ -13,6 +14,7 @@ from .config import DecaConfig
 from .methods import Deca, Method
 from .mixing import InProcessMixer
 from .models import causal_lm_loss
+from .rng import ClientGenerators
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ def simulate(
     config: DecaConfig | Method,
     *,
     on_step: Callable[[StepInfo], None] | None = None,
+    generators: ClientGenerators | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Run Algorithm 1 (a DecaConfig) or another method for N clients and return each client's
     final parameters by name.
@@ -41,7 +44,8 @@ def simulate(
     (-100 where not trained); the loss is models.causal_lm_loss, as in the distributed runtime.
     The model is deep-copied per client, so every client starts from the same weights and the
     caller's model is left untouched. Client i takes one batch from `client_batches[i]` per
-    local step, T·B·R batches in all.
+    local step, T·B·R batches in all. With `generators` each client draws its dropout masks from
+    its own (as deca-train's ranks do: ClientGenerators.seeded), else all from the process's.
     """
     mixer = InProcessMixer(mixing_matrix)
     if len(client_batches) != mixer.n:
@@ -62,8 +66,9 @@ def simulate(
             except StopIteration:
                 raise ValueError(f"client {i} ran out of batches at step {info['step']} of "
                                  f"{lead.total_steps}") from None
-            loss = causal_lm_loss(client, batch)
-            loss.backward()
+            with generators.drawing(i) if generators else contextlib.nullcontext():
+                loss = causal_lm_loss(client, batch)
+                loss.backward()
             losses.append(loss.detach())  # read once all clients' work is queued: .item() would wait for each
             payloads.append(opt.local_step())
         mixer.post(payloads)

@@ -659,31 +659,36 @@ def test_deepspeed_cells_run_side_by_side_each_at_its_own_rendezvous(tmp_path, c
     assert len(ports) == 2 and all((built.cell_dir(c) / "final.json").is_file() for c in built.cells)
 
 
-def test_clients_that_share_a_gpu_run_the_cell_as_a_gpu_each_would(tmp_path):
-    """clients_per_gpu 2: the cell's two ranks started by torchrun on one GPU (here CPU ranks, which
-    ignore its --device-map), over gloo; its metrics and scores are those the deepspeed launcher's
-    ranks give the same cell (both at one thread: torchrun's default, pinned for the launcher's)."""
+def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gpu(tmp_path):
+    """One Dec-LoRA cell (dropout on) three ways: simulated in one process, on the deepspeed
+    launcher's ranks, and with clients_per_gpu 2 on two ranks torchrun starts on one GPU (here CPU
+    ranks, which ignore its --device-map) over gloo: every step's loss and the scores are the same,
+    so where a grid's cells run changes no result (one thread each: torchrun's default)."""
     from deca_ds.reproduce.cells import run_grid
     from deca_ds.reproduce.placement import Placement
 
     cells = {}
-    for name, sharing in (("alone", 1), ("shared", 2)):
-        grid = tiny_grid("tiny", backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"],
-                         seeds=[0], clients_per_gpu=sharing, threads=1, runs_dir=str(tmp_path / name))
+    for name, backend, sharing in (("simulated", "simulate", 1), ("ranks", "deepspeed", 1),
+                                   ("shared", "deepspeed", 2)):
+        ranks = {"ds_config": "ds_configs/cpu_demo.json", "clients_per_gpu": sharing} if backend == "deepspeed" else {}
+        grid = tiny_grid("tiny", backend=backend, methods=["dec_lora"], seeds=[0], threads=1,
+                         runs_dir=str(tmp_path / name), **ranks)
         grid["options"].update(clients=2, topology="ring", eval_limit=8)
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(grid))
         built = load_grid(str(tmp_path / f"{name}.yaml"))
         place = Placement("GPU 0", {"localhost": ["0"]}, per_gpu=2) if sharing > 1 else None
         assert run_grid(built, place=place, log=lambda *_: None) == {built.cells[0].key: "done"}
         cells[name] = built.cell_dir(built.cells[0])
-    options = [json.loads((d / "train" / "run_config.json").read_text())["options"] for d in cells.values()]
+    assert json.loads((cells["simulated"] / "run_config.json").read_text())["options"]["lora_dropout"] == 0.05
+    options = [json.loads((cells[name] / "train" / "run_config.json").read_text())["options"]
+               for name in ("ranks", "shared")]
     assert [(o["device_map"], o["transport"]) for o in options] == [("auto", "auto"), ("0,0", "gloo")]
     read = lambda d: [{k: v for k, v in json.loads(line).items() if k != "wall_s"}  # noqa: E731
                       for line in (d / "metrics.jsonl").read_text().splitlines()]
-    assert read(cells["shared"]) == read(cells["alone"])
+    assert read(cells["simulated"]) == read(cells["ranks"]) == read(cells["shared"])
     final = [{k: v for k, v in json.loads((d / "final.json").read_text()).items() if k != "wall_s"}
              for d in cells.values()]
-    assert final[0] == final[1]
+    assert final[0] == final[1] == final[2]
 
 
 def reference_and_stopped(tmp_path, grid: dict) -> tuple[dict, Grid]:
@@ -770,7 +775,7 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
 
 def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_bits(tmp_path, monkeypatch, capsys):
     """A simulated cell with checkpoint_interval, stopped between its first and second checkpoint
-    (the first mid-block for DECA; LoRA's dropout draws from the saved random state), goes on from
+    (the first mid-block for DECA; LoRA's dropout draws from each client's saved generators), goes on from
     the first in the next run of the grid, logs the steps after it again, and ends with the metrics
     and scores of an uninterrupted run, to the bit."""
     from deca_ds.reproduce import cells
@@ -812,6 +817,14 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
         assert f"{cell.key} ... (resuming from its checkpoint at step 4)" in out, out
         assert_resumed_as_reference(d, reference.cell_dir(cell), 4)
         assert not (d / "checkpoint.pt").exists() and not (d / "checkpoint.json").exists()
+    # a checkpoint whose clients drew their masks from one generator (older code) is not gone on from
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "checkpoint.pt").write_bytes(b"x")
+    (old / "checkpoint.json").write_text(json.dumps({"step": 4, "bytes": 1}))
+    assert cells.simulated_checkpoint(old) is None
+    (old / "checkpoint.json").write_text(json.dumps({"step": 4, "bytes": 1, "rng": cells.RNG}))
+    assert cells.simulated_checkpoint(old) == 4
 
 
 def test_a_simulated_cell_compiles_its_layers_where_asked(tmp_path, monkeypatch):

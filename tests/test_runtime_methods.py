@@ -1,5 +1,6 @@
-"""The baselines through launch/train.py on 4 CPU ranks: same result as the in-process simulator,
-the same metrics and bytes accounting, and each method's export."""
+"""The baselines through launch/train.py on 4 CPU ranks: same result as the in-process simulator
+(LoRA's dropout too: each simulated client draws its masks as its rank does), the same metrics and
+bytes accounting, and each method's export."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import deca_ds
 from deca_ds.data import ClientStream
 from deca_ds.methods import load_adapters
 from deca_ds.optimizer import model_partition
+from deca_ds.rng import ClientGenerators
 from deca_ds.runtime import trainer
 from deca_ds.runtime.evaluate import load_export
 from deca_ds.runtime.options import parse_args
@@ -27,7 +29,7 @@ from test_runtime import PRESET, N, client_params, start_ranks
 STEPS = 6
 RUN = ["--ds_config", PRESET, "--topology", "ring", "--steps", str(STEPS), "--micro-batch", "4", "--lr", "3e-3",
        "--max-seq-len", "32", "--eval-limit", "32", "--consensus-interval", "0", "--save-clients",
-       "--timeout", "60", "--lora-rank", "4", "--lora-dropout", "0", "--adapter-size", "8", "--mix-every", "2",
+       "--timeout", "60", "--lora-rank", "4", "--adapter-size", "8", "--mix-every", "2",
        "--checkpoint-interval", "3"]
 
 
@@ -39,7 +41,8 @@ def simulated(args: list[str]):
     streams = [ClientStream(task.features, task.client_indices[c], opts.micro_batch,
                             pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c) for c in range(N)]
     with torch_threads():  # the ranks' count (start_ranks sets DECA_RANK_THREADS)
-        return deca_ds.simulate(model, streams, deca_ds.make_topology("ring", N).W, method), method, model
+        return deca_ds.simulate(model, streams, deca_ds.make_topology("ring", N).W, method,
+                                generators=ClientGenerators.seeded(opts.seed, N)), method, model
 
 
 @pytest.mark.parametrize("name", ["dadam", "dec_lora", "dec_adapter", "decaf"])

@@ -6,8 +6,8 @@ model update step: the clients' mean training loss, the consensus distance every
 `consensus_interval` steps and, in simulated cells, the seconds since the cell started) and, once
 it has finished, final.json (accuracy and macro-F1 of the consensus model x̄, losses, wall time).
 A simulated cell with `checkpoint_interval` also holds checkpoint.pt (every client's model and
-optimizer, the data streams' positions and the random state) and checkpoint.json (its step and
-size, written after it) while it runs: a stopped cell goes on from there, to the same bits.
+optimizer, the data streams' positions and each client's random state) and checkpoint.json (its
+step and size, written after it) while it runs: a stopped cell goes on from there, to the same bits.
 A cell with final.json and the same settings is skipped; one with other settings stops the grid
 before anything runs. Where the grid makes its base model
 (`pretrain`), the settings include the sha256 of its weights: cells fine-tuned from other weights
@@ -39,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..reporting import REPO, commit
-from ..runtime.checkpoint import atomic_write, random_state, restore_random_state, sha256
+from ..runtime.checkpoint import atomic_write, sha256
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
@@ -50,6 +50,9 @@ from .pretrain import WEIGHTS, pretrain, pretrained_state
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
 CHECKPOINT, CHECKPOINT_META = "checkpoint.pt", "checkpoint.json"  # a simulated cell's
+# how the checkpoint's clients drew their dropout masks: from generators of their own (rng.ClientGenerators);
+# an older checkpoint, whose clients drew from one, is not gone on from (the cell starts afresh)
+RNG = "per client"
 STOPPED = "stopped: the grid was stopped before this cell started"
 
 
@@ -400,11 +403,13 @@ def resume_step(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None
 
 
 def simulated_checkpoint(d: Path) -> int | None:
-    """The step of a simulated cell's checkpoint, None without a whole one: checkpoint.json, written
-    after checkpoint.pt and removed before it is replaced, must give checkpoint.pt's size."""
+    """The step of a simulated cell's checkpoint, None without a whole one of this code's (RNG):
+    checkpoint.json, written after checkpoint.pt and removed before it is replaced, must give
+    checkpoint.pt's size."""
     try:
         meta = read_json(d / CHECKPOINT_META)
-        return int(meta["step"]) if (d / CHECKPOINT).stat().st_size == meta["bytes"] else None
+        whole = (d / CHECKPOINT).stat().st_size == meta["bytes"] and meta.get("rng") == RNG
+        return int(meta["step"]) if whole else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -546,22 +551,21 @@ class Recording:
         if saved:
             opt.load_state_dict(saved["optimizers"][i])
             if i == len(saved["models"]) - 1:  # simulate() builds the last client just before its first step
-                restore_random_state(saved)
                 self.saved = None  # the clients hold their own copies now
         return opt
 
 
-def save_checkpoint(d: Path, step: int, recording: Recording, streams: list, wall_s: float) -> None:
+def save_checkpoint(d: Path, step: int, recording: Recording, streams: list, generators, wall_s: float) -> None:
     """The cell after `step` steps, replacing the previous checkpoint; a stop while it is written
     leaves no checkpoint.json, so no half-written state is ever resumed (the cell starts afresh)."""
     import torch
 
     state = {"step": step, "wall_s": wall_s, "models": [m.state_dict() for m in recording.models],
              "optimizers": [o.state_dict() for o in recording.optimizers],
-             "streams": [s.state_dict() for s in streams], **random_state()}
+             "streams": [s.state_dict() for s in streams], "generators": generators.states}
     (d / CHECKPOINT_META).unlink(missing_ok=True)
     atomic_write(d / CHECKPOINT, lambda tmp: torch.save(state, tmp))
-    write_json(d / CHECKPOINT_META, {"step": step, "bytes": (d / CHECKPOINT).stat().st_size})
+    write_json(d / CHECKPOINT_META, {"step": step, "bytes": (d / CHECKPOINT).stat().st_size, "rng": RNG})
 
 
 def load_checkpoint(d: Path, device) -> dict | None:
@@ -626,6 +630,7 @@ def run_simulated(d: Path) -> dict:
 
     from ..evaluation import answer_sets
     from ..optimizer import model_partition
+    from ..rng import ClientGenerators
     from ..runtime.dist import local_device, to_device
     from ..runtime.options import RunOptions
     from ..runtime.task import build_task
@@ -650,6 +655,8 @@ def run_simulated(d: Path) -> dict:
     # wall_s counts the steps' time of every attempt up to its checkpoint
     start = time.perf_counter() - (saved["wall_s"] if saved else 0.0)
     recording = Recording(method, saved, compiled=opts.compile_layers)
+    # each client's dropout masks as its own deca-train rank draws them
+    generators = ClientGenerators(saved["generators"]) if saved else ClientGenerators.seeded(opts.seed, n)
     client_streams = [task.stream(opts, i) for i in range(n)]
     for stream, state in zip(client_streams, saved["streams"] if saved else []):
         stream.load_state_dict(state)
@@ -677,11 +684,9 @@ def run_simulated(d: Path) -> dict:
         metrics.write(json.dumps(rec, allow_nan=False) + "\n")
         done = info.step + 1
         if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not recording.optimizers[0].done:
-            save_checkpoint(d, done, recording, client_streams, time.perf_counter() - start)
+            save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start)
 
-    if saved is None:
-        torch.manual_seed(opts.seed)  # LoRA dropout (resumed: the checkpoint's state, set by Recording)
-    simulate(model, streams, topology.W, recording, on_step=on_step)
+    simulate(model, streams, topology.W, recording, on_step=on_step, generators=generators)
     metrics.close()
     final_distance = sum(_distances(_final_vectors(recording))) / n
     consensus = consensus_model(recording)

@@ -30,19 +30,6 @@ from safetensors.torch import save_file, save_model
 _STEP = re.compile(r"step_(\d+)$")
 
 
-def random_state() -> dict:
-    """What dropout draws from (LoRA's), for a checkpoint: torch's generator and, on a GPU, the device's."""
-    return {"torch_rng": torch.get_rng_state(),
-            **({"cuda_rng": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
-
-
-def restore_random_state(state: dict) -> None:
-    """Set the generators random_state() saved (loaded onto any device)."""
-    torch.set_rng_state(state["torch_rng"].cpu())
-    if "cuda_rng" in state:
-        torch.cuda.set_rng_state(state["cuda_rng"].cpu())
-
-
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Call write(tmp) on a temporary file beside `path`, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ from ..offload import FrozenLayerOffload, check_keep
 from ..optimizer import block_schedule, model_partition
 from ..prefix import FrozenPrefix
 from ..reporting import commit
+from ..rng import client_seed, random_state, restore_random_state
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from . import cleanup, outputs
@@ -315,7 +316,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     heartbeat = Heartbeat(store, layout)
     groups = ClientGroups(layout, plan.topology.W, opts.timeout,
                           client_backend="nccl" if device.type == "cuda" and layout.ranks_per_client > 1 else None)
-    torch.manual_seed(opts.seed * 1_000_003 + rank)
+    torch.manual_seed(client_seed(opts.seed, rank))  # what the simulator's ClientGenerators seed
     mixer = DistributedMixer(plan.topology.W, layout, groups, timeout_s=opts.timeout,
                              transfer_dtype=parse_dtype(opts.working_dtype) if opts.mix_dtype == "working" else None,
                              staging=host_staging(device))
@@ -366,7 +367,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     if opts.resume:
         optimizer.load_state_dict(state["optimizer"])
         stream.load_state_dict(state["rank"]["stream"])
-        ckpt.restore_random_state(state["rank"])
+        restore_random_state(state["rank"])
         if rank == 0:
             print(f"resumed from step {start} of {optimizer.total_steps}")
     if node_lead():
@@ -604,7 +605,7 @@ def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer
     ckpt.save_client(out, step, layout.client, layout.local_rank,
                      model=model if lead else None, optimizer_state=optimizer.state_dict() if lead else None,
                      rank_state={"step": step, "stream": stream.state_dict(), "nonfinite_skipped": nonfinite_skipped,
-                                 **ckpt.random_state()})
+                                 **random_state()})
     dist.barrier()  # every client has `step` before anyone drops an older one
     if lead:
         done = ckpt.complete_steps(out, layout.client, layout.ranks_per_client, hashes=False)  # sizes only: cheap
