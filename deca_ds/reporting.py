@@ -76,14 +76,25 @@ def invocation(command: str, argv: list[str] | None) -> list[str]:
     return [command, *(sys.argv[1:] if argv is None else argv)]
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux's /proc/cpuinfo), or None. A CPU result is the same to the bit on
+    one model of CPU, not across models: the same commit pretrained the CPU grids' base to other bits
+    on another machine (their kernels take other paths)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
 def provenance(command: str, *, cuda: bool = False, cpu: str | None = None, exclude: Path | None = None) -> dict:
     """What a result names: the command that made it, the UTC date, the commit of the code
-    (profiling/check_results.py compares it with the code's last change), the device (on CPU with
-    `cpu`, e.g. its thread count) and the versions."""
+    (profiling/check_results.py compares it with the code's last change), the device (on CPU its
+    architecture, model and `cpu`, e.g. its thread count) and the versions."""
     import torch
 
-    arch = platform.processor() or platform.machine()
+    on_cpu = ", ".join(filter(None, [platform.processor() or platform.machine(), cpu_model(), cpu]))
     return {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit(exclude),
-            "device": torch.cuda.get_device_name() if cuda else f"CPU ({arch}" + (f", {cpu})" if cpu else ")"),
+            "device": torch.cuda.get_device_name() if cuda else f"CPU ({on_cpu})",
             "versions": {"torch": str(torch.__version__), "python": platform.python_version()}}

@@ -96,6 +96,10 @@ def test_provenance_names_the_checkout_s_head(tmp_path):
     made = reporting.provenance("python profiling/x.py --out y", cpu="2 threads")
     assert made["commit"] == head + ("+dirty" if dirty else "")
     assert made["command"] == "python profiling/x.py --out y" and made["device"].endswith(", 2 threads)")
+    model = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")] \
+        if Path("/proc/cpuinfo").is_file() else []
+    if model:  # which CPU: CPU results are the same to the bit on one model only
+        assert f", {model[0].split(':', 1)[1].strip()}, 2 threads)" in made["device"]
     assert reporting.commit(exclude=ROOT) == head  # every change is inside `exclude`
     # results written outside the checkout (a grid's --results-dir in /tmp) exclude nothing of it
     assert reporting.commit(exclude=tmp_path) == made["commit"]
