@@ -484,6 +484,30 @@ def test_set_overrides_every_cells_options_as_the_file_would(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_simulated_grid_runs_on_ranks_with_backend_and_ds_config_given(tmp_path, capsys):
+    """deca-reproduce --backend deepspeed --ds-config PRESET runs a simulated grid's cells on
+    deca-train's ranks (what they compute is the same: the three-way test above); without a preset
+    the deepspeed backend is refused, before anything runs."""
+    from deca_ds.reproduce.cli import main
+
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(tiny_grid("tiny", runs_dir=str(tmp_path / "runs"))))
+    assert main([str(path), "--dry-run", "--backend", "deepspeed", "--ds-config", "cpu_demo", "--clients-per-gpu",
+                 "2"]) == 0
+    assert "4 cells, 4 to run (deepspeed, 1 at a time, timeout 300 s per cell, on CPU ranks)" in capsys.readouterr().out
+    grid = load_grid(path, backend="deepspeed", ds_config="cpu_demo")
+    assert (grid.backend, grid.ds_config, load_grid(path).backend) == ("deepspeed", "cpu_demo", "simulate")
+    assert main([str(path), "--dry-run", "--backend", "deepspeed"]) == 2
+    assert "the deepspeed backend needs `ds_config`" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    # a deepspeed grid simulated has the same cells: its preset's batch and deca section fill in either way
+    ranks = tiny_grid("tiny", backend="deepspeed", ds_config="cpu_demo", runs_dir=str(tmp_path / "runs"))
+    del ranks["options"]["micro_batch"]
+    path.write_text(yaml.safe_dump(ranks))
+    cells = [load_grid(path, **given).cells for given in ({}, {"backend": "simulate"})]
+    assert cells[0] == cells[1] and {c.options["micro_batch"] for c in cells[0]} == {16}
+
+
 def test_generation_tasks_and_stray_sweep_tasks_are_refused(tmp_path):
     with pytest.raises(GridError, match="alpaca is a generation task: .* a `generation` section"):
         build_grid(tiny_grid("tiny", tasks={"alpaca": {"dataset": "alpaca"}}), runs_dir=tmp_path)

@@ -26,7 +26,7 @@ from .cells import (
 from .figures import write_figures
 from .footprint import estimate_cells
 from .generation import judge_cells
-from .grid import GridError, grid_names, load_grid, parse_settings
+from .grid import BACKENDS, GridError, grid_names, load_grid, parse_settings
 from .paper import published_cells
 from .placement import placement
 from .report import recorded_results, write_report
@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", help="where tables and figures go (default: the grid's results_dir)")
     p.add_argument("--jobs", type=int, help="cells run at once, each on GPUs of its own in the deepspeed backend "
                                             "(default: the grid's jobs, else 1)")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="run the cells simulated (every client of a cell in one process) or on deca-train's ranks "
+                        "(deepspeed, with --ds-config) in place of the grid's backend; a cell computes the same "
+                        "either way (docs/reproduce.md)")
+    p.add_argument("--ds-config", metavar="PRESET",
+                   help="the deepspeed backend's preset (a shipped name or a DeepSpeed JSON file) in place of the "
+                        "grid's ds_config")
     p.add_argument("--clients-per-gpu", type=int, metavar="K",
                    help="deepspeed backend: up to K clients (ranks) on one GPU, started by torchrun and talking over "
                         "gloo (default: the grid's clients_per_gpu, else 1: a GPU each)")
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs,
                          clients_per_gpu=args.clients_per_gpu, deepspeed_args=args.deepspeed_args,
-                         options=parse_settings(args.set))
+                         backend=args.backend, ds_config=args.ds_config, options=parse_settings(args.set))
         if args.tables_from:  # the results.json alone: the runs directory and the base model are not read
             recorded = recorded_results(grid, args.tables_from)
         else:

@@ -266,15 +266,18 @@ def grid_path(spec: str | Path) -> Path:
 
 def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_dir: str | Path | None = None,
               jobs: int | None = None, clients_per_gpu: int | None = None, deepspeed_args: list[str] | None = None,
-              options: dict | None = None) -> Grid:
+              backend: str | None = None, ds_config: str | None = None, options: dict | None = None) -> Grid:
     """Read and check a grid file (a path, or a shipped grid's name); `runs_dir`, `results_dir`,
-    `jobs`, `clients_per_gpu` and `deepspeed_args` override the file's, and `options` its options
-    (every cell's)."""
+    `jobs`, `clients_per_gpu`, `deepspeed_args`, `backend` and `ds_config` override the file's, and
+    `options` its options (every cell's)."""
     path = grid_path(path)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise GridError(f"{path} is not valid YAML: {err}") from None
+    if isinstance(data, dict):
+        given = {"backend": backend, "ds_config": ds_config}
+        data = {**data, **{k: v for k, v in given.items() if v is not None}}
     if options and isinstance(data, dict):
         data = {**data, "options": {**(data.get("options") or {}), **options}}
     return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, clients_per_gpu=clients_per_gpu,
@@ -354,7 +357,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
             raise GridError(f"{where}: unknown task {name!r} (dataset {dataset!r}); a task is one of {list(DATASETS)} "
                             "or names one with `dataset:`")
     seeds = _seeds(data["seeds"], f"{where}: seeds")
-    preset = _ds_batch(ds_config) if backend == "deepspeed" else {}
+    preset = _ds_batch(ds_config)  # whichever the backend: a grid run on the other one has the same cells
     defaults = option_defaults()
     sweeps = []
     for i, raw in enumerate(data.get("sweeps") or [{"table": "main"}]):
