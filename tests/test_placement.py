@@ -101,7 +101,8 @@ def test_cells_beyond_the_gpus_are_refused_before_any_runs(tmp_path, gpus):
     g = grid(tmp_path, clients=(4, 6, 8))
     with pytest.raises(GridError, match=r"2 cell\(s\) need more GPUs than GPUs 4,5,6,7 of this machine "
                                         r"\(CUDA_VISIBLE_DEVICES\), e\.g\. synthetic/ring-n6-lpb1/deca/seed0: "
-                                        r"6 clients x 1 rank\(s\).*--hostfile.*--only"):
+                                        r"6 clients x 1 rank\(s\).*--hostfile.* or more clients a GPU "
+                                        r"\(clients_per_gpu\), .*--only"):
         placement(g, g.cells, env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
     # the cells that fit go on where --only leaves out the others
     assert placement(g, [c for c in g.cells if c.clients == 4], env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
@@ -131,8 +132,9 @@ def test_a_hostfile_gives_each_cell_the_fewest_hosts_clients_spread_evenly(tmp_p
             ({"node-a": [0, 1, 2, 3]}, 29500), ({"node-b": [0, 1, 2, 3]}, 29500), ({"node-a": [4, 5, 6, 7]}, 29504)]
     g = grid(tmp_path, clients=(8, 24), deepspeed_args=["--hostfile", str(hosts)])
     with pytest.raises(GridError, match=rf"1 cell\(s\) need more GPUs than hostfile {hosts} \(node-a: 8, node-b: 8, "
-                                        r"node-c: 4 slots\), e\.g\. synthetic/ring-n24-lpb1/deca/seed0: 24"):
+                                        r"node-c: 4 slots\), e\.g\. synthetic/ring-n24-lpb1/deca/seed0: 24") as refused:
         placement(g, g.cells, env={})
+    assert "clients_per_gpu" not in str(refused.value)  # which a hostfile cannot take
 
 
 def test_simulated_cells_spread_over_the_gpus(tmp_path, gpus):

@@ -210,8 +210,9 @@ def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None =
             f"{len(short)} cell(s) need more GPUs than {found.where}, e.g. {c.key}: {c.clients} clients x "
             f"{c.ranks_per_client} rank(s), "
             + (f"up to {found.per_gpu} on a GPU" if found.per_gpu > 1 else "each on a GPU of its own")
-            + ". Give the grid a hostfile of more nodes (deepspeed_args: [--hostfile, FILE]) or more clients a GPU "
-            "(clients_per_gpu), or run those cells where they fit (--only)")
+            + ". Give the grid a hostfile of more nodes (deepspeed_args: [--hostfile, FILE])"
+            + ("" if hostfile else " or more clients a GPU (clients_per_gpu)")
+            + ", or run those cells where they fit (--only)")
     return found
 
 
