@@ -170,6 +170,11 @@ _SWEEP = {"table", "tasks", "seeds", "methods", "bma_betas", *AXES}
 NOT_RESULT = {"runs_dir", "results_dir", "cell_timeout_s", "jobs", "clients_per_gpu", "deepspeed_args", "paper"}
 
 
+def _count(value) -> bool:
+    """Whether a grid value is an integer >= 1 (YAML's true is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _as_list(value, what: str) -> list:
     if isinstance(value, (list, tuple)):
         if not value:
@@ -275,11 +280,11 @@ def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_d
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise GridError(f"{path} is not valid YAML: {err}") from None
-    if isinstance(data, dict):
+    if isinstance(data, dict):  # else build_grid says what the file holds
         given = {"backend": backend, "ds_config": ds_config}
         data = {**data, **{k: v for k, v in given.items() if v is not None}}
-    if options and isinstance(data, dict):
-        data = {**data, "options": {**(data.get("options") or {}), **options}}
+        if options:
+            data["options"] = {**(data.get("options") or {}), **options}
     return build_grid(data, runs_dir=runs_dir, results_dir=results_dir, jobs=jobs, clients_per_gpu=clients_per_gpu,
                       deepspeed_args=deepspeed_args, where=str(path))
 
@@ -300,7 +305,7 @@ def parse_settings(pairs: list[str]) -> dict:
 
 def _clients_per_gpu(k, backend: str, cells: list[Cell], where: str) -> int:
     """The grid's clients_per_gpu, checked against its backend and cells."""
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    if not _count(k):
         raise GridError(f"{where}: clients_per_gpu must be an integer >= 1, got {k!r}")
     if k == 1:
         return k
@@ -377,7 +382,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
             raise GridError(f"{at}: methods {outside} are not in the grid's `methods`")
         axes = {a: tuple(_as_list(raw.get(a, base.get(a, preset.get(a, defaults[a]))), f"{at}.{a}")) for a in AXES}
         for axis in ("clients", "layers_per_block"):
-            bad = [v for v in axes[axis] if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+            bad = [v for v in axes[axis] if not _count(v)]
             if bad:
                 raise GridError(f"{at}: {axis} must be integers >= 1, got {bad}; set `{axis}` in options or the sweep")
         betas = _bma_betas(raw["bma_betas"], sweep_methods, at) if "bma_betas" in raw else (None,)
@@ -418,7 +423,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise GridError(f"{where}: threads must be an integer >= 1 or null, got {threads!r}")
     jobs = data.get("jobs", 1) if jobs is None else jobs
-    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+    if not _count(jobs):
         raise GridError(f"{where}: jobs must be an integer >= 1, got {jobs!r}")
     sharing = _clients_per_gpu(data.get("clients_per_gpu", 1) if clients_per_gpu is None else clients_per_gpu,
                                backend, list(cells.values()), where)
