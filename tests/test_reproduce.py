@@ -646,14 +646,14 @@ def test_a_stopped_grid_stops_its_running_cells(tmp_path, capsys):
     cells = []
 
     def both_run() -> bool:
-        cells[:] = descendants(os.getpid(), "deca_ds.reproduce.cells", recursive=False)
+        cells[:] = descendants(os.getpid(), "deca_ds.reproduce.simulated", recursive=False)
         return len(cells) == 2
 
     try:
         code, ran = stopped_when([str(tmp_path / "grid.yaml")], both_run, poll_s=0.2)
         left = [p for p in cells if p.is_running()]
     finally:  # whatever failed, no cell outlives the test
-        for p in cells + descendants(os.getpid(), "deca_ds.reproduce.cells", recursive=False):
+        for p in cells + descendants(os.getpid(), "deca_ds.reproduce.simulated", recursive=False):
             with contextlib.suppress(psutil.Error):
                 p.kill()
     out = capsys.readouterr().out
@@ -802,7 +802,7 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
     (the first mid-block for DECA; LoRA's dropout draws from each client's saved generators), goes on from
     the first in the next run of the grid, logs the steps after it again, and ends with the metrics
     and scores of an uninterrupted run, to the bit."""
-    from deca_ds.reproduce import cells
+    from deca_ds.reproduce import cells, simulated
     from deca_ds.reproduce.cli import main
     from helpers import torch_threads
 
@@ -819,14 +819,14 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
             raise Stop
         save(d, step, *rest)
 
-    save = cells.save_checkpoint
+    save = simulated.save_checkpoint
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the thread count the grid gives its cells' processes
     for cell in built.cells:  # run here, in this process, up to the second checkpoint, which is not written
         d = built.cell_dir(cell)
         cells._prepare(built, cell, d, None)
         with monkeypatch.context() as stopped, torch_threads(), pytest.raises(Stop):
-            stopped.setattr(cells, "save_checkpoint", save_or_stop)
-            cells.run_simulated(d)
+            stopped.setattr(simulated, "save_checkpoint", save_or_stop)
+            simulated.run_simulated(d)
         assert cells.resume_step(built, cell, d, None) == 4 and len((d / "metrics.jsonl").read_text().splitlines()) == 8
     capsys.readouterr()
     assert main([str(files["stopped"]), "--dry-run"]) == 0
@@ -857,7 +857,7 @@ def test_a_simulated_cell_compiles_its_layers_where_asked(tmp_path, monkeypatch)
     rounding, LoRA's dropout included."""
     from torch._dynamo.utils import counters
 
-    from deca_ds.reproduce import cells
+    from deca_ds.reproduce import cells, simulated
     from helpers import torch_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -871,7 +871,7 @@ def test_a_simulated_cell_compiles_its_layers_where_asked(tmp_path, monkeypatch)
         cells._prepare(grid, cell, d, None)
         graphs = counters["stats"]["unique_graphs"]
         with torch_threads():
-            cells.run_simulated(d)
+            simulated.run_simulated(d)
         assert (counters["stats"]["unique_graphs"] > graphs) == compiled
         losses[compiled] = [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert len(losses[True]) == 8

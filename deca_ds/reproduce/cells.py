@@ -14,9 +14,10 @@ before anything runs. Where the grid makes its base model
 (pretrained again elsewhere, on another device) never share a table. A grid run claims a cell (a lock
 file beside its directory, .<seed>.lock) before it runs it, so that several runs can share a grid.
 
-Backends: `simulate` runs the N clients of a cell in one process through deca_ds.simulate (small
-models, many clients on one device); `deepspeed` runs deca-train (`deepspeed --module
-deca_ds.train`) with one rank per client and converts its outputs to the same files.
+Backends: `simulate` runs the N clients of a cell in one child process (simulated.py) through
+deca_ds.simulate (small models, many clients on one device); `deepspeed` runs deca-train
+(`deepspeed --module deca_ds.train`) with one rank per client and converts its outputs to the same
+files.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import shutil
 import signal
@@ -35,10 +35,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import asdict
 from pathlib import Path
 
-from ..reporting import REPO, commit
+from ..reporting import REPO
 from ..runtime.checkpoint import atomic_write, sha256
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
@@ -432,7 +431,7 @@ def _prepare(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
 
 def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, launch: Launch, *, resume: bool = False) -> str:
     if grid.backend == "simulate":
-        command = [sys.executable, "-m", "deca_ds.reproduce.cells", str(d)]
+        command = [sys.executable, "-m", "deca_ds.reproduce.simulated", str(d)]
     else:
         command = _deepspeed_command(grid, cell, d, launch, resume=resume)
     start = time.time()
@@ -519,193 +518,3 @@ def finish(d: Path, evaluation: dict, *, wall_s: float, final_distance: float) -
         final["resumed_from"] = resumed
     write_json(d / FINAL, final)
     return final
-
-
-# ---- the simulate backend's child process ------------------------------------------------------------------
-
-
-class Recording:
-    """A method that remembers the client models and optimizers simulate() builds from it, compiles
-    each client's decoder layers where the cell asks (`compile_layers`, as deca-train does) and,
-    resuming, gives each client its checkpointed weights and optimizer state."""
-
-    def __init__(self, method, saved: dict | None = None, *, compiled: bool = False) -> None:
-        self.method, self.models, self.optimizers, self.saved = method, [], [], saved
-        self.compiled = compiled
-
-    def prepare(self, model):
-        from ..models import compile_layers
-
-        model = self.method.prepare(model)
-        if self.compiled:
-            compile_layers(model)
-        self.models.append(model)
-        return model
-
-    def optimizer(self, model, mixer=None):
-        i, saved = len(self.optimizers), self.saved
-        if saved:
-            model.load_state_dict(saved["models"][i])
-        opt = self.method.optimizer(model, mixer)
-        self.optimizers.append(opt)
-        if saved:
-            opt.load_state_dict(saved["optimizers"][i])
-            if i == len(saved["models"]) - 1:  # simulate() builds the last client just before its first step
-                self.saved = None  # the clients hold their own copies now
-        return opt
-
-
-def save_checkpoint(d: Path, step: int, recording: Recording, streams: list, generators, wall_s: float) -> None:
-    """The cell after `step` steps, replacing the previous checkpoint; a stop while it is written
-    leaves no checkpoint.json, so no half-written state is ever resumed (the cell starts afresh)."""
-    import torch
-
-    state = {"step": step, "wall_s": wall_s, "models": [m.state_dict() for m in recording.models],
-             "optimizers": [o.state_dict() for o in recording.optimizers],
-             "streams": [s.state_dict() for s in streams], "generators": generators.states}
-    (d / CHECKPOINT_META).unlink(missing_ok=True)
-    atomic_write(d / CHECKPOINT, lambda tmp: torch.save(state, tmp))
-    write_json(d / CHECKPOINT_META, {"step": step, "bytes": (d / CHECKPOINT).stat().st_size, "rng": RNG})
-
-
-def load_checkpoint(d: Path, device) -> dict | None:
-    """The cell's checkpoint (on `device`), None without one; the metrics of the steps after it are
-    dropped, as the resumed cell logs them again."""
-    import torch
-
-    step = simulated_checkpoint(d)
-    if step is None:
-        return None
-    saved = torch.load(d / CHECKPOINT, map_location=device, weights_only=True)
-    if saved["step"] != step:
-        raise ValueError(f"{d / CHECKPOINT} holds step {saved['step']}, {d / CHECKPOINT_META} says {step}")
-    lines = [line for line in (d / METRICS).read_text().splitlines() if line and json.loads(line)["step"] < step]
-    if len(lines) != step:
-        raise ValueError(f"{d / METRICS} logs {len(lines)} of the {step} steps before the checkpoint")
-    write_text(d / METRICS, "".join(line + "\n" for line in lines))
-    return saved
-
-
-def _distances(vectors) -> list[float]:
-    """‖x_i − x̄‖ of each client's vector."""
-    import torch
-
-    xs = [x.detach().double() for x in vectors]
-    mean = torch.stack(xs).mean(0)
-    return torch.stack([torch.linalg.vector_norm(x - mean) for x in xs]).tolist()  # one wait for a GPU, not N
-
-
-def _final_vectors(recording: Recording) -> list:
-    """What x̄ is the mean of once training is over: every parameter of a linear method's model (DECA
-    holds no active block then), the trainable vector of a non-linear one (DeCAF)."""
-    import torch
-
-    if recording.optimizers[0].linear:
-        return [torch.cat([p.detach().reshape(-1).double() for p in m.parameters()]) for m in recording.models]
-    return [o.consensus_vector() for o in recording.optimizers]
-
-
-def consensus_model(recording: Recording):
-    """x̄ in client 0's model: the mean of every parameter, or for a method whose combination is not
-    linear (DeCAF) its own combination of every client's vector with uniform weights."""
-    import torch
-
-    from ..mixing import ClientView
-
-    models, optimizers = recording.models, recording.optimizers
-    n = len(models)
-    with torch.no_grad():
-        if optimizers[0].linear:
-            for params in zip(*(m.parameters() for m in models)):
-                params[0].copy_(torch.stack([p.detach().float() for p in params]).mean(0))
-        else:
-            own = optimizers[0].consensus_vector()
-            optimizers[0].combine_now(ClientView([(1 / n, o.consensus_vector()) for o in optimizers], own))
-    return models[0]
-
-
-def run_simulated(d: Path) -> dict:
-    """One cell in this process: N clients through deca_ds.simulate, then x̄ evaluated on the test split."""
-    import torch
-
-    from ..evaluation import answer_sets
-    from ..optimizer import model_partition
-    from ..rng import ClientGenerators
-    from ..runtime.dist import local_device, to_device
-    from ..runtime.options import RunOptions
-    from ..runtime.task import build_task
-    from ..runtime.trainer import build_model
-    from ..simulate import simulate
-    from ..topology import make_topology
-
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
-    opts = RunOptions(**read_json(d / CELL)["options"])
-    n = opts.clients
-    topology = make_topology(opts.topology, n, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed,
-                             matrix_file=opts.matrix_file)
-    task = build_task(opts, n)
-    # on the GPU where there is one (a checkpoint loads into host memory; a config is drawn there)
-    device = local_device(opts.device_map)
-    model = build_model(opts, len(task.tokenizer)).to(device)
-    partition = model_partition(model, opts.deca_config())
-    method = opts.build_method(partition)
-    saved = load_checkpoint(d, device)  # the parent kept it (cells._prepare): the cell goes on from there
-    # wall_s counts the steps' time of every attempt up to its checkpoint
-    start = time.perf_counter() - (saved["wall_s"] if saved else 0.0)
-    recording = Recording(method, saved, compiled=opts.compile_layers)
-    # each client's dropout masks as its own deca-train rank draws them
-    generators = ClientGenerators(saved["generators"]) if saved else ClientGenerators.seeded(opts.seed, n)
-    client_streams = [task.stream(opts, i) for i in range(n)]
-    for stream, state in zip(client_streams, saved["streams"] if saved else []):
-        stream.load_state_dict(state)
-    streams = [(to_device(batch, device) for batch in stream) for stream in client_streams]
-    probe = method.prepare(build_model(opts, len(task.tokenizer)))
-    write_json(d / RUN_CONFIG, {
-        "options": asdict(opts), "topology": topology.to_dict(), "method": opts.method,
-        "trainable_params": method.num_trainable(probe), "n_clients": n,
-        "blocks": [asdict(b) for b in partition.blocks], "client_sizes": task.client_sizes,
-        "split_keys": list(task.key_names), "split_histogram": task.key_histogram, "device": str(device),
-        "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
-        "commit": commit()})  # of this attempt: a cell resumed later may finish at another
-    del probe
-    metrics = (d / METRICS).open("a" if saved else "w", buffering=1)  # line by line: progress is visible
-
-    def on_step(info) -> None:
-        # wall_s: seconds since the cell started, at the end of the step (beside other cells on one
-        # GPU, how fast a step went depends on how many ran with it)
-        rec = {"step": info.step, "round": info.round, "block": info.block, "r": info.step_in_block,
-               "loss": sum(info.losses) / len(info.losses), "wall_s": round(time.perf_counter() - start, 3)}
-        if opts.consensus_interval and info.step % opts.consensus_interval == 0:
-            lead = recording.optimizers[0]  # after the last step DECA holds no active block
-            vectors = _final_vectors(recording) if lead.done else [o.consensus_vector() for o in recording.optimizers]
-            rec["consensus_distance"] = sum(_distances(vectors)) / n
-        metrics.write(json.dumps(rec, allow_nan=False) + "\n")
-        done = info.step + 1
-        if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not recording.optimizers[0].done:
-            save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start)
-
-    simulate(model, streams, topology.W, recording, on_step=on_step, generators=generators)
-    metrics.close()
-    final_distance = sum(_distances(_final_vectors(recording))) / n
-    consensus = consensus_model(recording)
-    if opts.questions:  # a generation task: x̄ answers the grid's question sets (judged after the cells)
-        evaluation = {"answered": answer_sets(consensus, task.tokenizer, opts.question_sets(), d / ANSWERS,
-                                              max_new_tokens=opts.max_new_tokens)}
-    else:
-        evaluation = task.evaluate(consensus, opts.eval_limit or None)
-        if not evaluation or not math.isfinite(evaluation.get("accuracy", math.nan)):
-            raise ValueError(f"the consensus model of {d} has no classification metrics: {evaluation}")
-    final = finish(d, evaluation, wall_s=time.perf_counter() - start, final_distance=final_distance)
-    for name in (CHECKPOINT_META, CHECKPOINT):  # the cell is done: what it would go on from is not needed
-        (d / name).unlink(missing_ok=True)
-    return final
-
-
-if __name__ == "__main__":
-    try:
-        print(json.dumps(run_simulated(Path(sys.argv[1])), allow_nan=False))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
