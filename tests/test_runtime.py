@@ -218,11 +218,43 @@ def test_hung_peer_fails_every_rank_within_the_timeout(tmp_path):
         procs[1].kill()
     assert all(c != 0 for c in codes), codes
     assert time.monotonic() - stopped < 60
-    for r in (0, 2):  # its ring neighbors time out on its link
+    # its ring neighbors time out on its link, or in the step's finite check where it hung after its
+    # exchange: either way they name it and the timeout
+    for r in (0, 2):
         err = (tmp_path / "logs" / f"rank{r}.err").read_text()
         assert "client 1 (rank 1)" in err and "within 8 s" in err, err[-2000:]
     err = (tmp_path / "logs" / "rank3.err").read_text()
     assert "silent" in err and "client 1 (rank 1)" in err, err[-2000:]
+
+
+def finite_check_alone(rank: int, port: int) -> str:
+    """Rank 0's finite check, an all-reduce of every rank, which rank 1 never joins: the error, as text."""
+    from datetime import timedelta
+
+    from deca_ds.runtime.dist import PeerError, answered_within
+    from deca_ds.runtime.nonfinite import nonfinite_ranks
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=2))
+    try:
+        if rank == 1:
+            return ""
+        # gloo's own error is a plain RuntimeError, a timeout or a closed connection as rank 1 leaves
+        with pytest.raises(PeerError) as caught, answered_within(2, "the finite check (an all-reduce of every rank)"):
+            nonfinite_ranks(0, ClientLayout(rank, 2, 1), torch.device("cpu"))
+        return str(caught.value)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_collective_without_answer_names_itself_and_the_timeout():
+    """A rank that hangs between its exchange and the step's finite check stops its neighbours in
+    that all-reduce, not on its link: the error says so and gives the run's timeout, as a link's does."""
+    from ranks import run_on_ranks
+
+    err, _ = run_on_ranks(finite_check_alone, 2, free_port())
+    assert err.startswith("no answer to the finite check (an all-reduce of every rank) within 2 s (a rank hung or "
+                          "was lost): "), err
 
 
 def test_heartbeat_board_names_the_silent_and_rank0_waits_only_for_its_readers():

@@ -8,6 +8,7 @@ poisons its whole group, so one group per link keeps a failure local and attribu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -24,6 +25,19 @@ from .transport import HostStaging, gpu_of, local_world_size, parse_device_map, 
 
 class PeerError(RuntimeError):
     """A neighbor did not deliver its block: it died, hung past the timeout, or broke the link."""
+
+
+@contextlib.contextmanager
+def answered_within(timeout_s: float, what: str):
+    """A collective of the step that fails (gloo and NCCL raise a plain RuntimeError) as a PeerError
+    that names it and the run's timeout, as a link's failure names its neighbour: which of the two
+    a hung rank stops first depends on where in its step it hung."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as err:
+        raise PeerError(f"no answer to {what} within {timeout_s:g} s (a rank hung or was lost): {err}") from err
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from .dist import (
     DistributedMixer,
     Heartbeat,
     PeerError,
+    answered_within,
     cap_gpu_memory,
     check_layout,
     host_staging,
@@ -455,7 +456,8 @@ class Job:
         streamed = offload.bytes_streamed if offload.enabled else 0
         self.heartbeat.beat(step)
         if opts.consensus_interval and step % opts.consensus_interval == 0:
-            record["consensus_distance"] = consensus_distance(optimizer.consensus_vector())
+            with answered_within(opts.timeout, "the consensus distance (an all-gather of every rank)"):
+                record["consensus_distance"] = consensus_distance(optimizer.consensus_vector())
         t_prefix = self._fill_prefix(step)
         losses, bad, times = self._micro_batches()
         if bad:
@@ -464,9 +466,11 @@ class Job:
         self.consecutive = 0
         if self.prefix is not None and not self.prefix.pending:
             self.prefix.clear()  # the block is done: its layers compute again
-        loss = self._client_loss(losses)
+        with answered_within(opts.timeout, "the client's loss (an all-reduce of its ranks)"):
+            loss = self._client_loss(losses)
         problem = 1 if not math.isfinite(loss) else 0 if update_finite(optimizer) else 2
-        stop_if_nonfinite(problem, layout, self.device, f"at {at_step(step, where)}")
+        with answered_within(opts.timeout, "the finite check (an all-reduce of every rank)"):
+            stop_if_nonfinite(problem, layout, self.device, f"at {at_step(step, where)}")
         t_exchange = mixer.total_exchange_s - exchanged
         times.update(t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
                      t_aggregate=optimizer.last_times["combine"] - t_exchange)
@@ -528,7 +532,8 @@ class Job:
             losses.append(loss.detach())  # read after the step: reading it now would wait for the backward
             if self.opts.skip_nonfinite and micro == self.opts.grad_accum - 1:  # all ranks skip together, or none
                 problem = nonfinite_problem([x.item() for x in losses], engine.module)
-                bad = nonfinite_ranks(problem, self.layout, self.device)
+                with answered_within(self.opts.timeout, "the finite check (an all-reduce of every rank)"):
+                    bad = nonfinite_ranks(problem, self.layout, self.device)
             with skipped_update(self.optimizer, bool(bad)), self.trace.phase("step"):
                 engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
             t3 = timer.mark("step")
