@@ -29,9 +29,9 @@ class PeerError(RuntimeError):
 
 @contextlib.contextmanager
 def answered_within(timeout_s: float, what: str):
-    """A collective of the step that fails (gloo and NCCL raise a plain RuntimeError) as a PeerError
-    that names it and the run's timeout, as a link's failure names its neighbour: which of the two
-    a hung rank stops first depends on where in its step it hung."""
+    """A collective of every rank (or a client's) that fails (gloo and NCCL raise a plain
+    RuntimeError) as a PeerError that names it and the run's timeout, as a link's failure names its
+    neighbour: which of the two a hung rank stops first depends on where in its step it hung."""
     try:
         yield
     except PeerError:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..decentralized import DecentralizedOptimizer
-from .dist import ClientLayout
+from .dist import ClientLayout, answered_within
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -37,12 +37,14 @@ class NonFiniteError(ValueError):
 _NONFINITE = {1: "loss", 2: "gradient or update", 3: "weights"}
 
 
-def nonfinite_ranks(problem: int, layout: ClientLayout, device: torch.device) -> dict[int, int]:
+def nonfinite_ranks(problem: int, layout: ClientLayout, device: torch.device, timeout_s: float) -> dict[int, int]:
     """Every rank posts its `problem` (0: none, else a key of _NONFINITE) and learns everyone's with
-    one all-reduce, so all ranks decide the same: {rank: problem} of the ranks that have one."""
+    one all-reduce, so all ranks decide the same: {rank: problem} of the ranks that have one. A rank
+    that never joins it (hung, lost) is a PeerError naming the check and the run's `timeout_s`."""
     flags = torch.zeros(layout.world_size, dtype=torch.float64, device=device)
     flags[layout.rank] = problem
-    dist.all_reduce(flags)
+    with answered_within(timeout_s, "the finite check (an all-reduce of every rank)"):
+        dist.all_reduce(flags)
     return {r: int(f) for r, f in enumerate(flags.tolist()) if f}
 
 
@@ -51,9 +53,9 @@ def describe_nonfinite(bad: dict[int, int], layout: ClientLayout) -> str:
                      for r, f in bad.items())
 
 
-def stop_if_nonfinite(problem: int, layout: ClientLayout, device: torch.device, when: str) -> None:
+def stop_if_nonfinite(problem: int, layout: ClientLayout, device: torch.device, when: str, timeout_s: float) -> None:
     """All ranks stop at the same step with the same message naming the clients."""
-    bad = nonfinite_ranks(problem, layout, device)
+    bad = nonfinite_ranks(problem, layout, device, timeout_s)
     if bad:
         raise NonFiniteError(f"{describe_nonfinite(bad, layout)} {when}: every rank stops here and nothing is "
                              "exported (a smaller --lr, or check the data; --skip-nonfinite skips such steps)")

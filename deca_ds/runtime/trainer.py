@@ -469,8 +469,7 @@ class Job:
         with answered_within(opts.timeout, "the client's loss (an all-reduce of its ranks)"):
             loss = self._client_loss(losses)
         problem = 1 if not math.isfinite(loss) else 0 if update_finite(optimizer) else 2
-        with answered_within(opts.timeout, "the finite check (an all-reduce of every rank)"):
-            stop_if_nonfinite(problem, layout, self.device, f"at {at_step(step, where)}")
+        stop_if_nonfinite(problem, layout, self.device, f"at {at_step(step, where)}", opts.timeout)
         t_exchange = mixer.total_exchange_s - exchanged
         times.update(t_local_update=optimizer.last_times["local_update"], t_exchange=t_exchange,
                      t_aggregate=optimizer.last_times["combine"] - t_exchange)
@@ -532,8 +531,7 @@ class Job:
             losses.append(loss.detach())  # read after the step: reading it now would wait for the backward
             if self.opts.skip_nonfinite and micro == self.opts.grad_accum - 1:  # all ranks skip together, or none
                 problem = nonfinite_problem([x.item() for x in losses], engine.module)
-                with answered_within(self.opts.timeout, "the finite check (an all-reduce of every rank)"):
-                    bad = nonfinite_ranks(problem, self.layout, self.device)
+                bad = nonfinite_ranks(problem, self.layout, self.device, self.opts.timeout)
             with skipped_update(self.optimizer, bool(bad)), self.trace.phase("step"):
                 engine.step()  # DECA's step (mixing included) runs on the accumulation boundary only
             t3 = timer.mark("step")
@@ -570,7 +568,7 @@ class Job:
         memory.reset_peak()  # the whole process's peak is the setup's, the steps' or this phase's
         with offload.host_weights():
             weights_finite = all(finite(p) for p in engine.module.parameters())
-        stop_if_nonfinite(0 if weights_finite else 3, layout, self.device, "after the last step")
+        stop_if_nonfinite(0 if weights_finite else 3, layout, self.device, "after the last step", self.opts.timeout)
         with offload.host_weights():  # offloaded layers are averaged and exported from host memory
             distance, final_model = export_consensus(engine.module, self.optimizer, self.method, self.out,
                                                      self.task.tokenizer, layout, self.opts, self.device)
