@@ -77,9 +77,7 @@ def invocation(command: str, argv: list[str] | None) -> list[str]:
 
 
 def cpu_model() -> str | None:
-    """The CPU's model name (Linux's /proc/cpuinfo), or None. A CPU result is the same to the bit on
-    one model of CPU, not across models: the same commit pretrained the CPU grids' base to other bits
-    on another machine (their kernels take other paths)."""
+    """The CPU's model name (Linux's /proc/cpuinfo), or None."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -90,10 +88,14 @@ def cpu_model() -> str | None:
 def provenance(command: str, *, cuda: bool = False, cpu: str | None = None, exclude: Path | None = None) -> dict:
     """What a result names: the command that made it, the UTC date, the commit of the code
     (profiling/check_results.py compares it with the code's last change), the device (on CPU its
-    architecture, model and `cpu`, e.g. its thread count) and the versions."""
+    architecture, model, the vector kernels ATen runs and `cpu`, e.g. its thread count) and the
+    versions. A CPU result repeats to the bit with the same kernels, not across them: ATen picks
+    AVX-512 ones where the CPU has them, AVX2 ones where not, and the two round otherwise; the
+    variable ATEN_CPU_CAPABILITY=avx2 makes an AVX-512 machine run the AVX2 ones (docs/reproduce.md)."""
     import torch
 
-    on_cpu = ", ".join(filter(None, [platform.processor() or platform.machine(), cpu_model(), cpu]))
+    kernels = f"{torch.backends.cpu.get_cpu_capability()} kernels"
+    on_cpu = ", ".join(filter(None, [platform.processor() or platform.machine(), cpu_model(), kernels, cpu]))
     return {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit(exclude),
             "device": torch.cuda.get_device_name() if cuda else f"CPU ({on_cpu})",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,8 @@ def test_a_result_s_own_commit_wins_over_its_folder_s_readme(tmp_path):
 def test_provenance_names_the_checkout_s_head(tmp_path):
     """A result's commit is HEAD's short hash, "+dirty" with uncommitted changes to tracked files
     outside the result's own directory (`exclude`), which the result itself may be."""
+    import torch
+
     from deca_ds import reporting
 
     head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -98,8 +101,15 @@ def test_provenance_names_the_checkout_s_head(tmp_path):
     assert made["command"] == "python profiling/x.py --out y" and made["device"].endswith(", 2 threads)")
     model = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")] \
         if Path("/proc/cpuinfo").is_file() else []
-    if model:  # which CPU: CPU results are the same to the bit on one model only
-        assert f", {model[0].split(':', 1)[1].strip()}, 2 threads)" in made["device"]
+    kernels = f"{torch.backends.cpu.get_cpu_capability()} kernels"  # which decide a CPU result's bits
+    assert f", {kernels}, 2 threads)" in made["device"]
+    if model:  # which CPU
+        assert f", {model[0].split(':', 1)[1].strip()}, {kernels}, 2 threads)" in made["device"]
+    # the kernels a process runs, as ATEN_CPU_CAPABILITY sets them (docs/reproduce.md), not the CPU's best
+    pinned = subprocess.run([sys.executable, "-c", "from deca_ds.reporting import provenance; "
+                             "print(provenance('x')['device'])"], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+                            capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "DEFAULT kernels)" in pinned
     assert reporting.commit(exclude=ROOT) == head  # every change is inside `exclude`
     # results written outside the checkout (a grid's --results-dir in /tmp) exclude nothing of it
     assert reporting.commit(exclude=tmp_path) == made["commit"]
