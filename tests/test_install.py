@@ -145,6 +145,29 @@ def test_readme_demo_installs_with_this_script():
     assert "bash launch/install.sh" in demo
 
 
+@pytest.mark.parametrize("given", [None, "default"])
+def test_the_demo_runs_avx2_kernels_where_the_cpu_has_them_unless_told_otherwise(tmp_path, given):
+    """The README's numbers are AVX2 kernels' bits: the demo asks ATen for those where the CPU has
+    AVX2 (an AVX-512 CPU would run its own, which round otherwise), never for kernels the CPU lacks,
+    and leaves a value the user set. A scratch checkout whose install and launcher are stubs."""
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "demo.sh").write_text((ROOT / "launch" / "demo.sh").read_text())
+    (tmp_path / "launch" / "install.sh").write_text("exit 0\n")
+    launcher = tmp_path / ".venv" / "bin" / "deepspeed"
+    launcher.parent.mkdir(parents=True)
+    launcher.write_text('#!/usr/bin/env bash\necho "kernels=${ATEN_CPU_CAPABILITY:-unset} args=$*"\n')
+    launcher.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin"} | ({"ATEN_CPU_CAPABILITY": given} if given else {})
+    done = subprocess.run(["bash", "launch/demo.sh", "--rounds", "1"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    cpuinfo = Path("/proc/cpuinfo")
+    has_avx2 = cpuinfo.is_file() and "avx2" in cpuinfo.read_text().split()
+    expected = given or ("avx2" if has_avx2 else "unset")
+    assert done.stdout.startswith(f"kernels={expected} args=--num_gpus 4 launch/train.py"), done.stdout
+    assert done.stdout.rstrip().endswith("--overwrite --rounds 1")
+
+
 STUB_PYTHON = """#!/usr/bin/env bash
 # stands in for python and the venv's python: logs its arguments, creates venvs, answers pip freeze
 echo "$*" >> "$STUB_LOG"
