@@ -388,6 +388,34 @@ def test_a_grid_pretrains_its_model_once_and_refuses_another_in_its_place(tmp_pa
     assert not (tmp_path / "later").exists()
 
 
+def test_a_base_pretrained_with_other_cpu_kernels_is_named_before_its_cells_run(tmp_path, capsys):
+    """ATen's vector kernels decide a CPU-pretrained base's bits: a grid that finds its base made with
+    others than this process runs says so (dry run and run) and fine-tunes it as it is."""
+    from deca_ds.reproduce.cells import pretrain_base
+    from deca_ds.reproduce.cli import main
+
+    base = tmp_path / "base"
+    data = tiny_grid(str(base), pretrain=TINY_PRETRAIN)
+    grid = build_grid(data, runs_dir=tmp_path / "runs")
+    notes = []
+    pretrain_base(grid, log=notes.append)  # made here: these kernels, no note
+    record = json.loads((base / "pretrain.json").read_text())
+    assert f"{torch.backends.cpu.get_cpu_capability()} kernels" in record["provenance"]["device"]
+    pretrain_base(grid, log=notes.append)
+    assert not [n for n in notes if "kernels" in n]
+    here = torch.backends.cpu.get_cpu_capability()
+    other = "AVX2" if here != "AVX2" else "AVX512"
+    record["provenance"]["device"] = f"CPU (x86_64, Some CPU, {other} kernels, 2 cores)"
+    (base / "pretrain.json").write_text(json.dumps(record))
+    stamp = (base / "model.safetensors").stat().st_mtime_ns
+    pretrain_base(grid, log=notes.append)
+    expected = f"note: {base} was pretrained with {other} CPU kernels, not the {here} ones this process runs"
+    assert notes[-1].startswith(expected) and (base / "model.safetensors").stat().st_mtime_ns == stamp
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(data))
+    assert main([str(tmp_path / "grid.yaml"), "--runs-dir", str(tmp_path / "runs"), "--dry-run"]) == 0
+    assert expected in capsys.readouterr().out
+
+
 def test_cells_fine_tuned_from_other_base_weights_never_share_a_table(tmp_path):
     from deca_ds.reproduce.cells import CELL, FINAL, base_weights, cell_settings, check_finished, pretrain_base
 

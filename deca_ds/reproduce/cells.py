@@ -45,7 +45,7 @@ from ..runtime.presets import preset_path
 from .generation import ANSWERS
 from .grid import Cell, Grid, GridError
 from .placement import Launch, Placement, placement
-from .pretrain import WEIGHTS, pretrain, pretrained_state
+from .pretrain import WEIGHTS, kernels_note, pretrain, pretrained_state
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
 CHECKPOINT, CHECKPOINT_META = "checkpoint.pt", "checkpoint.json"  # a simulated cell's
@@ -244,7 +244,8 @@ def base_state(grid: Grid) -> str | None:
 def pretrain_base(grid: Grid, *, log=print, command: list[str] | None = None, poll_s: float = 2.0) -> None:
     """Make the grid's model (its `pretrain` section) unless it has been made. Several runs of one
     grid: the one holding the lock beside the model's directory pretrains; the others wait for it,
-    at most cell_timeout_s, then fine-tune what it made."""
+    at most cell_timeout_s, then fine-tune what it made. A model made earlier with other CPU kernels
+    is fine-tuned as it is, with a note (pretrain.kernels_note)."""
     model = Path(grid.pretrain.output_dir) if grid.pretrain else None
     deadline = time.monotonic() + grid.cell_timeout_s
     waited = False
@@ -265,6 +266,8 @@ def pretrain_base(grid: Grid, *, log=print, command: list[str] | None = None, po
             log(f"waiting for {held}, which is pretraining {model}")
             waited = True
         time.sleep(poll_s)
+    if model is not None and (note := kernels_note(str(model))):
+        log(note)
 
 
 @contextlib.contextmanager

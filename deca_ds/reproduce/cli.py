@@ -29,6 +29,7 @@ from .generation import judge_cells
 from .grid import BACKENDS, GridError, grid_names, load_grid, parse_settings
 from .paper import published_cells
 from .placement import placement
+from .pretrain import kernels_note
 from .report import recorded_results, write_report
 
 
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         if base:
             log(f"model {grid.pretrain.output_dir}: {base}" + (f" ({grid.pretrain.steps} steps, before the first "
                                                                 "cell)" if base == "to pretrain" else ""))
+            if base == "pretrained" and (note := kernels_note(grid.pretrain.output_dir)):
+                log(note)
         sha = base_weights(grid)
         for cell in grid.cells:
             steps, examples = grid.budgets[cell.key]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -153,6 +154,20 @@ def pretrained_state(opts: PretrainOptions) -> str:
         raise ValueError(f"{out} was pretrained with other settings ({'; '.join(changed)}); give the model another "
                          "directory, or remove that one to pretrain it again")
     return "pretrained"
+
+
+def kernels_note(output_dir: str) -> str | None:
+    """A note where the model in output_dir was pretrained on CPU with other vector kernels than
+    this process runs (its pretrain.json's provenance names them since ccf8d7e), else None. Those
+    kernels decide a CPU-pretrained base's bits (docs/reproduce.md): the cells fine-tune that base
+    as it is, and do not repeat the results of a base these kernels pretrain."""
+    device = json.loads((Path(output_dir) / "pretrain.json").read_text()).get("provenance", {}).get("device", "")
+    made, here = re.fullmatch(r"CPU \(.*\b(\w+) kernels\b.*\)", device), torch.backends.cpu.get_cpu_capability()
+    if not made or made[1] == here:
+        return None
+    return (f"note: {output_dir} was pretrained with {made[1]} CPU kernels, not the {here} ones this process runs "
+            "(ATEN_CPU_CAPABILITY): its cells fine-tune those weights as they are, which a base pretrained here "
+            "would not repeat to the bit (docs/reproduce.md)")
 
 
 def training_text(opts: PretrainOptions) -> tuple[list[str], list[str]]:
