@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import platform
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -85,6 +86,20 @@ def cpu_model() -> str | None:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 
+def cpu_kernels() -> str:
+    """The vector kernels ATen runs in this process (AVX2, AVX512, DEFAULT, …): the CPU's best
+    unless ATEN_CPU_CAPABILITY says otherwise."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def kernels_of(device: str) -> str | None:
+    """The CPU kernels a provenance's device names (provenance writes them since ccf8d7e), else None."""
+    named = re.fullmatch(r"CPU \(.*\b(\w+) kernels\b.*\)", device)
+    return named[1] if named else None
+
+
 def provenance(command: str, *, cuda: bool = False, cpu: str | None = None, exclude: Path | None = None) -> dict:
     """What a result names: the command that made it, the UTC date, the commit of the code
     (profiling/check_results.py compares it with the code's last change), the device (on CPU its
@@ -94,7 +109,7 @@ def provenance(command: str, *, cuda: bool = False, cpu: str | None = None, excl
     variable ATEN_CPU_CAPABILITY=avx2 makes an AVX-512 machine run the AVX2 ones (docs/reproduce.md)."""
     import torch
 
-    kernels = f"{torch.backends.cpu.get_cpu_capability()} kernels"
+    kernels = f"{cpu_kernels()} kernels"  # the form kernels_of reads
     on_cpu = ", ".join(filter(None, [platform.processor() or platform.machine(), cpu_model(), kernels, cpu]))
     return {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit(exclude),

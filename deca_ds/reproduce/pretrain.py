@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -44,7 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
-from ..reporting import invocation
+from ..reporting import cpu_kernels, invocation, kernels_of
 from ..runtime.checkpoint import sha256, write_json
 from ..runtime.dist import to_device
 from ..runtime.options import RunOptions, add_option, per_client
@@ -162,10 +161,10 @@ def kernels_note(output_dir: str) -> str | None:
     kernels decide a CPU-pretrained base's bits (docs/reproduce.md): the cells fine-tune that base
     as it is, and do not repeat the results of a base these kernels pretrain."""
     device = json.loads((Path(output_dir) / "pretrain.json").read_text()).get("provenance", {}).get("device", "")
-    made, here = re.fullmatch(r"CPU \(.*\b(\w+) kernels\b.*\)", device), torch.backends.cpu.get_cpu_capability()
-    if not made or made[1] == here:
+    made, here = kernels_of(device), cpu_kernels()
+    if made in (None, here):
         return None
-    return (f"note: {output_dir} was pretrained with {made[1]} CPU kernels, not the {here} ones this process runs "
+    return (f"note: {output_dir} was pretrained with {made} CPU kernels, not the {here} ones this process runs "
             "(ATEN_CPU_CAPABILITY): its cells fine-tune those weights as they are, which a base pretrained here "
             "would not repeat to the bit (docs/reproduce.md)")
 
