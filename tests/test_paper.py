@@ -372,7 +372,7 @@ def test_tables_from_a_results_json_equal_the_cells_and_refuse_a_changed_grid(tm
     assert new["provenance"] == old["provenance"] and new["tabulated"]["command"].endswith(
         f"--tables-from {first / 'results.json'} --results-dir {again}")
     assert new["cells"] == old["cells"] and sum(c["finished"] for c in new["cells"]) == 5
-    assert not list(again.glob("*.png"))  # figures need the cells' per-step metrics
+    assert not list(again.glob("*.png"))  # these cells logged no steps: no curves to draw
     path.write_text(yaml.safe_dump({**grid, "options": {**grid["options"], "lr": 0.5}, "threads": 2}))
     assert main([str(path), "--tables-from", str(first / "results.json")]) == 2
     assert "the grid's options, threads changed since these results were written" in capsys.readouterr().err
@@ -385,3 +385,60 @@ def test_tables_from_a_results_json_equal_the_cells_and_refuse_a_changed_grid(tm
     (first / "results.json").write_text(json.dumps(old))
     assert main([str(path), "--tables-from", str(first / "results.json")]) == 2
     assert "cells the grid does not have: agnews/ring-n3/deca/seed0" in capsys.readouterr().err
+
+
+def test_results_json_files_merge_into_one_report_with_figures_and_refuse_other_base_weights(tmp_path, capsys):
+    """--tables-from A B: B's finished cells in place of A's (a grid refreshed in part), each naming its
+    provenance where it differs from the record's; the figures drawn from the curves the files keep,
+    the cell directories gone; refused when the cells were fine-tuned from different base weights."""
+    from deca_ds.reproduce.cli import main
+
+    grid = {"name": "g", "runs_dir": str(tmp_path / "a"), "results_dir": str(tmp_path / "first"),
+            "options": {"model": "tiny", "clients": 3, "steps_per_block": 2, "rounds": 1, "layers_per_block": 1},
+            "tasks": {"agnews": {}}, "methods": ["deca", "dec_lora"], "seeds": [0, 1]}
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(grid))
+
+    def run(runs: str, results: str, accuracy: dict, base: str, command: str) -> None:
+        built = load_grid(path, runs_dir=tmp_path / runs, results_dir=tmp_path / results)
+        for c in built.cells:
+            if c.key not in accuracy:
+                continue
+            d = built.cell_dir(c)
+            d.mkdir(parents=True)
+            write_json(d / "cell.json", {"settings": {"key": c.key, "base_sha256": base}})
+            write_json(d / FINAL, {"accuracy": accuracy[c.key], "macro_f1": 0.4})
+            steps = [{"step": i, "loss": accuracy[c.key] + 1 / 3 + i, **({"consensus_distance": 0.1 * (i + 1)}
+                                                                         if i % 2 == 0 else {})} for i in range(4)]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
+        write_report(built, command=[command])
+        shutil.rmtree(tmp_path / runs)
+
+    keys = [c.key for c in load_grid(path).cells]
+    lora = [k for k in keys if "/dec_lora/" in k]
+    run("a", "first", {k: 0.5 for k in keys}, "a" * 64, "first")
+    run("b", "second", {lora[0]: 0.7, lora[1]: 0.9}, "a" * 64, "second")  # Dec-LoRA again, the rest unrun
+    first, second, merged = (tmp_path / d / "results.json" for d in ("first", "second", "merged"))
+    old = json.loads(first.read_text())
+    entry = next(e for e in old["cells"] if e["key"] == lora[0])
+    assert entry["curves"] == {"loss": {"step": [0, 1, 2, 3], "value": [0.833333, 1.83333, 2.83333, 3.83333]},
+                               "consensus_distance": {"step": [0, 2], "value": [0.1, 0.3]}}
+    assert entry["base_sha256"] == "a" * 64
+    assert '"value": [0.833333, 1.83333, 2.83333, 3.83333]' in first.read_text()  # one line a curve
+
+    assert main([str(path), "--tables-from", str(first), str(second), "--results-dir", str(merged.parent)]) == 0
+    rows = {r["method"]: r for r in csv.DictReader((merged.parent / "main.csv").open())}
+    assert float(rows["Dec-LoRA"]["agnews Acc. mean"]) == pytest.approx(80.0)  # the second file's seeds
+    assert float(rows["DECA"]["agnews Acc. mean"]) == pytest.approx(50.0)  # the first's, not erased by unrun cells
+    record = json.loads(merged.read_text())
+    assert record["provenance"] == old["provenance"] and record["provenance"]["command"] == "first"
+    made = {e["key"]: e.get("provenance", {}).get("command") for e in record["cells"]}
+    assert made == {k: "second" if k in lora else None for k in keys}
+    assert next(e for e in record["cells"] if e["key"] == lora[1])["curves"]["loss"]["value"][0] == 1.23333
+    assert {p.name for p in merged.parent.glob("*.png")} == {"loss_agnews.png", "consensus_agnews.png"}
+
+    run("b", "second", {lora[0]: 0.7}, "b" * 64, "second")
+    assert main([str(path), "--tables-from", str(first), str(second), "--results-dir", str(tmp_path / "x")]) == 2
+    assert (f"fine-tuned from different weights of the grid's base model: 3 cell(s) from aaaaaaaa… ({keys[0]}, …); "
+            f"1 cell(s) from bbbbbbbb… ({lora[0]}, …)") in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

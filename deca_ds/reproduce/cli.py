@@ -59,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
                            "run nothing")
     mode.add_argument("--report-only", action="store_true",
                       help="write tables and figures of the finished cells only")
-    mode.add_argument("--tables-from", metavar="RESULTS_JSON",
-                      help="write the tables from a results.json of this grid (a committed one, or one from another "
-                           "machine) instead of the cells' directories; no figures (they need each cell's per-step "
-                           "metrics); run nothing")
+    mode.add_argument("--tables-from", metavar="RESULTS_JSON", nargs="+",
+                      help="write the tables and figures from results.json files of this grid (a committed one, ones "
+                           "from other machines) instead of the cells' directories, a later file's finished cells "
+                           "in place of an earlier one's; run nothing")
     mode.add_argument("--estimate", action="store_true",
                       help="each cell's estimated GPU memory per client (deca-train --estimate) and the cards it "
                            "fits (deepspeed backend); run nothing")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                          clients_per_gpu=args.clients_per_gpu, deepspeed_args=args.deepspeed_args,
                          backend=args.backend, ds_config=args.ds_config, options=parse_settings(args.set))
         if args.tables_from:  # the results.json alone: the runs directory and the base model are not read
-            recorded = recorded_results(grid, args.tables_from)
+            recorded = recorded_results(grid, *args.tables_from)
         else:
             select = grid.select(args.only)
             todo, done = check_finished(grid)
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = invocation("deca-reproduce", argv)
     if args.tables_from:
-        for path in write_report(grid, command=command, recorded=recorded):
+        for path in write_report(grid, command=command, recorded=recorded) + write_figures(grid):
             log(f"wrote {path}")
         return 0
     if args.estimate or args.fetch:

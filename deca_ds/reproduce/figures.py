@@ -1,22 +1,24 @@
 """The paper's loss figures from the finished cells: per task, the training loss of every method over
 model update steps (the clients' mean, then the mean over seeds, with a moving average), and the
 consensus distance mean_i ‖x_i − x̄‖ over steps (DECA's: of the active block, as the runtime logs it).
-Only the main table's cells are drawn: one comparison per task."""
+Only the main table's cells are drawn: one comparison per task. They are drawn from the curves the
+grid's results.json keeps (report.curves), so that the file alone draws them again (--tables-from)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
 from ..reporting import pyplot, save_figure
-from .grid import METHODS, Cell, Grid
-from .report import LABELS, finished_results, losses
+from .grid import METHODS, Grid
+from .report import LABELS
 
 
-def series(grid: Grid, cells: list[Cell], key: str) -> tuple[np.ndarray, np.ndarray] | None:
+def series(curves: list[dict], key: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(steps, mean over the cells' seeds) of `key` at the steps every seed logged it."""
-    runs = [{r["step"]: r[key] for r in losses(grid, c) if key in r} for c in cells]
+    runs = [dict(zip(c[key]["step"], c[key]["value"])) if key in c else {} for c in curves]
     steps = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
     if not steps:
         return None
@@ -32,10 +34,14 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def write_figures(grid: Grid, *, window: int = 8) -> list[Path]:
-    plt = pyplot()
+    """The figures of the results.json in grid.results_dir (write_report's), of the main table's
+    cells that keep their curves (a results.json written before 2026-11-29 keeps none)."""
     out = grid.results_dir
-    out.mkdir(parents=True, exist_ok=True)
-    done = [c for c in finished_results(grid) if "main" in c.tables]
+    kept = {e["key"]: e["curves"] for e in json.loads((out / "results.json").read_text())["cells"] if "curves" in e}
+    done = [c for c in grid.cells if "main" in c.tables and c.key in kept]
+    if not done:
+        return []
+    plt = pyplot()
     written = []
     for task in dict.fromkeys(c.task for c in done):
         by_method = {m: [c for c in done if c.task == task and c.method == m] for m in METHODS}
@@ -48,7 +54,7 @@ def write_figures(grid: Grid, *, window: int = 8) -> list[Path]:
             fig, ax = plt.subplots(figsize=(7, 4.2))
             drawn = False
             for method, cells in by_method.items():
-                s = series(grid, cells, key)
+                s = series([kept[c.key] for c in cells], key)
                 if s is None:
                     continue
                 steps, values = s

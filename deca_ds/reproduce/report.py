@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from .. import reporting
 from . import paper
-from .cells import FINAL, METRICS, RUN_CONFIG, read_json, write_text
+from .cells import BASE, FINAL, METRICS, RUN_CONFIG, read_json, saved_settings, write_text
 from .generation import judged
 from .grid import METHODS, NOT_RESULT, Cell, Grid, GridError
 
@@ -29,6 +30,8 @@ LABELS = {"deca": "DECA", "trivial_bma": "w/ trivial BMA", "no_bma": "w/o BMA", 
 ABLATION = ("deca", "trivial_bma", "no_bma")
 BASELINES = ("dec_adapter", "dec_lora", "decaf", "dadam", "deca")  # the paper's row order, D-Adam added
 METRICS_SHOWN = (("accuracy", "Acc."), ("macro_f1", "F1"))
+RECORDED = ("provenance", BASE, "run_config", "curves")  # what a cell's entry brings along from a results.json
+CURVES = ("loss", "consensus_distance")  # the per-step metrics results.json keeps of a main-table cell (figures)
 TOPOLOGY_LABELS = {"ring": "Ring", "erdos_renyi": "ER", "complete_bipartite": "Bipartite"}
 
 
@@ -497,10 +500,7 @@ def finished_results(grid: Grid) -> dict[Cell, dict]:
     return results
 
 
-def recorded_results(grid: Grid, path: Path) -> dict:
-    """A results.json this grid wrote, checked against the grid as it is now: the same name, the
-    same settings but for those that change no result (grid.NOT_RESULT: `paper`, `jobs`, paths, …)
-    and no cell the grid no longer has."""
+def _recorded(grid: Grid, path: Path) -> dict:
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
@@ -520,11 +520,38 @@ def recorded_results(grid: Grid, path: Path) -> dict:
     return record
 
 
+def recorded_results(grid: Grid, *paths: Path) -> dict:
+    """The results.json files this grid wrote, each checked against the grid as it is now (the same
+    name, the same settings but for those that change no result, grid.NOT_RESULT: `paper`, `jobs`,
+    paths, …, and no cell the grid no longer has), as one record: the first file's, each finished cell
+    of a later file in place of the earlier one's (a cell of a grid refreshed in part, or run
+    elsewhere). A cell whose results were made elsewhere than the record's names its own `provenance`."""
+    record, *later = (_recorded(grid, p) for p in paths)
+    entries = {e["key"]: e for e in record["cells"]}
+    for other in later:
+        for e in other["cells"]:
+            if "final" in e:
+                made = e.get("provenance", other["provenance"])
+                entries[e["key"]] = {k: v for k, v in e.items() if k != "provenance"} | (
+                    {"provenance": made} if made != record["provenance"] else {})
+    bases = {}
+    for e in entries.values():
+        if "final" in e and BASE in e:
+            bases.setdefault(e[BASE], []).append(e["key"])
+    if len(bases) > 1:
+        raise GridError("these results were fine-tuned from different weights of the grid's base model: "
+                        + "; ".join(f"{len(keys)} cell(s) from {sha[:8]}… ({keys[0]}, …)"
+                                    for sha, keys in bases.items()))
+    return record | {"cells": list(entries.values())}
+
+
 def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict | None = None) -> list[Path]:
     """Tables (Markdown, CSV) and results.json into grid.results_dir; returns the files written.
 
-    `recorded` (recorded_results): the tables from that results.json's cells instead of the cells'
-    directories; its provenance stays the results', and this report's is added as `tabulated`."""
+    `recorded` (recorded_results): the tables from that record's cells instead of the cells'
+    directories; its provenance stays the results', and this report's is added as `tabulated`. A
+    cell entry keeps its curves (report.curves, the main table's cells: what the figures draw) and
+    the base weights' sha256 it was fine-tuned from, where the grid pretrains its base."""
     out = grid.results_dir
     out.mkdir(parents=True, exist_ok=True)
     entries = {e["key"]: e for e in recorded["cells"]} if recorded else {}
@@ -589,13 +616,17 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
                  "budget": {"steps": grid.budgets[c.key][0], "examples_per_client_step": grid.budgets[c.key][1]},
                  "finished": c in results}
         if recorded:
-            if "run_config" in entries.get(c.key, {}):
-                entry["run_config"] = entries[c.key]["run_config"]
-        elif (d / RUN_CONFIG).is_file():
-            config = read_json(d / RUN_CONFIG)
-            # each block by name and size; its parameters' names are the model's, in the cell's run_config.json
-            config["blocks"] = [{k: b[k] for k in ("index", "name", "numel")} for b in config.get("blocks", [])]
-            entry["run_config"] = config
+            entry |= {k: v for k, v in entries.get(c.key, {}).items() if k in RECORDED}
+        else:
+            if base := (saved_settings(d) or {}).get(BASE):  # the weights of the base the cell was fine-tuned from
+                entry[BASE] = base
+            if (d / RUN_CONFIG).is_file():
+                config = read_json(d / RUN_CONFIG)
+                # each block by name and size; its parameters' names are the model's, in the cell's run_config.json
+                config["blocks"] = [{k: b[k] for k in ("index", "name", "numel")} for b in config.get("blocks", [])]
+                entry["run_config"] = config
+            if c in results and "main" in c.tables:
+                entry["curves"] = curves(losses(grid, c))
         if c in results:
             entry["final"] = results[c]
         cells.append(entry)
@@ -611,11 +642,35 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
               **({"tabulated": now} if recorded else {}), "cells": cells}
     if grid.paper:
         record["paper"] = {"model": grid.paper, "tables": {c.name: c.order() for c in comparisons}}
-    write_text(path, json.dumps(record, indent=1, allow_nan=False))
+    write_text(path, dumps(record))
     written.append(path)
     return written
 
 
+def curves(metrics: list[dict]) -> dict[str, dict[str, list]]:
+    """What the figures draw of a cell, from its per-step metrics: each curve's steps and values, the
+    values to 6 significant digits (more than a figure shows), so that results.json alone draws them."""
+    return {key: {"step": [m["step"] for m in metrics if key in m],
+                  "value": [float(f"{m[key]:.6g}") for m in metrics if key in m]}
+            for key in CURVES if any(key in m for m in metrics)}
+
+
+def dumps(record: dict) -> str:
+    """JSON indented for reading, but each curve's lists on one line (a results.json stays a few
+    hundred lines per cell, not one per step)."""
+    lists = []
+
+    def mark(values: list) -> str:
+        lists.append(json.dumps(values, allow_nan=False))
+        return f"@list{len(lists) - 1}@"
+
+    cells = [e | {"curves": {k: {n: mark(v) for n, v in c.items()} for k, c in e["curves"].items()}}
+             if "curves" in e else e for e in record["cells"]]
+    text = json.dumps(record | {"cells": cells}, indent=1, allow_nan=False)
+    return re.sub(r'"@list(\d+)@"', lambda m: lists[int(m.group(1))], text)
+
+
 def losses(grid: Grid, cell: Cell) -> list[dict]:
+    """The cell's per-step metrics (runtime.metrics' metrics.jsonl), [] before its first step."""
     path = grid.cell_dir(cell) / METRICS
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
