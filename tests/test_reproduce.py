@@ -136,6 +136,7 @@ def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
         assert cell["finished"] and cell["run_config"]["n_clients"] == 3
         assert cell["run_config"]["device"] == "cpu"  # where the simulated clients ran (a GPU's where one is)
         assert cell["run_config"]["commit"] == commit() != "unknown"  # the code the cell ran
+        assert cell["run_config"]["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()  # and its kernels
         assert cell["run_config"]["options"]["method"] == ("deca" if cell["method"] == "deca" else "dec_lora")
         assert cell["final"]["steps"] == 4 and 0 <= cell["final"]["accuracy"] <= 1
         assert cell["final"]["n"] == 40 and cell["final"]["wall_s"] > 0

@@ -112,6 +112,7 @@ def test_reference_run_file_is_the_command_line_and_is_written_back(reference_ru
     assert run["options"]["lr"] == 1e-3 and run["ds_config"]["train_micro_batch_size_per_gpu"] == 4
     assert run["n_clients"] == N
     assert run["commit"] == commit() != "unknown"  # the checkout's (the tests run in one)
+    assert run["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
     assert parse_args(["--config", str(out / "config.yaml")]) == parse_args(given)
 
 

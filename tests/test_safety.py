@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import test_runtime
 from deca_ds.reporting import commit
@@ -315,6 +316,7 @@ def test_record_resume_appends_to_run_config(tmp_path):
     saved = json.loads((tmp_path / "run_config.json").read_text())
     assert saved["options"] == {"timeout": 60.0} and saved["resumes"][0]["changed"] == {"timeout": [60.0, 5.0]}
     assert saved["resumes"][0]["commit"] == commit()  # the code it went on with (the checkout's here)
+    assert saved["resumes"][0]["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()  # and its kernels
 
 
 def test_not_result_names_real_options():

@@ -24,7 +24,7 @@ from ..evaluation import answer_sets
 from ..mixing import ClientView
 from ..models import compile_layers
 from ..optimizer import model_partition
-from ..reporting import commit
+from ..reporting import commit, cpu_kernels
 from ..rng import ClientGenerators
 from ..runtime.checkpoint import atomic_write
 from ..runtime.dist import local_device, to_device
@@ -167,7 +167,8 @@ def run_simulated(d: Path) -> dict:
         "blocks": [asdict(b) for b in partition.blocks], "client_sizes": task.client_sizes,
         "split_keys": list(task.key_names), "split_histogram": task.key_histogram, "device": str(device),
         "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
-        "commit": commit()})  # of this attempt: a cell resumed later may finish at another
+        # of this attempt: a cell resumed later may finish at another commit, or with other CPU kernels
+        "commit": commit(), "cpu_kernels": cpu_kernels()})
     del probe
     metrics = (d / METRICS).open("a" if saved else "w", buffering=1)  # line by line: progress is visible
 

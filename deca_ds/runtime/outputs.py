@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .. import __version__
-from ..reporting import commit
+from ..reporting import commit, cpu_kernels
 from .checkpoint import write_json
 
 MARKER = "run_owner.json"
@@ -119,9 +119,10 @@ def _plain(value):
 
 
 def record_resume(out: Path, changes: dict[str, list]) -> None:
-    """Rank 0, resuming: append to run_config.json when, with which changed options and at which
-    commit (a resumed run may run other code than its start) it resumed."""
+    """Rank 0, resuming: append to run_config.json when, with which changed options, at which
+    commit and with which CPU kernels (a resumed run may run other code, or on another machine, than
+    its start) it resumed."""
     config = json.loads((out / "run_config.json").read_text())
-    config.setdefault("resumes", []).append(
-        {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "changed": changes, "commit": commit()})
+    config.setdefault("resumes", []).append({"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                             "changed": changes, "commit": commit(), "cpu_kernels": cpu_kernels()})
     write_json(out / "run_config.json", config)

@@ -39,7 +39,7 @@ from ..models import (
 from ..offload import FrozenLayerOffload, check_keep
 from ..optimizer import block_schedule, model_partition
 from ..prefix import FrozenPrefix
-from ..reporting import commit
+from ..reporting import commit, cpu_kernels
 from ..rng import client_seed, random_state, restore_random_state
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
@@ -215,6 +215,7 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
         "data_fingerprints": task.data_fingerprints,
         "versions": {"deca_ds": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
         "commit": commit(),  # the checkout's ("+dirty": changed files), "unknown" outside one
+        "cpu_kernels": cpu_kernels(),  # ATen's on CPU (AVX2, AVX512, …): a CPU run's bits depend on them
     }
     ckpt.write_json(out / "run_config.json", resolved)
     # the same run as a run file: deca-train --config <out>/config.yaml (with --resume or --overwrite)
