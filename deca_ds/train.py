@@ -2,6 +2,7 @@
 
     deepspeed --num_gpus 8 --module deca_ds.train --config run.yaml
     torchrun --nproc-per-node 4 -m deca_ds.train --preset cpu_demo      # or: torchrun --no-python deca-train
+    deca-train --preset cpu_demo                                        # no launcher: one rank, one client
     deca-train --config run.yaml --print-config                         # the resolved config, as a run file
     deca-train --config run.yaml --clients 8 --estimate                 # one client's estimated GPU memory
     deca-train --config run.yaml --fetch                                # its hub model and task, for offline runs

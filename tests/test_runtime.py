@@ -30,7 +30,7 @@ from deca_ds.memory import offload_block_stream
 from deca_ds.models import tiny_llama
 from deca_ds.reporting import commit
 from deca_ds.runtime import trainer
-from deca_ds.runtime.dist import ClientLayout, Heartbeat, cap_gpu_memory, torchrun_env
+from deca_ds.runtime.dist import LAUNCH_VARS, ClientLayout, Heartbeat, cap_gpu_memory, init_process_group, torchrun_env
 from deca_ds.runtime.options import parse_args
 from deca_ds.train import main as train_main
 from helpers import RANK_THREADS, free_port, run_script, torch_threads
@@ -133,6 +133,38 @@ def test_distributed_run_equals_simulator(reference_run):
             torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6)
             moved = max(moved, (want - init[name]).abs().max().item())
         assert moved > 1e-3, "training did not move the weights; the comparison would be vacuous"
+
+
+def test_without_a_launcher_one_rank_trains_one_client_as_the_simulator_does(tmp_path):
+    """`deca-train` started alone, none of a launcher's variables set: a job of one rank, its
+    rendezvous store in memory (no port), training one client as the simulator does on a graph of one."""
+    out = tmp_path / "run"
+    args = ["--ds_config", PRESET, "--layers-per-block", "2", "--steps-per-block", "3", "--rounds", "1",
+            "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16", "--save-clients",
+            "--output-dir", str(out)]
+    launcher = (*LAUNCH_VARS, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    rank = start_rank(args, {**env, "DECA_RANK_THREADS": str(RANK_THREADS)}, ROOT, tmp_path / "out", tmp_path / "err")
+    assert wait_all([rank], timeout=300) == [0], (tmp_path / "err").read_text()[-3000:]
+    assert json.loads((out / "run_config.json").read_text())["n_clients"] == 1
+    opts, _ = parse_args([*args[:-2], "--output-dir", "unused"])
+    task = trainer.build_task(opts, 1)
+    model = trainer.build_model(opts, len(task.tokenizer))
+    with torch_threads():
+        simulated = deca_ds.simulate(model, [task.stream(opts, 0)], np.ones((1, 1)), opts.deca_config())
+    got, init = client_params(out, 0), dict(model.named_parameters())
+    for name, want in simulated[0].items():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6)
+    assert any((want - init[name]).abs().max() > 1e-3 for name, want in simulated[0].items())
+
+
+def test_a_launch_with_some_of_its_variables_is_refused(monkeypatch):
+    for var in LAUNCH_VARS[1:]:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set, but RANK set"):
+        init_process_group(5.0, "gloo")
+    assert not dist.is_initialized()
 
 
 def test_export_is_the_mean_of_clients_and_loads_with_transformers(reference_run):

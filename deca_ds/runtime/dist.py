@@ -74,7 +74,8 @@ def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None) 
     n = world_size // ranks_per_client
     if n_clients is not None and n_clients != n:
         raise ValueError(f"--clients {n_clients} but world size {world_size} with G={ranks_per_client} "
-                         f"makes {n} clients")
+                         f"makes {n} clients: start {n_clients * ranks_per_client} ranks (deepspeed --num_gpus, "
+                         "torchrun --nproc-per-node), or leave --clients out")
     return n
 
 
@@ -149,17 +150,12 @@ def torchrun_env(rank: int, world_size: int, port: int | str, per_node: int | No
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def init_process_group(timeout_s: float, transport: str = "auto",
-                       device_map: str = "auto") -> tuple[int, int, torch.device, dist.Store]:
-    """Join the job started by deepspeed/torchrun over `transport` (resolve_transport: NCCL on GPUs
-    and gloo on CPU by default; gloo on GPUs too when asked, for ranks sharing a GPU or sites
-    joined by TCP only).
+# What a launcher (deepspeed, torchrun) sets for every rank and init_process_group reads.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-    The rendezvous store is created here, as env:// would, so that the run keeps a handle on it
-    for the heartbeat board (torchrun's agent hosts it itself; then every rank is a client)."""
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if var not in os.environ:
-            raise RuntimeError(f"{var} is not set: start training with `deepspeed` or `torchrun`")
+
+def _rendezvous(timeout_s: float) -> tuple[int, int, dist.Store]:
+    """This rank, the world size and the launcher's rendezvous store (bound here by rank 0)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -172,6 +168,29 @@ def init_process_group(timeout_s: float, transport: str = "auto",
                 f"cannot reach the rendezvous at {host}:{port} within {timeout_s:g} s (rank 0 is not up, "
                 "could not bind it, or a firewall blocks it)")
         raise ValueError(f"{what}: {err}") from err
+    return rank, world_size, store
+
+
+def init_process_group(timeout_s: float, transport: str = "auto",
+                       device_map: str = "auto") -> tuple[int, int, torch.device, dist.Store]:
+    """Join the job started by deepspeed/torchrun over `transport` (resolve_transport: NCCL on GPUs
+    and gloo on CPU by default; gloo on GPUs too when asked, for ranks sharing a GPU or sites
+    joined by TCP only).
+
+    The rendezvous store is created here, as env:// would, so that the run keeps a handle on it
+    for the heartbeat board (torchrun's agent hosts it itself; then every rank is a client).
+    Started without a launcher (none of its variables set), the process is a job of one rank, its
+    store in memory: `deca-train` alone trains one client, as `torchrun --nproc-per-node 1` would,
+    without a port."""
+    missing = [var for var in LAUNCH_VARS if var not in os.environ]
+    if len(missing) == len(LAUNCH_VARS):
+        rank, world_size, store = 0, 1, dist.HashStore()
+        os.environ["LOCAL_RANK"] = "0"  # DeepSpeed's engine asserts it, as its own init_distributed sets it
+    elif missing:
+        raise ValueError(f"{', '.join(missing)} not set, but {', '.join(v for v in LAUNCH_VARS if v not in missing)} "
+                         "set: start training with `deepspeed` or `torchrun`, or with none of them for one rank")
+    else:
+        rank, world_size, store = _rendezvous(timeout_s)
     device = local_device(device_map)
     backend = resolve_transport(transport, device.type == "cuda")
     threads = rank_threads(local_world_size(1), device)
