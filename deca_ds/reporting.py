@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import re
 import subprocess
@@ -92,6 +93,27 @@ def cpu_kernels() -> str:
     import torch
 
     return torch.backends.cpu.get_cpu_capability()
+
+
+# The values of ATEN_CPU_CAPABILITY that x86-64 builds of ATen take (another value, or another case, is ignored).
+CPU_KERNELS = ("default", "avx2", "avx512")
+
+
+def pin_cpu_kernels(name: str) -> str | None:
+    """Have this process, and the processes it starts, run ATen's `name` CPU kernels (one of
+    CPU_KERNELS) through ATEN_CPU_CAPABILITY, unless the variable is set already: the caller's
+    choice wins. A note where this process runs others: the variable set otherwise, or ATen's
+    kernels fixed before this call (at its first vector operation), or a CPU without them."""
+    given = os.environ.setdefault("ATEN_CPU_CAPABILITY", name)
+    here = cpu_kernels()
+    if given != name:
+        why = f"ATEN_CPU_CAPABILITY={given} is set"
+    elif here.lower() != name:
+        why = f"this CPU or process runs {here} ones"
+    else:
+        return None
+    return (f"note: {why}, not the {name} kernels the grid names (cpu_kernels): results repeat those kernels' bits, "
+            "not the grid's committed ones (each run_config names the kernels it ran)")
 
 
 def kernels_of(device: str) -> str | None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from deca_ds.models import load_model, load_tokenizer
-from deca_ds.reporting import commit
+from deca_ds.reporting import commit, kernels_of, pin_cpu_kernels
 from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_finished, pretrain, run_grid
 from deca_ds.reproduce.figures import smooth, write_figures
 from deca_ds.reproduce.grid import Cell, Grid, load_grid
@@ -115,8 +115,9 @@ def test_pretrain_on_a_gpu_is_refused_where_none_is_visible(tmp_path):
 
 def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
     model = str(pretrained[0])
-    # two cells at a time, as on this machine's two cores
-    grid = build_grid(tiny_grid(model, jobs=2), runs_dir=tmp_path / "runs", results_dir=tmp_path / "results")
+    # two cells at a time, as on this machine's two cores, with ATen's plain kernels (not this process's)
+    grid = build_grid(tiny_grid(model, jobs=2, cpu_kernels="default"), runs_dir=tmp_path / "runs",
+                      results_dir=tmp_path / "results")
     assert len(grid.cells) == 4
     # DECA's T·B·R = 1 round x 2 blocks (2 layers, 1 per block) x 2 steps; Dec-LoRA gets the same
     assert set(grid.budgets.values()) == {(4, 4)}
@@ -136,7 +137,7 @@ def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
         assert cell["finished"] and cell["run_config"]["n_clients"] == 3
         assert cell["run_config"]["device"] == "cpu"  # where the simulated clients ran (a GPU's where one is)
         assert cell["run_config"]["commit"] == commit() != "unknown"  # the code the cell ran
-        assert cell["run_config"]["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()  # and its kernels
+        assert cell["run_config"]["cpu_kernels"] == "DEFAULT"  # and its kernels, the grid's
         assert cell["run_config"]["options"]["method"] == ("deca" if cell["method"] == "deca" else "dec_lora")
         assert cell["final"]["steps"] == 4 and 0 <= cell["final"]["accuracy"] <= 1
         assert cell["final"]["n"] == 40 and cell["final"]["wall_s"] > 0
@@ -301,6 +302,7 @@ def test_smooth_is_a_trailing_mean():
     ({"seeds": [0, "a"]}, r"seeds must be integers, got \['a'\]"),
     ({"results_dir": 5}, r"results_dir must be text, got \[5\]"),
     ({"jobs": 0}, r"jobs must be an integer >= 1, got 0"),
+    ({"cpu_kernels": "AVX2"}, r"cpu_kernels must be one of default, avx2, avx512 .* got 'AVX2'"),
     ({"pretrain": {"output_dir": "x"}}, r"pretrain: unknown key\(s\) \['output_dir'\]"),
     ({"pretrain": {}}, r"pretrain makes the one model every cell fine-tunes.*\['tiny'\]"),
     ({"sweeps": [{"table": "bma", "bma_betas": [[0.3, 0.2]]}]}, r"bma_betas: BMA's betas are DECA's; the sweep's "
@@ -415,6 +417,35 @@ def test_a_base_pretrained_with_other_cpu_kernels_is_named_before_its_cells_run(
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(data))
     assert main([str(tmp_path / "grid.yaml"), "--runs-dir", str(tmp_path / "runs"), "--dry-run"]) == 0
     assert expected in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="an x86-64 CPU with AVX2")
+def test_a_grids_cpu_kernels_pretrain_its_base_and_run_its_cells(tmp_path):
+    """cpu_kernels: avx2, the committed CPU grids' setting, in a command that sets no
+    ATEN_CPU_CAPABILITY: the base pretrained in the command's own process and the cell it starts
+    both run AVX2 kernels (on a CPU with AVX-512 too, whose best those are not)."""
+    import subprocess
+    import sys
+
+    grid = tiny_grid(str(tmp_path / "base"), pretrain=TINY_PRETRAIN, methods=["deca"], seeds=[0],
+                     cpu_kernels="avx2")
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    done = subprocess.run([sys.executable, "launch/reproduce.py", str(tmp_path / "grid.yaml"), "--runs-dir",
+                           str(tmp_path / "runs")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "note:" not in done.stdout, done.stdout
+    pretrained = json.loads((tmp_path / "base" / "pretrain.json").read_text())
+    assert kernels_of(pretrained["provenance"]["device"]) == "AVX2"
+    cell = json.loads((tmp_path / "runs" / "results" / "results.json").read_text())["cells"][0]
+    assert cell["finished"] and cell["run_config"]["cpu_kernels"] == "AVX2"
+
+
+def test_a_set_aten_cpu_capability_wins_over_the_grids_kernels_with_a_note(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    note = pin_cpu_kernels("avx2")
+    assert note.startswith("note: ATEN_CPU_CAPABILITY=avx512 is set, not the avx2 kernels the grid names")
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
 
 
 def test_cells_fine_tuned_from_other_base_weights_never_share_a_table(tmp_path):

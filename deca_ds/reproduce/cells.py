@@ -443,6 +443,8 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, launch: Launch, 
            **launch.env}
     if grid.threads:
         env["OMP_NUM_THREADS"] = str(grid.threads)
+    if grid.cpu_kernels:  # where the caller set none (reproduce.cli pins this process's too, for pretraining)
+        env.setdefault("ATEN_CPU_CAPABILITY", grid.cpu_kernels)
     with (d / LOG).open("a" if resume else "w") as out:
         # in the caller's directory: the grid's relative paths (runs, models, data) are read from there
         proc = running.start(command, stdout=out, stderr=subprocess.STDOUT, env=env)

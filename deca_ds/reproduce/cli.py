@@ -9,7 +9,7 @@ import signal
 import sys
 from functools import partial
 
-from ..reporting import invocation
+from ..reporting import invocation, pin_cpu_kernels
 from ..runtime.fetch import fetch_hub
 from .cells import (
     base_state,
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.tables_from:  # the results.json alone: the runs directory and the base model are not read
             recorded = recorded_results(grid, *args.tables_from)
         else:
+            # before this process's first vector operation, which fixes its kernels (pretraining runs here)
+            if grid.cpu_kernels and (note := pin_cpu_kernels(grid.cpu_kernels)):
+                log(note)
             select = grid.select(args.only)
             todo, done = check_finished(grid)
             base = base_state(grid)

@@ -35,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from ..models import TINY_LLAMA
+from ..reporting import CPU_KERNELS
 from ..runtime.options import RunOptions, convert_options, option_defaults
 from ..runtime.presets import load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS, task_kind
@@ -125,6 +126,7 @@ class Grid:
     cell_timeout_s: float
     ds_config: str | None
     threads: int | None  # torch threads of each cell's process (None: torch's default)
+    cpu_kernels: str | None  # ATen's CPU kernels of the grid's processes (ATEN_CPU_CAPABILITY; None: the CPU's best)
     jobs: int  # cells run at once (deepspeed backend: each on GPUs of its own, reproduce.placement)
     clients_per_gpu: int  # deepspeed backend: the ranks one GPU holds (above 1: they share it over gloo)
     deepspeed_args: list[str]  # the deepspeed launcher's, besides those placement adds for each cell
@@ -162,12 +164,14 @@ class Grid:
         return lambda cell: all(has(cell, key) & values for key, values in wanted.items())
 
 
-_TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "jobs", "clients_per_gpu",
-        "ds_config", "deepspeed_args", "pretrain", "paper", "generation", "options", "tasks", "methods",
-        "method_options", "seeds", "sweeps"}
+_TOP = {"name", "backend", "runs_dir", "results_dir", "cell_timeout_s", "threads", "cpu_kernels", "jobs",
+        "clients_per_gpu", "ds_config", "deepspeed_args", "pretrain", "paper", "generation", "options", "tasks",
+        "methods", "method_options", "seeds", "sweeps"}
 _SWEEP = {"table", "tasks", "seeds", "methods", "bma_betas", *AXES}
 # Keys that decide where, how fast and under which limits cells run and how they are reported, not a result.
-NOT_RESULT = {"runs_dir", "results_dir", "cell_timeout_s", "jobs", "clients_per_gpu", "deepspeed_args", "paper"}
+# (cpu_kernels does decide a CPU cell's bits, but each cell's run_config names the kernels it ran.)
+NOT_RESULT = {"runs_dir", "results_dir", "cell_timeout_s", "jobs", "clients_per_gpu", "deepspeed_args", "paper",
+              "cpu_kernels"}
 
 
 def _count(value) -> bool:
@@ -422,6 +426,10 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     threads = data.get("threads", 1 if backend == "simulate" else None)
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise GridError(f"{where}: threads must be an integer >= 1 or null, got {threads!r}")
+    cpu_kernels = data.get("cpu_kernels")
+    if cpu_kernels is not None and cpu_kernels not in CPU_KERNELS:
+        raise GridError(f"{where}: cpu_kernels must be one of {', '.join(CPU_KERNELS)} (ATEN_CPU_CAPABILITY's values) "
+                        f"or null, got {cpu_kernels!r}")
     jobs = data.get("jobs", 1) if jobs is None else jobs
     if not _count(jobs):
         raise GridError(f"{where}: jobs must be an integer >= 1, got {jobs!r}")
@@ -446,7 +454,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     return Grid(name=data.get("name", path_stem(where)), backend=backend, runs_dir=runs,
                 results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
                 cells=list(cells.values()), budgets=budgets,
-                cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, jobs=jobs,
+                cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, cpu_kernels=cpu_kernels, jobs=jobs,
                 clients_per_gpu=sharing, deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain,
                 paper=paper_model, generation=generation, source=data)
 
