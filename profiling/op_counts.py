@@ -20,7 +20,10 @@ its blocks, two steps each (the block's first step activates it), and weighted a
 steps a block; a baseline's steps are all alike. Where the grid has run a method's cells on a GPU
 (`--cells`, their metrics.jsonl), the table sets their seconds per step beside its count: divided
 by the count of the code those cells ran, the host's time per operation. torch.compile'd code
-(compile_layers, fused_update) launches its own kernels, which this cannot count. Writes
+(compile_layers, fused_update) launches its own kernels, which this cannot count. A foreach call
+(the moments' fold, the copy into the working weights) counts once in both columns, as the host
+issues it once; a GPU runs it as one kernel per hundred or so tensors, or where its lists mix
+dtypes (a bf16 gradient folded into fp32 moments) as one per tensor, launched from C++. Writes
 <out>/op_counts.{md,csv,json}.
 
     python profiling/op_counts.py      # about 3 minutes on 2 cores

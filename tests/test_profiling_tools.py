@@ -247,8 +247,8 @@ def test_op_counts_attributes_each_operation_to_its_phase(tmp_path):
     """profiling/op_counts.py on the synthetic grid's model (4 layers, 8 clients): Dec-LoRA and
     DeCAF differ only in their combination, and Dec-LoRA's local step issues exactly the eager
     half step's operations (kernels.half_step, P tensors, no weight decay or clipping): 3 scalars,
-    a view of each gradient, 2 splits, 4 in-place ops of the fold per tensor, x½'s buffer and
-    the step's 5 ops over the flat vectors, 5P + 11, nothing of the forward or backward."""
+    a view of each gradient, 2 splits, the fold's 4 foreach calls, x½'s buffer and the step's 5 ops
+    over the flat vectors, P + 15, nothing of the forward or backward."""
     grid = ROOT / "deca_ds" / "grids" / "cpu_synthetic.yaml"
     payload = op_counts.main(["--grid", str(grid), "--vocab", "64", "--methods", "deca", "dec_lora", "decaf",
                               "--cells", str(tmp_path / "none"), "--threads", "1", "--out", str(tmp_path)])
@@ -258,7 +258,7 @@ def test_op_counts_attributes_each_operation_to_its_phase(tmp_path):
         assert lora[f"{phase}_ops"] == decaf[f"{phase}_ops"] > 0
     assert decaf["combine_ops"] > lora["combine_ops"] > 0
     P = 2 * 7 * 4  # A and B of every linear layer of 4 decoder layers
-    assert lora["local_step_ops"] == 5 * P + 11
+    assert lora["local_step_ops"] == P + 15
     assert rows["deca"]["forward_ops"] < lora["forward_ops"]  # no LoRA factors, dropout
     assert round(lora["step_ops"] / 8) == lora["client_step_ops"] and lora["gpu_s_per_step"] is None  # 8 clients
     assert json.loads((tmp_path / "op_counts.json").read_text())["rows"] == payload["rows"]
