@@ -89,10 +89,12 @@ def adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch
 
 
 def _fold(ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor], a1: float, a2: float) -> None:
-    """moments_ on every tensor, as four foreach calls, not four ops per tensor from Python: each
-    tensor's arithmetic is moments_' (a foreach op with inputs of mixed dtypes, a lower-precision
-    gradient's, or on the CPU, runs the plain op per tensor), and where the host issuing the ops
-    sets a step's time (profiling/op_counts.py) a LoRA client's 168 tensors cost 4 calls, not 672."""
+    """moments_ on every tensor as four foreach calls, not four ops per tensor issued from Python:
+    where the host issuing the ops sets a step's time (profiling/op_counts.py), a LoRA client's 168
+    tensors cost 4 calls, not 672. On the CPU, and on a GPU where the lists mix dtypes (a bf16
+    gradient into fp32 moments), ATen runs the plain ops tensor by tensor: moments_' arithmetic to
+    the bit (checked on CPU for every method). On a GPU with lists of one dtype (fp32 LoRA factors)
+    it runs multi-tensor kernels, whose rounding against the plain ops is not checked."""
     torch._foreach_mul_(ms, a1)
     torch._foreach_add_(ms, gs, alpha=1 - a1)
     torch._foreach_mul_(vs, a2)
