@@ -80,6 +80,13 @@ def main(argv: list[str] | None = None) -> None:
                  "--loss-chunk or a smaller micro-batch lower it; only DECA offloads frozen layers")
         _fail(RuntimeError(f"out of GPU memory {where} (--estimate gives this run's estimated peak; {lower}). "
                            f"{str(err).splitlines()[0]}"))
+    except KeyboardInterrupt:  # Ctrl-C, which a terminal sends every rank of the job
+        if not cleanup.installed():
+            raise
+        note = cleanup.resume_note()
+        print(f"\n[rank {os.environ.get('RANK', '0')}] interrupted (Ctrl-C)" + (f": {note}" if note else ""),
+              file=sys.stderr, flush=True)
+        cleanup.exit_now(130)
     except Exception:  # a traceback, then out at once (the expected errors are reported above)
         if not cleanup.installed():
             raise

@@ -135,6 +135,12 @@ def test_distributed_run_equals_simulator(reference_run):
         assert moved > 1e-3, "training did not move the weights; the comparison would be vacuous"
 
 
+def unlaunched_env() -> dict[str, str]:
+    """This process's environment without a launcher's variables: a rank started so is a job of one."""
+    launcher = (*LAUNCH_VARS, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    return {**{k: v for k, v in os.environ.items() if k not in launcher}, "DECA_RANK_THREADS": str(RANK_THREADS)}
+
+
 def test_without_a_launcher_one_rank_trains_one_client_as_the_simulator_does(tmp_path):
     """`deca-train` started alone, none of a launcher's variables set: a job of one rank, its
     rendezvous store in memory (no port), training one client as the simulator does on a graph of one."""
@@ -142,9 +148,7 @@ def test_without_a_launcher_one_rank_trains_one_client_as_the_simulator_does(tmp
     args = ["--ds_config", PRESET, "--layers-per-block", "2", "--steps-per-block", "3", "--rounds", "1",
             "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16", "--save-clients",
             "--output-dir", str(out)]
-    launcher = (*LAUNCH_VARS, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    rank = start_rank(args, {**env, "DECA_RANK_THREADS": str(RANK_THREADS)}, ROOT, tmp_path / "out", tmp_path / "err")
+    rank = start_rank(args, unlaunched_env(), ROOT, tmp_path / "out", tmp_path / "err")
     assert wait_all([rank], timeout=300) == [0], (tmp_path / "err").read_text()[-3000:]
     assert json.loads((out / "run_config.json").read_text())["n_clients"] == 1
     opts, _ = parse_args([*args[:-2], "--output-dir", "unused"])

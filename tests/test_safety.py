@@ -256,6 +256,8 @@ def test_resume_refuses_when_no_step_verifies_everywhere(tmp_path):
     assert start == 3 and "client 1: x is missing" in lines[0]
     with pytest.raises(ValueError, match=r"no checkpoint is complete for every client \(client 1: step 3: bad\)"):
         trainer.choose_resume_step([[3], []], [{}, {3: "bad"}], 1)
+    with pytest.raises(ValueError, match=r"the run wrote no checkpoint \(--checkpoint-interval N .*--overwrite"):
+        trainer.choose_resume_step([[], []], [{}, {}], 1)
 
 
 # ---- 4. --resume refuses a different run, accepts and records harmless changes -------------------
@@ -351,6 +353,44 @@ def test_a_rank_stopped_by_sigterm_says_where_it_was():
         proc.kill()
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM" in err and re.search(r"it was at:\n(.|\n)*, in drawing_the_model\n", err), err
+
+def test_a_stopped_run_says_where_it_goes_on_from(tmp_path):
+    """A run of one rank (no launcher) stopped by Ctrl-C, then again by a time limit's SIGTERM once
+    resumed: each time it exits at once (no traceback for Ctrl-C) naming its newest checkpoint, from
+    which --resume goes on."""
+    import signal
+    import time
+
+    from ranks import start_rank
+    from test_runtime import ROOT, unlaunched_env
+
+    out = tmp_path / "run"
+    args = [*TINY, "--steps-per-block", "5000", "--checkpoint-interval", "20", "--output-dir", str(out)]
+
+    def stop(sig, after: int, name: str) -> tuple[int, str, str]:
+        """Start the run, signal it once a checkpoint after step `after` is complete: (exit, stdout, stderr)."""
+        rank = start_rank(args, unlaunched_env(), ROOT, tmp_path / f"{name}.out", tmp_path / f"{name}.err")
+        deadline = time.monotonic() + 300
+        while not [m for m in out.glob("checkpoints/step_*/client_000/manifest_0.json")
+                   if int(m.parts[-3].removeprefix("step_")) > after]:
+            assert time.monotonic() < deadline and rank.poll() is None, (tmp_path / f"{name}.err").read_text()[-3000:]
+            time.sleep(0.1)
+        rank.send_signal(sig)
+        code = wait_all([rank], timeout=120)[0]
+        return code, (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()
+
+    said = r"\[rank 0\] (?:interrupted \(Ctrl-C\): )?client 0's newest checkpoint is step (\d+) \(.*step_0*\1\): " \
+           r"the same command with --resume goes on from the newest step every client completed"
+    code, _, err = stop(signal.SIGINT, 0, "first")
+    first = int(re.search(said, err).group(1))
+    assert code == 130 and "Traceback" not in err and first % 20 == 0, err[-3000:]
+    args.append("--resume")
+    code, stdout, err = stop(signal.SIGTERM, first, "resumed")
+    assert f"resumed from step {first} of" in stdout, stdout[-3000:]
+    assert code == 143 and re.search(r"\[rank 0\] stopped by SIGTERM\n\[rank 0\] it was at:\n", err), err[-3000:]
+    # the main thread may complete a newer checkpoint while the note is written: at least the one awaited
+    assert int(re.search(said, err).group(1)) > first, err[-3000:]
+
 
 @pytest.mark.parametrize("how, timeout", [("SIGKILL", 120), ("SIGSTOP", 8)])
 def test_a_dead_or_stopped_rank_under_the_launcher_is_named_and_shm_is_freed(tmp_path, how, timeout):

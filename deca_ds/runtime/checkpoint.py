@@ -142,6 +142,19 @@ def complete_steps(root: Path, client: int, ranks_per_client: int, *, hashes: bo
     return scan_steps(root, client, ranks_per_client, hashes=hashes)[0]
 
 
+def resume_note(root: Path, client: int, ranks_per_client: int, interval: int) -> str:
+    """Where the same command with --resume would go on from, as far as `client` can tell now: its
+    newest step whose files have the sizes their manifests give (--resume then also checks their
+    sha256, and takes the newest step every client completed)."""
+    if not interval:
+        return "it wrote no checkpoints (--checkpoint-interval 0): a run of it starts from the beginning"
+    steps = complete_steps(root, client, ranks_per_client, hashes=False)
+    if not steps:
+        return f"no checkpoint was complete yet (one every {interval} steps): a run of it starts from the beginning"
+    return (f"client {client}'s newest checkpoint is step {steps[-1]} ({step_dir(root, steps[-1])}): the same "
+            "command with --resume goes on from the newest step every client completed")
+
+
 def load_client(root: Path, step: int, client: int, local_rank: int, model: torch.nn.Module,
                 device: torch.device) -> dict:
     """Load the model's weights in place, where the model is; return the optimizer state (on

@@ -26,8 +26,8 @@ from typing import Callable
 
 SHM = Path("/dev/shm")
 # what the SIGTERM line says, and how rank 0 waits for the others to read the heartbeat board
-# before its exit takes the store down: set once the board exists
-_SIGTERM: dict = {"describe": None, "linger": None}
+# before its exit takes the store down: set once the board exists; and where a new run would go on
+_SIGTERM: dict = {"describe": None, "linger": None, "resume": None}
 
 
 def shm_buffers(env: dict | None = None) -> list[Path]:
@@ -68,14 +68,17 @@ def install(describe: Callable[[], str] | None = None) -> None:
 
     def on_sigterm() -> None:
         signal.sigwait({signal.SIGTERM})
-        rank = os.environ.get("RANK", "?")
+        # a rank started without a launcher is its job's only rank (deca_ds.runtime.dist)
+        launched = "RANK" in os.environ
+        rank = os.environ.get("RANK", "0")
         try:
             said = _SIGTERM["describe"]() if _SIGTERM["describe"] else ""
         except Exception as e:  # the store may be gone with rank 0
             said = f"(the heartbeat board could not be read: {type(e).__name__})"
-        print(f"\n[rank {rank}] stopped by SIGTERM (the launcher stops every rank once one fails; so does a "
-              f"time limit){': ' if said else ''}{said}\n[rank {rank}] it was at:\n{main_thread_at()}",
-              file=sys.stderr, flush=True)
+        resume = resume_note()
+        why = " (the launcher stops every rank once one fails; so does a time limit)" if launched else ""
+        print(f"\n[rank {rank}] stopped by SIGTERM{why}{': ' if said else ''}{said}\n[rank {rank}] it was at:\n"
+              f"{main_thread_at()}" + (f"[rank {rank}] {resume}\n" if resume else ""), file=sys.stderr, flush=True)
         remove_shm_buffers()
         os._exit(143)
 
@@ -93,10 +96,24 @@ def installed() -> bool:
     return _SIGTERM.get("installed", False)
 
 
-def set_board(describe: Callable[[], str], linger: Callable[[float], object]) -> None:
-    """Once the heartbeat board can be read: what the SIGTERM line says (its silent ranks), and
-    how rank 0 waits, a given time at most, for the other ranks to read it."""
+def set_board(describe: Callable[[], str] | None, linger: Callable[[float], object]) -> None:
+    """Once the heartbeat board can be read: what the SIGTERM line says (its silent ranks; None
+    for a job of one rank), and how rank 0 waits, a given time at most, for the other ranks to
+    read it."""
     _SIGTERM["describe"], _SIGTERM["linger"] = describe, linger
+
+
+def set_resume(note: Callable[[], str]) -> None:
+    """What the SIGTERM lines end with: where the run would go on from (`note()`, read then)."""
+    _SIGTERM["resume"] = note
+
+
+def resume_note() -> str:
+    """Where a new run would go on from (set_resume's note, read now; "" before the run knows)."""
+    try:
+        return _SIGTERM["resume"]() if _SIGTERM["resume"] else ""
+    except Exception as e:  # a file system that does not answer
+        return f"(its checkpoints could not be read: {type(e).__name__})"
 
 
 def linger(timeout_s: float) -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -163,6 +164,9 @@ def choose_resume_step(complete: list[list[int]], problems: list[dict[int, str]]
     """From every rank's verified steps and reasons: the newest step complete everywhere, and a
     line for each newer step skipped (client and reason)."""
     common = set.intersection(*(set(c) for c in complete))
+    if not any(complete) and not any(problems):
+        raise ValueError("--resume: the run wrote no checkpoint (--checkpoint-interval N writes one every N steps); "
+                         "--overwrite starts it afresh")
     if not common:
         reasons = "; ".join(f"client {r // ranks_per_client}: step {s}: {why}"
                             for r, p in enumerate(problems) for s, why in sorted(p.items()))
@@ -355,7 +359,8 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     # module looks alike to DeepSpeed's broadcast.
     optimizer = plan.method.optimizer(model, mixer, before_activate=offload.activate if offload.enabled else None)
     # stopped by the launcher (another rank failed): name who went silent before exiting
-    cleanup.set_board(lambda: heartbeat.silent_ranks(optimizer.global_step, 1.0), heartbeat.wait_for_readers)
+    cleanup.set_board((lambda: heartbeat.silent_ranks(optimizer.global_step, 1.0)) if world_size > 1 else None,
+                      heartbeat.wait_for_readers)
     prefix = FrozenPrefix(model, partition, offload) if offload.enabled else None
     if "activation_checkpointing" in ds_config:
         enable_activation_checkpointing(model)
@@ -380,6 +385,9 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
             outputs.record_resume(out, plan.resume_changes)
         else:
             write_run_config(out, opts, ds_config, plan.topology, partition, layout, task, plan.trainable, placement)
+    if rank == 0:  # stopped by SIGTERM (a time limit, a scheduler): where a new run would go on from
+        cleanup.set_resume(partial(ckpt.resume_note, out, layout.client, layout.ranks_per_client,
+                                   opts.checkpoint_interval))
     dist.barrier()
     metrics = (MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard)
                if layout.local_rank == 0 else None)
