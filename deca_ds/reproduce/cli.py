@@ -8,6 +8,7 @@ import shlex
 import signal
 import sys
 from functools import partial
+from typing import Callable
 
 from ..reporting import invocation, pin_cpu_kernels
 from ..runtime.fetch import fetch_hub
@@ -26,14 +27,14 @@ from .cells import (
 from .figures import write_figures
 from .footprint import estimate_cells
 from .generation import judge_cells
-from .grid import BACKENDS, GridError, grid_names, load_grid, parse_settings
+from .grid import BACKENDS, Cell, Grid, GridError, grid_names, load_grid, parse_settings
 from .paper import published_cells
-from .placement import placement
+from .placement import Placement, placement
 from .pretrain import kernels_note
 from .report import recorded_results, write_report
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deca-reproduce", description=__doc__)
     p.add_argument("grid", help=f"grid file (YAML), or a shipped grid's name ({', '.join(grid_names())})")
     p.add_argument("--runs-dir", help="where the cells run (default: the grid's runs_dir)")
@@ -79,7 +80,44 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only the cells with these values (task, method, topology, clients, layers_per_block, "
                         "seed, or a table they feed), e.g. --only seed=0 method=deca,dec_lora; the tables still take "
                         "every finished cell")
-    args = p.parse_args(argv)
+    return p
+
+
+def list_cells(grid: Grid, select: Callable[[Cell], bool], todo: list[Cell], done: list[Cell],
+               base: str | None, place: Placement, *, log: Callable[[str], object]) -> None:
+    """--dry-run: the base model's state, then each cell's budget, tables and state (finished, running
+    where and how far, to run from a checkpoint or afresh), and what a run would do."""
+    if base:
+        log(f"model {grid.pretrain.output_dir}: {base}" + (f" ({grid.pretrain.steps} steps, before the first "
+                                                            "cell)" if base == "to pretrain" else ""))
+        if base == "pretrained" and (note := kernels_note(grid.pretrain.output_dir)):
+            log(note)
+    sha = base_weights(grid)
+    for cell in grid.cells:
+        steps, examples = grid.budgets[cell.key]
+        d = grid.cell_dir(cell)
+        held = None if cell in done else holder(d)
+        if cell in done or not select(cell):
+            state = "finished" if cell in done else "not selected"
+        elif held:
+            state = f"running ({held}), step {steps_done(d)} of {steps}"
+        else:
+            resume = resume_step(grid, cell, d, sha)
+            logged = steps_done(d) if resume is None and d.is_dir() else 0  # a stopped run, no checkpoint
+            rate = seconds_per_step(d) if logged else None
+            state = (f"to run from its checkpoint at step {resume} of {steps}" if resume is not None else
+                     f"to run afresh (an earlier run stopped at step {logged} of {steps}"
+                     + (f", {rate:.2f} s a step" if rate else "") + ")" if logged else "to run")
+        log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
+    if grid.paper:
+        log(f"the paper's {grid.paper} numbers beside {len(published_cells(grid.cells, grid.paper))} of the "
+            f"{len(grid.cells)} cells")
+    log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
+        f"timeout {grid.cell_timeout_s:g} s per cell, on {place.where})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     log = partial(print, flush=True)
     try:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs,
@@ -121,33 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.dry_run:
-        if base:
-            log(f"model {grid.pretrain.output_dir}: {base}" + (f" ({grid.pretrain.steps} steps, before the first "
-                                                                "cell)" if base == "to pretrain" else ""))
-            if base == "pretrained" and (note := kernels_note(grid.pretrain.output_dir)):
-                log(note)
-        sha = base_weights(grid)
-        for cell in grid.cells:
-            steps, examples = grid.budgets[cell.key]
-            d = grid.cell_dir(cell)
-            held = None if cell in done else holder(d)
-            if cell in done or not select(cell):
-                state = "finished" if cell in done else "not selected"
-            elif held:
-                state = f"running ({held}), step {steps_done(d)} of {steps}"
-            else:
-                resume = resume_step(grid, cell, d, sha)
-                logged = steps_done(d) if resume is None and d.is_dir() else 0  # a stopped run, no checkpoint
-                rate = seconds_per_step(d) if logged else None
-                state = (f"to run from its checkpoint at step {resume} of {steps}" if resume is not None else
-                         f"to run afresh (an earlier run stopped at step {logged} of {steps}"
-                         + (f", {rate:.2f} s a step" if rate else "") + ")" if logged else "to run")
-            log(f"{cell.key}: {steps} steps x {examples} examples per client step, tables {list(cell.tables)}, {state}")
-        if grid.paper:
-            log(f"the paper's {grid.paper} numbers beside {len(published_cells(grid.cells, grid.paper))} of the "
-                f"{len(grid.cells)} cells")
-        log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
-            f"timeout {grid.cell_timeout_s:g} s per cell, on {place.where})")
+        list_cells(grid, select, todo, done, base, place, log=log)
         return 0
     # a scheduler's or timeout's SIGTERM unwinds like Ctrl-C: run_grid then stops the running cells. Unblocked
     # first: a mask inherited through exec (a job runner's) would hold it pending for ever.
