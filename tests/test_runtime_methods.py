@@ -103,3 +103,54 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
         model = AutoModelForCausalLM.from_pretrained(consensus)
         mean = sum(client_params(out, c)["model.layers.1.self_attn.q_proj.weight"] for c in range(N)) / N
         torch.testing.assert_close(model.model.layers[1].self_attn.q_proj.weight.detach(), mean, rtol=0, atol=1e-6)
+
+
+def _decaf_consensus_mid_run(rank: int, init: str, world: int) -> dict:
+    """Rank `rank` of a gloo job: a DeCAF client whose factors differ from the other clients',
+    evaluated mid-run (consensus_weights). Each pair's B A of its own, inside x̄ and afterwards."""
+    import torch.distributed as dist
+
+    from deca_ds.methods import AdamConfig, DeCAF
+    from deca_ds.runtime.consensus import consensus_weights
+    from helpers import tiny_llama
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        method = DeCAF(AdamConfig(steps=1), rank=2, dropout=0.0)
+        model = method.prepare(tiny_llama(layers=1, dtype=torch.float32))
+        noise = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for p in method.trainable(model):  # B starts at zero: every client's own factors
+                p.add_(torch.randn(p.shape, generator=noise), alpha=0.1)
+        optimizer = method.optimizer(model)
+        weights, master = [p.detach().clone() for p in model.parameters()], optimizer.master.clone()
+
+        def products() -> list[torch.Tensor]:
+            return [(B @ A).detach().clone() for A, B in method.lora_pairs(model)]
+
+        own = products()
+        with consensus_weights(model, optimizer):
+            inside = products()
+        kept = (all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+                and torch.equal(optimizer.master, master))
+        return {"own": own, "inside": inside, "kept": kept}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_decaf_is_evaluated_mid_run_as_its_consensus_not_the_mean_of_its_factors(tmp_path):
+    """--eval-interval scores DeCAF's x̄ as the run's end forms it, TSVD_r((1/N) Σ_i B_i A_i) per LoRA
+    pair (derived here by an SVD of the clients' mean product), and each client's weights and master
+    come back bit for bit afterwards."""
+    from ranks import run_on_ranks
+
+    world = 2
+    got = run_on_ranks(_decaf_consensus_mid_run, world, f"file://{tmp_path / 'store'}", world)
+    assert all(g["kept"] for g in got)
+    for k in range(len(got[0]["own"])):
+        mean = sum(g["own"][k] for g in got).double() / world
+        U, S, Vh = torch.linalg.svd(mean, full_matrices=False)
+        want = (U[:, :2] * S[:2]) @ Vh[:2]
+        assert torch.linalg.matrix_rank(mean) > 2  # so the truncation is not the mean itself
+        for g in got:
+            torch.testing.assert_close(g["inside"][k].double(), want, rtol=1e-4, atol=1e-5)

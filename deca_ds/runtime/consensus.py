@@ -55,17 +55,27 @@ def to_consensus_(model, device: torch.device | None = None, chunk: int = MIX_CH
 
 
 @contextmanager
-def consensus_weights(model):
-    """Evaluate x̄ in the middle of training: the client's own weights wait in host memory and
-    come back bit for bit (the optimizer's master copy is not touched)."""
+def consensus_weights(model, optimizer):
+    """Evaluate x̄ in the middle of training, formed as at the run's end: the clients' mean, or a
+    method's own combination where it does not combine linearly (DeCAF: the mean of its factors
+    would stand for no client's update). The client's own weights wait in host memory and come back
+    bit for bit, and so does such a method's trainable vector (the clients' mean leaves the
+    optimizer's master copy alone)."""
     own = [p.detach().to("cpu", copy=True) for p in model.parameters()]
-    to_consensus_(model)
+    vector = None if optimizer.linear else optimizer.consensus_vector()
+    saved = None if vector is None else vector.detach().to("cpu", copy=True)
+    if saved is None:
+        to_consensus_(model)
+    else:
+        factor_consensus_(optimizer)
     try:
         yield
     finally:
         with torch.no_grad():
-            for p, saved in zip(model.parameters(), own):
-                p.copy_(saved)
+            for p, weights in zip(model.parameters(), own):
+                p.copy_(weights)
+            if saved is not None:
+                vector.copy_(saved)
 
 
 def factor_consensus_(optimizer) -> float:

@@ -489,7 +489,7 @@ class Job:
             # the first step of a block also runs the layers below it for all the block's steps
             record.update(t_prefix=float(t_prefix), bytes_streamed=offload.bytes_streamed - streamed)
         if opts.eval_interval and (step + 1) % opts.eval_interval == 0:
-            record.update(evaluate_during_training(self.engine.module, self.task, opts, layout))
+            record.update(evaluate_during_training(self.engine.module, optimizer, self.task, opts, layout))
         if self.skipped:
             record["nonfinite_skipped"] = self.skipped
         if step == self.start:
@@ -596,12 +596,13 @@ class Job:
         return result
 
 
-def evaluate_during_training(model, task: Task, opts: RunOptions, layout: ClientLayout) -> dict:
+def evaluate_during_training(model, optimizer: DecentralizedOptimizer, task: Task, opts: RunOptions,
+                             layout: ClientLayout) -> dict:
     """Metrics of x̄ (scored on rank 0, logged by every client) and, with --eval-clients, of each
     client's own model. Every rank takes part: forming x̄ is collective."""
     limit = opts.eval_limit or None
     result = [None]
-    with consensus_weights(model):
+    with consensus_weights(model, optimizer):
         if layout.rank == 0:
             result[0] = task.evaluate(model, limit)
         dist.broadcast_object_list(result, src=0)
