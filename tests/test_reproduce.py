@@ -743,11 +743,13 @@ def test_deepspeed_cells_run_side_by_side_each_at_its_own_rendezvous(tmp_path, c
     assert len(ports) == 2 and all((built.cell_dir(c) / "final.json").is_file() for c in built.cells)
 
 
-def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gpu(tmp_path):
-    """One Dec-LoRA cell (dropout on) three ways: simulated in one process, on the deepspeed
-    launcher's ranks, and with clients_per_gpu 2 on two ranks torchrun starts on one GPU (here CPU
-    ranks, which ignore its --device-map) over gloo: every step's loss and the scores are the same,
-    so where a grid's cells run changes no result (one thread each: torchrun's default)."""
+@pytest.mark.parametrize("method", ["dec_lora", "decaf"])
+def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gpu(tmp_path, method):
+    """One Dec-LoRA cell (dropout on), and one of DeCAF (its consensus is no mean), three ways:
+    simulated in one process, on the deepspeed launcher's ranks, and with clients_per_gpu 2 on two
+    ranks torchrun starts on one GPU (here CPU ranks, which ignore its --device-map) over gloo: every
+    step's loss and the scores and the final consensus distance are the same, so where a grid's
+    cells run changes no result (one thread each: torchrun's default)."""
     from deca_ds.reproduce.cells import run_grid
     from deca_ds.reproduce.placement import Placement
 
@@ -755,7 +757,7 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
     for name, backend, sharing in (("simulated", "simulate", 1), ("ranks", "deepspeed", 1),
                                    ("shared", "deepspeed", 2)):
         ranks = {"ds_config": "ds_configs/cpu_demo.json", "clients_per_gpu": sharing} if backend == "deepspeed" else {}
-        grid = tiny_grid("tiny", backend=backend, methods=["dec_lora"], seeds=[0], threads=1,
+        grid = tiny_grid("tiny", backend=backend, methods=[method], seeds=[0], threads=1,
                          runs_dir=str(tmp_path / name), **ranks)
         grid["options"].update(clients=2, topology="ring", eval_limit=8)
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(grid))

@@ -78,15 +78,13 @@ def consensus_weights(model, optimizer):
                 vector.copy_(saved)
 
 
-def factor_consensus_(optimizer) -> float:
+def factor_consensus_(optimizer) -> None:
     """x̄ of a method whose combination is not linear (DeCAF): its own combination of every
     client's vector with uniform weights (each client's G ranks hold the same vector; the frozen
-    weights are the same everywhere). Returns ‖x_i − x̄‖ over the trainable vector."""
+    weights are the same everywhere)."""
     x = optimizer.consensus_vector()
     gathered = all_gather_(x)
-    before = x.clone()
     optimizer.combine_now(ClientView([(1 / len(gathered), g) for g in gathered], x))
-    return torch.linalg.vector_norm(before - x).item()
 
 
 def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, layout: ClientLayout,
@@ -97,7 +95,12 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
         directory = out / "clients" / f"client_{layout.client:03d}"
         ckpt.save_hf_model(model, directory, tokenizer, state=method.plain_state(model))
         method.save_extras(model, directory)
-    distance = to_consensus_(model, device) if optimizer.linear else factor_consensus_(optimizer)
+    if optimizer.linear:
+        distance = to_consensus_(model, device)
+    else:  # the trainable vector's distance to the clients' mean, as during training: DeCAF's combination
+        # factorizes anew, so clients that agree to the bit would be at a distance from its factors
+        distance = consensus_distance(optimizer.consensus_vector())
+        factor_consensus_(optimizer)
     if layout.rank == 0 and opts.export:
         model = method.save_consensus(model, out / "consensus", tokenizer)
     return distance, model
