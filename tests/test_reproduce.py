@@ -915,8 +915,11 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
 
 def test_a_simulated_cell_compiles_its_layers_where_asked(tmp_path, monkeypatch):
     """compile_layers in a simulated cell, as deca-train's --compile-layers: the clients' decoder
-    layers run compiled (Dynamo makes graphs), and the cell trains as the eager cell does, to fp32
-    rounding, LoRA's dropout included."""
+    layers run compiled, one compiled forward for every layer of every client (a graph where the
+    layer's input needs no gradient, the first layer's, and one where it does; not one per layer or
+    client, which would recompile past Dynamo's limit of 8 and run eager in a GPU grid's cells of 8
+    clients of 12 layers), and the cell trains as the eager cell does, to fp32 rounding, LoRA's
+    dropout included."""
     from torch._dynamo.utils import counters
 
     from deca_ds.reproduce import cells, simulated
@@ -934,7 +937,7 @@ def test_a_simulated_cell_compiles_its_layers_where_asked(tmp_path, monkeypatch)
         graphs = counters["stats"]["unique_graphs"]
         with torch_threads():
             simulated.run_simulated(d)
-        assert (counters["stats"]["unique_graphs"] > graphs) == compiled
+        assert counters["stats"]["unique_graphs"] - graphs == (2 if compiled else 0), dict(counters["stats"])
         losses[compiled] = [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert len(losses[True]) == 8
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
