@@ -389,3 +389,14 @@ def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_pat
         resolve("--run", str(tmp_path))
     with pytest.raises(ValueError, match="give --model .* or --run"):
         resolve("--dataset", "synthetic")
+    # --checkpoint: x̄ of the run's checkpoints, its test set encoded by the run's model's tokenizer
+    (run / "run_config.json").write_text(json.dumps({"options": {**saved, "model": "base"}}))
+    model, _, opts = resolve("--run", str(run), "--checkpoint", "latest")
+    assert (model, opts.model) == (str(run / "checkpoints"), "base")
+    with pytest.raises(ValueError, match="give --model or --checkpoint, not both"):
+        resolve("--run", str(run), "--checkpoint", "3", "--model", "m")
+    with pytest.raises(ValueError, match="--checkpoint takes the checkpoints of a run: give --run"):
+        resolve("--model", "m", "--checkpoint", "3")
+    for bad in ("0", "last"):
+        with pytest.raises(SystemExit):
+            resolve("--run", str(run), "--checkpoint", bad)

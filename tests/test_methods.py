@@ -80,6 +80,10 @@ def test_the_interfaces_are_declared_and_combine_now_is_refused_where_the_consen
     for name in sorted(set(METHODS) - {"deca"}):
         with pytest.raises(ValueError, match=f"{name} trains all its parameters at every step: it activates no"):
             make(name).optimizer(base_model(2), before_activate=seen.append)
+    # a method says, before any optimizer exists, whether its consensus is the mean (deca-eval --checkpoint)
+    for name in sorted(METHODS):
+        method = make(name)
+        assert method.linear == method.optimizer(method.prepare(base_model(2))).linear == (name != "decaf")
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))

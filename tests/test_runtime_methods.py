@@ -19,7 +19,8 @@ from deca_ds.data import ClientStream
 from deca_ds.methods import load_adapters
 from deca_ds.optimizer import model_partition
 from deca_ds.rng import ClientGenerators
-from deca_ds.runtime import trainer
+from deca_ds.runtime import evaluate, trainer
+from deca_ds.runtime.checkpoint_consensus import checkpoint_step
 from deca_ds.runtime.evaluate import load_export
 from deca_ds.runtime.options import parse_args
 from helpers import torch_threads
@@ -30,7 +31,7 @@ STEPS = 6
 RUN = ["--ds_config", PRESET, "--topology", "ring", "--steps", str(STEPS), "--micro-batch", "4", "--lr", "3e-3",
        "--max-seq-len", "32", "--eval-limit", "32", "--consensus-interval", "0", "--save-clients",
        "--timeout", "60", "--lora-rank", "4", "--adapter-size", "8", "--mix-every", "2",
-       "--checkpoint-interval", "3"]
+       "--checkpoint-interval", "3", "--eval-interval", "3"]
 
 
 def simulated(args: list[str]):
@@ -84,7 +85,14 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
     assert {"t_local_update", "t_exchange", "t_aggregate"} <= set(rows[0]) and rows[0]["block"] is None
     # ring: 2 neighbors × the trainable vector × 4 bytes on every second step (--mix-every 2)
     assert [r["bytes_sent"] for r in rows] == [0, 2 * 4 * run["trainable_params"]] * (STEPS // 2)
-    assert (out / "checkpoints").is_dir()
+    # deca-eval --checkpoint forms x̄ of the step-3 checkpoint in one process as the run formed it then
+    # (--eval-interval 3: the clients' mean, DeCAF's combination) and scores it the same
+    evaluated = {k.removeprefix("eval_consensus_"): v for k, v in rows[2].items() if k.startswith("eval_consensus_")}
+    evaluate.main(["--run", str(out), "--checkpoint", "3", "--eval-limit", "32", "--out", str(tmp_path / "e.json")])
+    scored = json.loads((tmp_path / "e.json").read_text())
+    assert scored["checkpoint"] == 3 and scored["classification"] == evaluated, (scored, evaluated)
+    with pytest.raises(ValueError, match=r"checkpoint step 4 .*\(steps complete for every client: \[3\]\)"):
+        checkpoint_step(out, N, 1, 4)
 
     consensus = out / "consensus"
     if name in ("dec_lora", "decaf"):

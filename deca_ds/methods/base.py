@@ -21,6 +21,8 @@ from ..mixing import Mixer
 
 class Method(ABC):
     name: str = ""
+    # whether its optimizer's combination is linear (DecentralizedOptimizer.linear): then x̄ is the clients' mean
+    linear: bool = True
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model to train: `model` itself, or a wrapper with the method's added parameters,

@@ -264,6 +264,7 @@ class DeCAFAdam(MixedAdam):
 
 class DeCAF(DecLoRA):
     name = "decaf"
+    linear = DeCAFAdam.linear
 
     def adam(self, model: nn.Module, mixer: Mixer | None) -> DeCAFAdam:
         return DeCAFAdam(model, self.lora_pairs(model), self.config, mixer=mixer)

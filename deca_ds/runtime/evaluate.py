@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", metavar="OUTPUT_DIR",
                    help="a deca-train output directory: its consensus/ (unless --model) scored on the run's test "
                         "set, with the run's data options (run_config.json; the command line wins)")
+    p.add_argument("--checkpoint", metavar="STEP", type=_step,
+                   help="with --run: x̄ of the clients' checkpoints at STEP ('latest': the newest complete for every "
+                        "client), formed as the run forms it at its end, in place of its consensus/: a run stopped "
+                        "early, or one step of a finished run's (as many as --keep-checkpoints kept)")
     p.add_argument("--out", required=True, help="JSON file of the results")
     fields = {f.name: f for f in dataclasses.fields(RunOptions)}
     p.add_argument("--working-dtype", choices=fields["working_dtype"].metadata["choices"],
@@ -69,12 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _step(value: str) -> int | str:
+    if value == "latest":
+        return value
+    try:
+        step = int(value)
+    except ValueError:
+        step = 0
+    if step < 1:
+        raise argparse.ArgumentTypeError(f"a checkpoint's step (an integer >= 1) or 'latest', got {value!r}")
+    return step
+
+
 def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | None]:
     """(the model to score, the dtype it computes in (None: the device's), the options of its test
     set (None: no classification)) of parsed arguments: deca-eval's defaults < the run's (--run) <
     the command line."""
     given = {name: value for name, value in vars(args).items() if name in FLAGS}
-    values, model, dtype = dict(DEFAULTS), args.model, args.working_dtype
+    values, model, dtype, tokenizer_of = dict(DEFAULTS), args.model, args.working_dtype, None
     if args.run is not None:
         run = Path(args.run)
         config = run / "run_config.json"
@@ -88,16 +104,24 @@ def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | Non
         # the run scored x̄ in its working dtype: the same number needs the same dtype
         dtype = dtype or ran.pop("working_dtype", "fp32")
         values.update(ran)
-        if model is None:
+        if args.checkpoint is not None:
+            if model is not None:
+                raise ValueError("--checkpoint forms x̄ from the run's checkpoints: give --model or --checkpoint, "
+                                 "not both")
+            model, tokenizer_of = str(run / "checkpoints"), saved.get("model", "tiny")
+        elif model is None:
             if not (run / "consensus").is_dir():
                 raise ValueError(f"--run {run}: the run exported no consensus/ (run with --no-export, or not "
                                  "finished); give --model")
             model = str(run / "consensus")
+    elif args.checkpoint is not None:
+        raise ValueError("--checkpoint takes the checkpoints of a run: give --run (its output directory)")
     if model is None:
         raise ValueError("give --model (an exported model directory or hub id) or --run (a deca-train output "
                          "directory)")
     values.update(given)
-    return model, dtype, None if values["dataset"] is None else RunOptions(model=model, **values)
+    # the model's tokenizer encodes the test set; a checkpoint's is its run's model's
+    return model, dtype, None if values["dataset"] is None else RunOptions(model=tokenizer_of or model, **values)
 
 
 def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False):
@@ -136,14 +160,20 @@ def evaluate(args: argparse.Namespace) -> dict:
     trust = getattr(args, "trust_remote_code", False)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
-    model = load_export(path, dtype=parse_dtype(dtype), trust_remote_code=trust).to(device)
-    results: dict = {"model": path, "working_dtype": dtype}
+    if args.checkpoint is None:
+        model = load_export(path, dtype=parse_dtype(dtype), trust_remote_code=trust).to(device)
+        results: dict = {"model": path, "working_dtype": dtype}
+    else:
+        model, tokenizer, step = _checkpoint_consensus(Path(args.run), args.checkpoint, device, trust)
+        model.to(parse_dtype(dtype))
+        results = {"model": path, "checkpoint": step, "working_dtype": dtype}
     if opts is not None:
         results["options"] = {name: getattr(opts, name) for name in (*TEST_SET, "eval_limit")}
         results["classification"] = evaluator(opts)(model, opts.eval_limit or None)
     if args.questions is not None:
         answers = Path(args.answers or Path(args.out).with_suffix(".answers.jsonl"))
-        tokenizer = load_tokenizer(path, trust_remote_code=trust)
+        if args.checkpoint is None:
+            tokenizer = load_tokenizer(path, trust_remote_code=trust)
         rows = generate_answers(model, tokenizer, args.questions, answers, max_new_tokens=args.max_new_tokens)
         results["answers"] = str(answers)
         results["rouge"] = rouge_l_of_answers(rows)
@@ -156,6 +186,22 @@ def evaluate(args: argparse.Namespace) -> dict:
     Path(args.out).write_text(text)
     print(text)
     return results
+
+
+def _checkpoint_consensus(run: Path, step: int | str, device: torch.device, trust_remote_code: bool):
+    """(x̄ of the run's checkpoint `step` in its working dtype, the run's tokenizer, the step); the
+    model repo's own code runs only if this command allows it, as for an export."""
+    from ..models import load_tokenizer
+    from .checkpoint_consensus import checkpoint_consensus, checkpoint_step, run_options
+    from .task import build_task
+
+    opts, n_clients = run_options(run)
+    opts = dataclasses.replace(opts, trust_remote_code=trust_remote_code)
+    step = checkpoint_step(run, n_clients, opts.ranks_per_client, None if step == "latest" else step)
+    # the built-in tiny Llama's vocabulary is the task's word tokenizer's, made as the run made it
+    tokenizer = (build_task(opts, n_clients).tokenizer if opts.model == "tiny" else
+                 load_tokenizer(opts.model, trust_remote_code=trust_remote_code))
+    return checkpoint_consensus(run, step, opts, n_clients, tokenizer, device), tokenizer, step
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,83 @@
+"""x̄ of a run's checkpoint, formed in one process from every client's saved state (deca-eval
+--checkpoint): the consensus the run would have had at that step, as the run forms it (the clients'
+mean, or a non-linear method's own combination with uniform weights), without resuming the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..mixing import ClientView
+from ..optimizer import model_partition
+from . import checkpoint as ckpt
+from .options import RunOptions, convert_options
+
+
+def run_options(root: Path) -> tuple[RunOptions, int]:
+    """(the run's options, its number of clients) from its run_config.json, converted and checked as
+    a run file's (an option this version does not know is named)."""
+    config = root / "run_config.json"
+    saved = json.loads(config.read_text())
+    return RunOptions(**convert_options(saved["options"], str(config))), saved["n_clients"]
+
+
+def checkpoint_step(root: Path, n_clients: int, ranks_per_client: int, step: int | None) -> int:
+    """`step` (None: the newest) if every client's checkpoint of it verifies (sizes and sha256);
+    else a ValueError naming the steps that do and why the others do not."""
+    scans = [ckpt.scan_steps(root, c, ranks_per_client) for c in range(n_clients)]
+    common = sorted(set.intersection(*(set(complete) for complete, _ in scans)))
+    if step in common or (step is None and common):
+        return common[-1] if step is None else step
+    why = "; ".join(f"client {c}: {problems[s]}" for c, (_, problems) in enumerate(scans)
+                    for s in ([step] if step is not None else sorted(problems)) if s in problems)
+    held = f"steps complete for every client: {common}" if common else "no step is complete for every client"
+    asked = "no checkpoint" if step is None else f"checkpoint step {step}"
+    raise ValueError(f"--checkpoint: {asked} to form x̄ from in {root / 'checkpoints'} ({held}"
+                     + (f"; {why}" if why else "") + ")")
+
+
+def mean_of_weights(model: torch.nn.Module, paths: list[Path]) -> None:
+    """Each tensor of `model` the mean of the save_model files' (in at least fp32, as the run forms
+    x̄), one tensor at a time: besides the model, one tensor's sum is held."""
+    ckpt.load_weights(model, paths[0])  # checks that the files hold the model's tensors
+    own = model.state_dict(keep_vars=True)
+    with ExitStack() as files, torch.no_grad():
+        others = [files.enter_context(safe_open(str(p), framework="pt", device="cpu", backend="pread"))
+                  for p in paths[1:]]
+        names = sorted(safe_open(str(paths[0]), framework="pt", device="cpu").keys())
+        for path, f in zip(paths[1:], others):
+            if sorted(f.keys()) != names:
+                raise ValueError(f"checkpoint {path} holds other tensors than {paths[0]}")
+        for name in names:
+            tensor = own[name]
+            total = tensor.to(torch.promote_types(tensor.dtype, torch.float32), copy=True)
+            for f in others:
+                total += f.get_tensor(name).to(total.device)
+            tensor.copy_(total.div_(len(paths)))
+
+
+def checkpoint_consensus(root: Path, step: int, opts: RunOptions, n_clients: int, tokenizer,
+                         device: torch.device) -> torch.nn.Module:
+    """x̄ of checkpoint `step` on `device`: the run's model as its method trains it, with the clients'
+    mean weights, or for a method whose combination is not linear (DeCAF) client 0's with its own
+    combination of every client's vector, as the run forms x̄ at its end."""
+    from .trainer import build_model
+
+    model = build_model(dataclasses.replace(opts, offload="none", device_map="auto"), len(tokenizer))
+    method = opts.build_method(model_partition(model, opts.deca_config()))
+    model = method.prepare(model).to(device)
+    dirs = [ckpt.client_dir(root, step, c) for c in range(n_clients)]
+    if method.linear:
+        mean_of_weights(model, [d / "model.safetensors" for d in dirs])
+        return model
+    ckpt.load_weights(model, dirs[0] / "model.safetensors")
+    optimizer = method.optimizer(model)
+    states = [torch.load(d / "optimizer.pt", map_location=device, weights_only=True) for d in dirs]
+    optimizer.load_state_dict(states[0])
+    optimizer.combine_now(ClientView([(1 / n_clients, s["master"]) for s in states], optimizer.consensus_vector()))
+    return model
