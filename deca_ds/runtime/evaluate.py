@@ -141,6 +141,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from ..config import parse_dtype
     from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
     from ..models import load_tokenizer
+    from .checkpoint import write_json
     from .task import evaluator, task_kind
 
     path, dtype, opts = resolve(args)
@@ -181,10 +182,8 @@ def evaluate(args: argparse.Namespace) -> dict:
             results["judge"] = judge_answers(answers, endpoint_url=args.judge_url, model=args.judge_model,
                                              api_key_env=args.judge_key_env, references=args.judge_references,
                                              allow_http=args.judge_allow_http)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(results, indent=2, allow_nan=False)
-    Path(args.out).write_text(text)
-    print(text)
+    write_json(Path(args.out), results)  # whole or not at all
+    print(json.dumps(results, indent=2, allow_nan=False))
     return results
 
 
