@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,3 +163,30 @@ def test_decaf_is_evaluated_mid_run_as_its_consensus_not_the_mean_of_its_factors
         assert torch.linalg.matrix_rank(mean) > 2  # so the truncation is not the mean itself
         for g in got:
             torch.testing.assert_close(g["inside"][k].double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_resumed_lora_run_ends_as_the_uninterrupted_one(tmp_path):
+    """A baseline's --resume (Dec-LoRA, dropout on: the masks come from the restored RNG) from its
+    checkpoint at step 3 of 6 ends with the uninterrupted run's weights, bit for bit; one rank
+    without a launcher."""
+    import shutil
+
+    from ranks import start_rank
+    from test_runtime import ROOT, unlaunched_env
+
+    args = [*RUN, "--method", "dec_lora", "--clients", "1", "--eval-interval", "0"]
+
+    def train(out: Path, *extra: str) -> str:
+        rank = start_rank([*args, "--output-dir", str(out), *extra], unlaunched_env(), ROOT, out.with_suffix(".out"),
+                          out.with_suffix(".err"))
+        assert wait_all([rank], timeout=300) == [0], out.with_suffix(".err").read_text()[-3000:]
+        return out.with_suffix(".out").read_text()
+
+    train(tmp_path / "whole")
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "clients")  # the resumed run's own, compared below
+    assert "resumed from step 3 of 6" in train(tmp_path / "resumed", "--resume")
+    assert json.loads((tmp_path / "whole" / "run_config.json").read_text())["options"]["lora_dropout"] > 0
+    whole, resumed = (load_file(tmp_path / d / "clients" / "client_000" / "model.safetensors")
+                      for d in ("whole", "resumed"))
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
