@@ -47,9 +47,9 @@ def mean_of_weights(model: torch.nn.Module, paths: list[Path]) -> None:
     ckpt.load_weights(model, paths[0])  # checks that the files hold the model's tensors
     own = model.state_dict(keep_vars=True)
     with ExitStack() as files, torch.no_grad():
-        others = [files.enter_context(safe_open(str(p), framework="pt", device="cpu", backend="pread"))
-                  for p in paths[1:]]
-        names = sorted(safe_open(str(paths[0]), framework="pt", device="cpu").keys())
+        first, *others = [files.enter_context(safe_open(str(p), framework="pt", device="cpu", backend="pread"))
+                          for p in paths]
+        names = sorted(first.keys())
         for path, f in zip(paths[1:], others):
             if sorted(f.keys()) != names:
                 raise ValueError(f"checkpoint {path} holds other tensors than {paths[0]}")

@@ -62,11 +62,10 @@ def consensus_weights(model, optimizer):
     bit for bit, and so does such a method's trainable vector (the clients' mean leaves the
     optimizer's master copy alone)."""
     own = [p.detach().to("cpu", copy=True) for p in model.parameters()]
-    vector = None if optimizer.linear else optimizer.consensus_vector()
-    saved = None if vector is None else vector.detach().to("cpu", copy=True)
-    if saved is None:
+    if optimizer.linear:
         to_consensus_(model)
     else:
+        vector = optimizer.consensus_vector().detach().to("cpu", copy=True)
         factor_consensus_(optimizer)
     try:
         yield
@@ -74,8 +73,8 @@ def consensus_weights(model, optimizer):
         with torch.no_grad():
             for p, weights in zip(model.parameters(), own):
                 p.copy_(weights)
-            if saved is not None:
-                vector.copy_(saved)
+            if not optimizer.linear:
+                optimizer.consensus_vector().copy_(vector)
 
 
 def factor_consensus_(optimizer) -> None:
