@@ -57,12 +57,22 @@ def test_a_directory_without_a_run_is_refused_and_left_alone(user_dir, capsys):
     assert snapshot(user_dir) == before
 
 
+def test_a_run_file_of_the_users_is_never_replaced(tmp_path):
+    """A run writes its options back as config.yaml: a user's own file of that name, say the run file
+    the command reads, is named and kept, even with --overwrite."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.yaml").write_text("# my comments\nsteps: 3\n")
+    with pytest.raises(ValueError, match="holds no deca-ds run but has config.yaml"):
+        outputs.check_output_dir(out, resume=False, overwrite=True)
+
+
 def test_claim_removes_only_what_a_run_writes(tmp_path):
     out = tmp_path / "run"
     for name in ("checkpoints/step_00000003/client_000", "metrics", "consensus", "clients/client_000", "partition"):
         (out / name).mkdir(parents=True)
-    for name in ("run_config.json", "summary.json", "summary.md", "loss_curve.png", "metrics/client_000.jsonl",
-                 "notes.txt", "analysis/plot.py"):
+    for name in ("run_config.json", "config.yaml", "summary.json", "summary.md", "loss_curve.png",
+                 "metrics/client_000.jsonl", "notes.txt", "analysis/plot.py"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("x")
     outputs.check_output_dir(out, resume=False, overwrite=True)  # a run: --overwrite may replace it

@@ -22,8 +22,8 @@ MARKER = "run_owner.json"
 # The results of a finished run: removed before training starts, so that a run that crashes
 # after --overwrite or --resume never leaves them beside a newer run_config.json.
 RESULT_FILES = ("summary.json", "summary.md", "loss_curve.png")
-RUN_OUTPUTS = (MARKER, "run_config.json", *RESULT_FILES, "partition", "checkpoints", "metrics", "tensorboard",
-               "trace", "consensus", "adapter", "clients")
+RUN_OUTPUTS = (MARKER, "run_config.json", "config.yaml", *RESULT_FILES, "partition", "checkpoints", "metrics",
+               "tensorboard", "trace", "consensus", "adapter", "clients")
 
 
 def is_run(out: Path) -> bool:
