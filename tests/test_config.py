@@ -301,7 +301,8 @@ def test_wheel_ships_the_presets_grids_and_commands(tmp_path):
     assert {f"deca_ds/grids/{p.name}" for p in (ROOT / "reproduce").glob("*.yaml")} <= set(names)
     assert "deca_ds/reproduce/paper_tables.yaml" in names  # the paper's numbers, which grids may name
     for line in ("deca-train = deca_ds.train:main", "deca-eval = deca_ds.eval:main",
-                 "deca-estimate = deca_ds.estimate:main", "deca-split = deca_ds.split:main",
+                 "deca-export = deca_ds.export:main", "deca-estimate = deca_ds.estimate:main",
+                 "deca-split = deca_ds.split:main",
                  "deca-reproduce = deca_ds.reproduce.cli:main", "deca-pretrain = deca_ds.reproduce.pretrain:main"):
         assert line in entry_points
     # the unpacked wheel, away from this checkout, finds its presets and grids by name
@@ -320,6 +321,7 @@ def test_wheel_ships_the_presets_grids_and_commands(tmp_path):
 @pytest.mark.parametrize("module, expected", [
     ("deca_ds.train", "--print-config"),
     ("deca_ds.eval", "--questions"),
+    ("deca_ds.export", "--checkpoint"),
     ("deca_ds.estimate", "--layers-per-block"),
 ])
 def test_commands_run_as_modules(module, expected):

@@ -16,10 +16,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import deca_ds
+from deca_ds import export
 from deca_ds.data import ClientStream
-from deca_ds.methods import load_adapters
+from deca_ds.methods import load_adapters, saved_adapters
 from deca_ds.optimizer import model_partition
 from deca_ds.rng import ClientGenerators
+from deca_ds.runtime import checkpoint as ckpt
 from deca_ds.runtime import evaluate, trainer
 from deca_ds.runtime.checkpoint_consensus import checkpoint_step
 from deca_ds.runtime.evaluate import load_export
@@ -63,18 +65,18 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
         with torch.no_grad():
             for pname, p in client.named_parameters():
                 p.copy_(want[c][pname])
-        export = out / "clients" / f"client_{c:03d}"
-        got = load_file(export / "model.safetensors")
+        saved = out / "clients" / f"client_{c:03d}"
+        got = load_file(saved / "model.safetensors")
         if name == "dec_adapter":
-            got |= load_file(export / "adapter" / "adapter_model.safetensors")
+            got |= load_file(saved / "adapter" / "adapter_model.safetensors")
             expected = client.state_dict()
         else:
             expected = method.plain_state(client)
         assert got and set(got) <= set(expected), set(got) - set(expected)
         for tname, value in got.items():
             torch.testing.assert_close(value, expected[tname], rtol=0, atol=1e-6, msg=f"{name} client {c} {tname}")
-        plain = load_export(str(export), dtype=torch.float32).eval()
-        assert AutoTokenizer.from_pretrained(export)("a b c").input_ids
+        plain = load_export(str(saved), dtype=torch.float32).eval()
+        assert AutoTokenizer.from_pretrained(saved)("a b c").input_ids
         with torch.no_grad():
             torch.testing.assert_close(plain(input_ids=ids).logits, client(input_ids=ids).logits,
                                        rtol=1e-5, atol=1e-5, msg=f"{name} client {c} export")
@@ -94,12 +96,21 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
     assert scored["checkpoint"] == 3 and scored["classification"] == evaluated, (scored, evaluated)
     with pytest.raises(ValueError, match=r"checkpoint step 4 .*\(steps complete for every client: \[3\]\)"):
         checkpoint_step(out, N, 1, 4)
+    # deca-export writes that x̄ as the run writes consensus/, which deca-eval scores alike
+    x3 = tmp_path / "x3"
+    export.main(["--run", str(out), "--checkpoint", "3", "--out", str(x3)])
+    assert json.loads((x3 / "deca_export.json").read_text())["checkpoint"] == 3
+    assert (saved_adapters(x3) is not None) == (name == "dec_adapter")  # LoRA's is merged, peft's beside it
+    check_checkpoint_export(x3, [ckpt.client_dir(out, 3, c) / "model.safetensors" for c in range(N)],
+                            rank=4 if name == "decaf" else None)
+    evaluate.main(["--run", str(out), "--model", str(x3), "--eval-limit", "32", "--out", str(tmp_path / "x.json")])
+    assert json.loads((tmp_path / "x.json").read_text())["classification"] == evaluated
 
     consensus = out / "consensus"
     if name in ("dec_lora", "decaf"):
         base = AutoModelForCausalLM.from_pretrained(consensus)  # the merged model, plain transformers
         peft_model = PeftModel.from_pretrained(trainer.build_model(parse_args(args)[0], base.config.vocab_size),
-                                               out / "adapter")
+                                               consensus / "adapter")
         ids = torch.arange(8)[None]
         torch.testing.assert_close(peft_model(input_ids=ids).logits, base(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-4)
@@ -112,6 +123,29 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
         model = AutoModelForCausalLM.from_pretrained(consensus)
         mean = sum(client_params(out, c)["model.layers.1.self_attn.q_proj.weight"] for c in range(N)) / N
         torch.testing.assert_close(model.model.layers[1].self_attn.q_proj.weight.detach(), mean, rtol=0, atol=1e-6)
+
+
+def check_checkpoint_export(directory: Path, checkpoints: list[Path], rank: int | None) -> None:
+    """The exported tensors (the model's and its adapter/'s) against the clients' checkpoints, by
+    name: the clients' mean, or with `rank` (DeCAF) each LoRA pair's B·A the rank-`rank` truncation
+    of the clients' mean product. Some tensor compared must differ between the clients."""
+    def plain(name: str) -> str:
+        return name.removeprefix("base_model.model.").replace(".default.", ".")
+
+    clients = [{plain(k): v.double() for k, v in load_file(path).items()} for path in checkpoints]
+    files = [directory / "model.safetensors", *(directory / "adapter").glob("*.safetensors")]
+    got = {plain(k): v.double() for f in files for k, v in load_file(f).items()}
+    if rank is None:
+        compared = set(got) & set(clients[0])
+        for k in compared:
+            torch.testing.assert_close(got[k], sum(c[k] for c in clients) / len(clients), rtol=0, atol=1e-6, msg=k)
+    else:
+        compared = {k for k in got if ".lora_A." in k}
+        for a in compared:
+            b = a.replace(".lora_A.", ".lora_B.")
+            U, S, Vh = torch.linalg.svd(sum(c[b] @ c[a] for c in clients) / len(clients))
+            torch.testing.assert_close(got[b] @ got[a], U[:, :rank] * S[:rank] @ Vh[:rank], rtol=0, atol=1e-6, msg=a)
+    assert any(not torch.equal(clients[0][k], c[k]) for k in compared for c in clients[1:])
 
 
 def _decaf_consensus_mid_run(rank: int, init: str, world: int) -> dict:

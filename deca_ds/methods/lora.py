@@ -82,9 +82,10 @@ class DecLoRA(AdamMethod):
         return state
 
     def save_consensus(self, model: nn.Module, directory: Path, tokenizer) -> nn.Module:
-        """The adapter in peft format (adapter/) and the merged model W + (α/r)·B̄Ā (consensus/).
-        Merged in place (training is over), so the device never holds a second model."""
-        model.save_pretrained(directory.parent / "adapter", safe_serialization=True)
+        """The merged model W + (α/r)·B̄Ā and, in its adapter/ folder, the adapter in peft format: the
+        export is one directory, wherever it is written. Merged in place (training is over), so the
+        device never holds a second model."""
+        model.save_pretrained(directory / "adapter", safe_serialization=True)
         merged = model.merge_and_unload()
         merged.save_pretrained(directory, safe_serialization=True)
         tokenizer.save_pretrained(directory)

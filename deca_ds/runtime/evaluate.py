@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", metavar="OUTPUT_DIR",
                    help="a deca-train output directory: its consensus/ (unless --model) scored on the run's test "
                         "set, with the run's data options (run_config.json; the command line wins)")
-    p.add_argument("--checkpoint", metavar="STEP", type=_step,
+    p.add_argument("--checkpoint", metavar="STEP", type=checkpoint_arg,
                    help="with --run: x̄ of the clients' checkpoints at STEP ('latest': the newest complete for every "
                         "client), formed as the run forms it at its end, in place of its consensus/: a run stopped "
                         "early, or one step of a finished run's (as many as --keep-checkpoints kept)")
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _step(value: str) -> int | str:
+def checkpoint_arg(value: str) -> int | str:
     if value == "latest":
         return value
     try:
@@ -165,7 +165,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         model = load_export(path, dtype=parse_dtype(dtype), trust_remote_code=trust).to(device)
         results: dict = {"model": path, "working_dtype": dtype}
     else:
-        model, tokenizer, step = _checkpoint_consensus(Path(args.run), args.checkpoint, device, trust)
+        from .checkpoint_consensus import checkpoint_consensus
+
+        model, _, tokenizer, step, *_ = checkpoint_consensus(Path(args.run), args.checkpoint, device, trust)
         model.to(parse_dtype(dtype))
         results = {"model": path, "checkpoint": step, "working_dtype": dtype}
     if opts is not None:
@@ -185,22 +187,6 @@ def evaluate(args: argparse.Namespace) -> dict:
     write_json(Path(args.out), results)  # whole or not at all
     print(json.dumps(results, indent=2, allow_nan=False))
     return results
-
-
-def _checkpoint_consensus(run: Path, step: int | str, device: torch.device, trust_remote_code: bool):
-    """(x̄ of the run's checkpoint `step` in its working dtype, the run's tokenizer, the step); the
-    model repo's own code runs only if this command allows it, as for an export."""
-    from ..models import load_tokenizer
-    from .checkpoint_consensus import checkpoint_consensus, checkpoint_step, run_options
-    from .task import build_task
-
-    opts, n_clients = run_options(run)
-    opts = dataclasses.replace(opts, trust_remote_code=trust_remote_code)
-    step = checkpoint_step(run, n_clients, opts.ranks_per_client, None if step == "latest" else step)
-    # the built-in tiny Llama's vocabulary is the task's word tokenizer's, made as the run made it
-    tokenizer = (build_task(opts, n_clients).tokenizer if opts.model == "tiny" else
-                 load_tokenizer(opts.model, trust_remote_code=trust_remote_code))
-    return checkpoint_consensus(run, step, opts, n_clients, tokenizer, device), tokenizer, step
 
 
 def main(argv: list[str] | None = None) -> None:
