@@ -19,12 +19,21 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds.data import token_range_batches
 from deca_ds.runtime.dist import free_port as dist_free_port
+from deca_ds.runtime.outputs import RUN_OUTPUTS
 
 # 8-bit moments (state_bits 8) need the optional bnb extra; CI installs it, a plain install does not
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="the optional bnb extra is not installed")
 
 VOCAB = 64
+
+
+def assert_only_run_outputs(out: Path) -> None:
+    """What a run wrote into its output directory is all in RUN_OUTPUTS, the entries --overwrite
+    removes and refuses to write over in a directory that holds no run (a user's files)."""
+    written = sorted(p.name for p in out.iterdir())
+    assert set(written) <= set(RUN_OUTPUTS), sorted(set(written) - set(RUN_OUTPUTS))
+
 # Torch threads of every rank a test starts (DECA_RANK_THREADS) and of the simulator it is compared
 # with: CPU matmuls round differently at another count, and Adam amplifies that past the 1e-6 bounds.
 RANK_THREADS = 1

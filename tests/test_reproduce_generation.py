@@ -13,6 +13,7 @@ import yaml
 
 from deca_ds.reproduce import GridError, build_grid, check_finished
 from deca_ds.reproduce.cli import main as reproduce
+from helpers import assert_only_run_outputs
 
 WORDS = "the cat sat on a mat and dog ran to park by red blue green".split()
 
@@ -142,6 +143,7 @@ def test_deepspeed_generation_cells_answer_on_rank_0(files, tmp_path, capsys):
     assert reproduce([str(grid_file)]) == 0, capsys.readouterr()
     d = tmp_path / "runs" / "instruct/ring-n2-lpb1/deca/seed0"  # the preset's ring
     summary = json.loads((d / "train" / "summary.json").read_text())
+    assert_only_run_outputs(d / "train")  # answers/ too
     final = json.loads((d / "final.json").read_text())
     assert final["answered"] == summary["consensus_answers"] and final["answered"]["mt"] == {"questions": 2, "turns": 3}
     rows = [json.loads(line) for line in (d / "answers" / "vic.jsonl").read_text().splitlines()]

@@ -33,7 +33,7 @@ from deca_ds.runtime import trainer
 from deca_ds.runtime.dist import LAUNCH_VARS, ClientLayout, Heartbeat, cap_gpu_memory, init_process_group, torchrun_env
 from deca_ds.runtime.options import parse_args
 from deca_ds.train import main as train_main
-from helpers import RANK_THREADS, free_port, run_script, torch_threads
+from helpers import RANK_THREADS, assert_only_run_outputs, free_port, run_script, torch_threads
 from ranks import Rank, start_rank, wait_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -465,6 +465,7 @@ def test_trace_of_two_steps(tmp_path, profiling_runs):
         {"forward": 2, "backward": 2, "step": 2}
     summary = json.loads((trace / "rank0.json").read_text())
     assert summary["steps"] == [1, 3] and summary["device"] == "cpu"
+    assert_only_run_outputs(tmp_path / "runs" / "deca")  # trace/ too
     metrics = tmp_path / "runs" / "deca" / "metrics" / "client_000.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     step_ms = max(1e3 * (r["t_forward"] + r["t_backward"] + r["t_mix_update"]) for r in records if r["step"] in (1, 2))
@@ -558,6 +559,7 @@ def test_bf16_working_weights_with_working_dtype_mixing(tmp_path):
     assert all(c["loss_end"] < c["loss_start"] - 0.5 for c in summary["clients"]), summary["clients"]
     for c in range(2):
         assert list((out / "tensorboard" / f"client_{c:03d}").glob("events.out.tfevents.*"))
+    assert_only_run_outputs(out)
     # deca-eval --run scores the bf16 export in the run's dtype (on a CPU it would default to fp32)
     from deca_ds.runtime import evaluate
 

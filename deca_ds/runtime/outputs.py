@@ -23,7 +23,7 @@ MARKER = "run_owner.json"
 # after --overwrite or --resume never leaves them beside a newer run_config.json.
 RESULT_FILES = ("summary.json", "summary.md", "loss_curve.png")
 RUN_OUTPUTS = (MARKER, "run_config.json", "config.yaml", *RESULT_FILES, "partition", "checkpoints", "metrics",
-               "tensorboard", "trace", "consensus", "adapter", "clients")
+               "tensorboard", "trace", "consensus", "adapter", "clients", "answers")
 
 
 def is_run(out: Path) -> bool:
