@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -32,39 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_out(out: Path) -> None:
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ValueError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"--out {out} is not empty; deca-export writes only a new or empty directory")
-
-
 def export(args: argparse.Namespace) -> Path:
     import torch
 
-    from .runtime.checkpoint import write_json
+    from .runtime.checkpoint import atomic_directory, vacant, write_json
     from .runtime.checkpoint_consensus import checkpoint_consensus
 
     run, out = Path(args.run), Path(args.out)
     if not (run / "run_config.json").is_file():
         raise ValueError(f"--run {run}: no run_config.json there (not a deca-train output directory)")
-    check_out(out)
+    if not vacant(out):
+        raise ValueError(f"--out {out} holds files (or is one); deca-export writes only a new or empty directory")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x = checkpoint_consensus(run, args.checkpoint, device, args.trust_remote_code)
-    partial = out.absolute().parent / f".{out.name}.partial-{os.getpid()}"
-    if partial.exists():
-        raise ValueError(f"{partial} exists (left by a deca-export that was killed?); remove it")
-    partial.mkdir(parents=True)
-    try:
+    with atomic_directory(out) as partial:
         x.method.save_consensus(x.model, partial, x.tokenizer)
         write_json(partial / MARKER, {"run": str(run.resolve()), "checkpoint": x.step, "method": x.opts.method,
                                       "n_clients": x.n_clients, "working_dtype": x.opts.working_dtype})
-        check_out(out)  # nothing appeared there meanwhile
-        if out.is_dir():
-            out.rmdir()
-        partial.rename(out)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)  # this command's own, complete or not
     return out
 
 

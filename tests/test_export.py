@@ -4,12 +4,14 @@ run writes consensus/, is held per method to the run's own scores on ranks (test
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
 
 from deca_ds import export
 from deca_ds.runtime import checkpoint_consensus
+from deca_ds.runtime.checkpoint import atomic_directory
 
 
 @pytest.fixture
@@ -32,10 +34,10 @@ def test_an_out_that_holds_anything_is_refused_and_left_alone(run, tmp_path, cap
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     err = refused(["--run", str(run), "--checkpoint", "3", "--out", str(out)], capsys)
-    assert f"--out {out} is not empty" in err, err
+    assert f"--out {out} holds files" in err, err
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
     (tmp_path / "file").write_text("x")
-    assert "exists and is not a directory" in refused(["--run", str(run), "--checkpoint", "3",
+    assert "holds files (or is one)" in refused(["--run", str(run), "--checkpoint", "3",
                                                        "--out", str(tmp_path / "file")], capsys)
     assert "no run_config.json there" in refused(["--run", str(tmp_path), "--checkpoint", "3",
                                                   "--out", str(tmp_path / "new")], capsys)
@@ -71,3 +73,19 @@ def test_an_export_is_whole_or_absent(run, tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", export.MARKER]
     assert json.loads((out / export.MARKER).read_text()) == {
         "run": str(run.resolve()), "checkpoint": 3, "method": "deca", "n_clients": 2, "working_dtype": "bf16"}
+
+
+def test_a_directory_filled_meanwhile_is_left_as_it_is(tmp_path):
+    """atomic_directory renames over an empty directory only; the new one gets the mode any other
+    directory gets under the umask (mkdtemp's would be 0700)."""
+    out = tmp_path / "model"
+    with pytest.raises(OSError):
+        with atomic_directory(out) as partial:
+            (partial / "config.json").write_text("{}")
+            out.mkdir()
+            (out / "theirs.txt").write_text("keep me")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"] and [p.name for p in out.iterdir()] == ["theirs.txt"]
+    with atomic_directory(tmp_path / "new"):
+        mask = os.umask(0)
+        os.umask(mask)
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o777 & ~mask

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections import Counter
@@ -44,7 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
 from ..reporting import cpu_kernels, invocation, kernels_of
-from ..runtime.checkpoint import sha256, write_json
+from ..runtime.checkpoint import atomic_directory, sha256, vacant, write_json
 from ..runtime.dist import to_device
 from ..runtime.options import RunOptions, add_option, per_client
 from ..runtime.task import DATASETS, load_records
@@ -140,7 +139,7 @@ def pretrained_state(opts: PretrainOptions) -> str:
     'to pretrain' when it is absent or empty. ValueError for anything else, naming it: such a
     directory is neither fine-tuned in place of this recipe's model nor overwritten."""
     out = Path(opts.output_dir)
-    if _vacant(out):
+    if vacant(out):
         return "to pretrain"
     record = out / "pretrain.json"
     if not record.is_file():
@@ -203,7 +202,7 @@ def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = No
     from .report import provenance  # report reads the grid, whose `pretrain` section is PretrainOptions
 
     out = Path(opts.output_dir)
-    if not _vacant(out):
+    if not vacant(out):
         raise ValueError(f"{out} already holds files; pretraining writes a new checkpoint and never writes over "
                          "one: give another output directory")
     start = time.perf_counter()
@@ -275,25 +274,14 @@ def _deterministic(device: torch.device):
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-def _vacant(out: Path) -> bool:
-    return not out.exists() or (out.is_dir() and not any(out.iterdir()))
-
-
 def _save(out: Path, model, tokenizer, report: dict) -> None:
     """The checkpoint, its tokenizer and pretrain.json (the report, plus the weights' sha256),
-    whole or not at all: written into a directory beside `out`, then renamed to it (an empty `out`
-    is replaced)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    try:
+    whole or not at all (an empty `out` is replaced)."""
+    with atomic_directory(out) as partial:
         model.save_pretrained(partial, safe_serialization=True)
         report["weights_sha256"] = sha256(partial / WEIGHTS)
         tokenizer.save_pretrained(partial)
         write_json(partial / "pretrain.json", report)
-        partial.replace(out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,8 +20,9 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -42,6 +43,28 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def vacant(path: Path) -> bool:
+    """Absent, or an empty directory: what atomic_directory may write."""
+    if path.is_symlink() or not path.exists():
+        return not path.is_symlink()
+    return path.is_dir() and not any(path.iterdir())
+
+
+@contextmanager
+def atomic_directory(path: Path) -> Iterator[Path]:
+    """A new directory beside `path` to write into, renamed to `path` (absent or an empty directory)
+    when the block ends and removed if it fails: `path` ends up whole or as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 otherwise
+        yield tmp
+        os.replace(tmp, path)  # over an empty directory too; a non-empty one raises and is left alone
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
