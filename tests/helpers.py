@@ -6,6 +6,7 @@ import contextlib
 import copy
 import importlib.util
 import json
+import os
 import runpy
 import sys
 import threading
@@ -26,6 +27,15 @@ HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="the optional bnb extra is not installed")
 
 VOCAB = 64
+
+
+def assert_umask_modes(directory: Path) -> None:
+    """Every file under `directory` has the mode this process's umask gives a new file (the ranks a
+    test starts inherit it): a model or checkpoint a run writes is as readable as its other files."""
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {str(p.relative_to(directory)): oct(p.stat().st_mode & 0o777) for p in directory.rglob("*") if p.is_file()}
+    assert modes and {m for m in modes.values()} == {oct(0o666 & ~mask)}, modes
 
 
 def assert_only_run_outputs(out: Path) -> None:

@@ -38,6 +38,7 @@ from deca_ds.reproduce.report import (
     write_report,
 )
 from deca_ds.runtime.checkpoint import sha256
+from helpers import assert_umask_modes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +74,7 @@ def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
     tokenizer = load_tokenizer(str(out))
     model = load_model(str(out), dtype=torch.float32)
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == len(tokenizer) == report["vocab"]
+    assert_umask_modes(out)
     # the synthetic prompts' words and the label words all have their own ids (no <unk>)
     ids = tokenizer("k0.1 w3 label2 =>", add_special_tokens=False)["input_ids"]
     assert tokenizer.unk_token_id not in ids and len(ids) == 4

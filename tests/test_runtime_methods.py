@@ -26,7 +26,7 @@ from deca_ds.runtime import evaluate, trainer
 from deca_ds.runtime.checkpoint_consensus import checkpoint_step
 from deca_ds.runtime.evaluate import load_export
 from deca_ds.runtime.options import parse_args
-from helpers import torch_threads
+from helpers import assert_umask_modes, torch_threads
 from ranks import wait_all
 from test_runtime import PRESET, N, client_params, start_ranks
 
@@ -105,6 +105,8 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
                             rank=4 if name == "decaf" else None)
     evaluate.main(["--run", str(out), "--model", str(x3), "--eval-limit", "32", "--out", str(tmp_path / "x.json")])
     assert json.loads((tmp_path / "x.json").read_text())["classification"] == evaluated
+    for written in (out, x3):  # safetensors (0.8) alone would leave its files 0600
+        assert_umask_modes(written)
 
     consensus = out / "consensus"
     if name in ("dec_lora", "decaf"):

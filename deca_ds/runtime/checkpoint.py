@@ -37,9 +37,10 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        # mkstemp creates 0600; the file gets the mode any other file of the run gets (0644 under umask 022)
-        os.chmod(tmp, 0o666 & ~_umask())
         write(tmp)
+        # mkstemp creates 0600, and so does safetensors (0.8) for the file it puts in tmp's place:
+        # the file gets the mode any other file of the run gets (0644 under umask 022)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -62,10 +63,21 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 otherwise
         yield tmp
+        umask_modes(tmp)
         os.replace(tmp, path)  # over an empty directory too; a non-empty one raises and is left alone
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def umask_modes(directory: Path) -> None:
+    """The safetensors files under `directory`, which this process wrote, with the mode the umask
+    gives any new file: safetensors 0.8 creates them 0600 whatever the umask (safetensors#782), so a
+    model written through save_pretrained would be readable by its owner alone."""
+    mode = 0o666 & ~_umask()
+    for path in directory.rglob("*.safetensors"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def _umask() -> int:

@@ -94,6 +94,7 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
         directory = out / "clients" / f"client_{layout.client:03d}"
         ckpt.save_hf_model(model, directory, tokenizer, state=method.plain_state(model))
         method.save_extras(model, directory)
+        ckpt.umask_modes(directory)
     if optimizer.linear:
         distance = to_consensus_(model, device)
     else:  # the trainable vector's distance to the clients' mean, as during training: DeCAF's combination
@@ -102,6 +103,7 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
         factor_consensus_(optimizer)
     if layout.rank == 0 and opts.export:
         model = method.save_consensus(model, out / "consensus", tokenizer)
+        ckpt.umask_modes(out / "consensus")
     return distance, model
 
 
