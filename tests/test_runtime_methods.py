@@ -107,6 +107,11 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
     assert json.loads((tmp_path / "x.json").read_text())["classification"] == evaluated
     for written in (out, x3):  # safetensors (0.8) alone would leave its files 0600
         assert_umask_modes(written)
+    # a client's checkpoint that is elsewhere (nodes with disks of their own) is named
+    ckpt.client_dir(out, 3, 2).rename(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"no checkpoint .*\(no step is complete for every client; "
+                                         r"client 2: .*step_00000003/client_002/manifest_0.json is missing"):
+        checkpoint_step(out, N, 1, None)
 
     consensus = out / "consensus"
     if name in ("dec_lora", "decaf"):

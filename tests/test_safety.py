@@ -264,6 +264,8 @@ def test_resume_refuses_when_no_step_verifies_everywhere(tmp_path):
     assert (start, lines) == (6, [])
     start, lines = trainer.choose_resume_step([[3, 6], [3]], [{}, {6: "x is missing"}], 1)
     assert start == 3 and "client 1: x is missing" in lines[0]
+    start, lines = trainer.choose_resume_step([[3, 6], [3, 6], [3], [3]], [{}, {}, {}, {}], 2)  # 2 ranks a client
+    assert start == 3 and lines[0] == "skipped checkpoint step 6 (client 1: not written)", lines
     with pytest.raises(ValueError, match=r"no checkpoint is complete for every client \(client 1: step 3: bad\)"):
         trainer.choose_resume_step([[3], []], [{}, {3: "bad"}], 1)
     with pytest.raises(ValueError, match=r"the run wrote no checkpoint \(--checkpoint-interval N .*--overwrite"):

@@ -172,6 +172,15 @@ def scan_steps(root: Path, client: int, ranks_per_client: int, *,
     return sorted(complete), problems
 
 
+def why_incomplete(step: int, complete: list[list[int]], problems: list[dict[int, str]],
+                   per_client: int = 1) -> list[str]:
+    """Why `step` is not complete everywhere, once per client: "client c: <problem>", or "client c:
+    not written". Entry i of `complete` and `problems` (scan_steps') is client i // per_client's
+    (a rank's, or with per_client 1 a client's own)."""
+    return sorted({f"client {i // per_client}: {p.get(step, 'not written')}"
+                   for i, (c, p) in enumerate(zip(complete, problems)) if step not in c})
+
+
 def complete_steps(root: Path, client: int, ranks_per_client: int, *, hashes: bool = True) -> list[int]:
     """Checkpoint steps whose every file of `client` verifies, ascending."""
     return scan_steps(root, client, ranks_per_client, hashes=hashes)[0]

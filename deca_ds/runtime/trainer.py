@@ -175,9 +175,7 @@ def choose_resume_step(complete: list[list[int]], problems: list[dict[int, str]]
     newer = sorted({s for c in complete for s in c} | {s for p in problems for s in p})
     skipped = []
     for step in (s for s in newer if s > start):
-        why = sorted({f"client {r // ranks_per_client}: {p[step]}" for r, p in enumerate(problems) if step in p}
-                     | {f"client {r // ranks_per_client}: not written" for r, (c, p) in
-                        enumerate(zip(complete, problems)) if step not in c and step not in p})
+        why = ckpt.why_incomplete(step, complete, problems, ranks_per_client)
         skipped.append(f"skipped checkpoint step {step} ({'; '.join(why)})")
     if skipped:
         skipped.append(f"resuming from step {start}, the newest checkpoint complete for every client")
