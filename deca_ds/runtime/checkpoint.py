@@ -1,4 +1,5 @@
-"""Per-client checkpoints, written atomically, and the choice of where to resume.
+"""Per-client checkpoints, written atomically, and the choice of where to resume; the atomic
+writes (of a file, of a whole directory) that outputs use.
 
 Layout: <output>/checkpoints/step_<S>/client_<c>/
     model.safetensors, optimizer.pt        (written by the client's first rank)
@@ -48,10 +49,10 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
 
 
 def vacant(path: Path) -> bool:
-    """Absent, or an empty directory: what atomic_directory may write."""
-    if path.is_symlink() or not path.exists():
-        return not path.is_symlink()
-    return path.is_dir() and not any(path.iterdir())
+    """Absent, or an empty directory (not a link to one): what atomic_directory may write."""
+    if path.is_symlink():
+        return False
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
 
 
 @contextmanager
