@@ -94,7 +94,7 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
     evaluate.main(["--run", str(out), "--checkpoint", "3", "--eval-limit", "32", "--out", str(tmp_path / "e.json")])
     scored = json.loads((tmp_path / "e.json").read_text())
     assert scored["checkpoint"] == 3 and scored["classification"] == evaluated, (scored, evaluated)
-    with pytest.raises(ValueError, match=r"checkpoint step 4 .*\(steps complete for every client: \[3\]\)"):
+    with pytest.raises(ValueError, match=r"checkpoint step 4 .*\(steps complete for every client: \[3, 6\]\)"):
         checkpoint_step(out, N, 1, 4)
     # deca-export writes that x̄ as the run writes consensus/, which deca-eval scores alike
     x3 = tmp_path / "x3"
@@ -107,11 +107,18 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
     assert json.loads((tmp_path / "x.json").read_text())["classification"] == evaluated
     for written in (out, x3):  # safetensors (0.8) alone would leave its files 0600
         assert_umask_modes(written)
+    # the last step is checkpointed too: its x̄ is the run's own consensus/ (formed there by all-reduce)
+    export.main(["--run", str(out), "--checkpoint", "latest", "--out", str(tmp_path / "x6")])
+    final = {p.relative_to(out / "consensus"): load_file(p) for p in (out / "consensus").rglob("*.safetensors")}
+    assert {p.relative_to(tmp_path / "x6") for p in (tmp_path / "x6").rglob("*.safetensors")} == set(final)
+    for path, tensors in final.items():
+        for tname, value in load_file(tmp_path / "x6" / path).items():
+            torch.testing.assert_close(value, tensors[tname], rtol=0, atol=1e-6, msg=f"{path} {tname}")
     # a client's checkpoint that is elsewhere (nodes with disks of their own) is named
     ckpt.client_dir(out, 3, 2).rename(tmp_path / "elsewhere")
-    with pytest.raises(ValueError, match=r"no checkpoint .*\(no step is complete for every client; "
+    with pytest.raises(ValueError, match=r"checkpoint step 3 .*\(steps complete for every client: \[6\]; "
                                          r"client 2: .*step_00000003/client_002/manifest_0.json is missing"):
-        checkpoint_step(out, N, 1, None)
+        checkpoint_step(out, N, 1, 3)
 
     consensus = out / "consensus"
     if name in ("dec_lora", "decaf"):
@@ -226,6 +233,7 @@ def test_a_resumed_lora_run_ends_as_the_uninterrupted_one(tmp_path):
     train(tmp_path / "whole")
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "clients")  # the resumed run's own, compared below
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000006")  # as if stopped before the end
     assert "resumed from step 3 of 6" in train(tmp_path / "resumed", "--resume")
     assert json.loads((tmp_path / "whole" / "run_config.json").read_text())["options"]["lora_dropout"] > 0
     whole, resumed = (load_file(tmp_path / d / "clients" / "client_000" / "model.safetensors")

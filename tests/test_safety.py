@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -402,6 +403,29 @@ def test_a_stopped_run_says_where_it_goes_on_from(tmp_path):
     assert code == 143 and re.search(r"\[rank 0\] stopped by SIGTERM\n\[rank 0\] it was at:\n", err), err[-3000:]
     # the main thread may complete a newer checkpoint while the note is written: at least the one awaited
     assert int(re.search(said, err).group(1)) > first, err[-3000:]
+
+
+def test_a_run_whose_end_failed_resumes_straight_to_it(tmp_path):
+    """The last step's checkpoint is written too, so a run whose end fails (forming x̄, its export or
+    evaluation) loses no training: --resume trains no step and writes the same x̄ and summary."""
+    from ranks import start_rank
+    from test_runtime import ROOT, unlaunched_env
+
+    out = tmp_path / "run"
+    args = [*TINY, "--checkpoint-interval", "4", "--output-dir", str(out)]  # the last step is no multiple of it
+    for name in ("first", "resumed"):
+        rank = start_rank(args, unlaunched_env(), ROOT, tmp_path / f"{name}.out", tmp_path / f"{name}.err")
+        assert wait_all([rank], timeout=300) == [0], (tmp_path / f"{name}.err").read_text()[-3000:]
+        if name == "first":
+            steps = sum(1 for _ in (out / "metrics" / "client_000.jsonl").open())
+            assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004", f"step_{steps:08d}"]
+            before = snapshot(out / "consensus"), json.loads((out / "summary.json").read_text())
+            shutil.rmtree(out / "consensus")  # as if the end had failed
+            (out / "summary.json").unlink()
+            args.append("--resume")
+    assert f"resumed from step {steps} of {steps}" in (tmp_path / "resumed.out").read_text()
+    assert sum(1 for _ in (out / "metrics" / "client_000.jsonl").open()) == steps
+    assert snapshot(out / "consensus") == before[0] and json.loads((out / "summary.json").read_text()) == before[1]
 
 
 @pytest.mark.parametrize("how, timeout", [("SIGKILL", 120), ("SIGSTOP", 8)])

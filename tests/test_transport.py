@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -292,7 +293,7 @@ def test_two_sites_that_share_no_files_train_summarize_and_resume(tmp_path, monk
            "--data-files", "train=data/client_{client}.jsonl", "test=data/test.jsonl",
            "--topology", "ring", "--layers-per-block", "2", "--steps-per-block", "3",
            "--rounds", "1", "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16",
-           "--save-clients", "--timeout", "60", "--checkpoint-interval", "2", "--keep-checkpoints", "1"]
+           "--save-clients", "--timeout", "60", "--checkpoint-interval", "2", "--keep-checkpoints", "2"]
     outs = [site / "run" for site in sites]
     codes = wait_all(start_nodes(run, sites, tmp_path / "logs"), timeout=600)
     assert codes == [0] * 4, (tmp_path / "logs" / "rank0.err").read_text()[-3000:]
@@ -318,8 +319,9 @@ def test_two_sites_that_share_no_files_train_summarize_and_resume(tmp_path, monk
         assert sorted(p.stem for p in (out / "metrics").glob("*.jsonl")) == mine
         assert sorted(p.name for p in (out / "clients").iterdir()) == mine
         checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
-        assert checkpoints == [checkpoints[-1]], "--keep-checkpoints 1 prunes on every node"
+        assert checkpoints == ["step_00000004", "step_00000006"], "--keep-checkpoints 2 prunes on every node"
         assert sorted(p.name for p in (out / "checkpoints" / checkpoints[-1]).iterdir()) == mine
+        shutil.rmtree(out / "checkpoints" / checkpoints[-1])  # the last step's: as if stopped before the end
     first = {c: load_file(outs[site_of[c]] / "clients" / f"client_{c:03d}" / "model.safetensors") for c in range(4)}
 
     codes = wait_all(start_nodes([*run, "--resume"], sites, tmp_path / "logs_resume"), timeout=600)

@@ -188,7 +188,7 @@ class RunOptions:
     consensus_interval: int = _opt(10, "steps between consensus-distance measurements (0 = off)")
     eval_interval: int = _opt(0, "steps between evaluations of the consensus model x̄ (0 = at the end only)")
     eval_clients: bool = _opt(False, "at those steps also evaluate each client's own model")
-    checkpoint_interval: int = _opt(0, "steps between checkpoints (0 = none)")
+    checkpoint_interval: int = _opt(0, "steps between checkpoints, and one at the last step (0 = none)")
     keep_checkpoints: int = _opt(2, "complete checkpoints kept")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --output-dir")
     export: bool = _opt(True, "write the consensus model at the end (--no-export: evaluate it in memory only, "

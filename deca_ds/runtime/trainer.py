@@ -499,7 +499,8 @@ class Job:
             self.metrics.write(record)
         self.bar.set_postfix(**where, loss=f"{record['loss']:.4f}")
         self.bar.update(1)
-        if opts.checkpoint_interval and (step + 1) % opts.checkpoint_interval == 0 and not optimizer.done:
+        # the last step's too: a run whose end fails (x̄, its export, its evaluation) resumes straight to it
+        if opts.checkpoint_interval and ((step + 1) % opts.checkpoint_interval == 0 or optimizer.done):
             with offload.host_weights():
                 save_checkpoint(self.out, step + 1, layout, self.engine.module, optimizer, self.stream,
                                 opts.keep_checkpoints, self.skipped)
