@@ -397,6 +397,8 @@ def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_pat
         resolve("--run", str(run), "--checkpoint", "3", "--model", "m")
     with pytest.raises(ValueError, match="--checkpoint takes the checkpoints of a run: give --run"):
         resolve("--model", "m", "--checkpoint", "3")
+    with pytest.raises(ValueError, match="--client N takes client N's model of a checkpoint"):
+        resolve("--run", str(run), "--client", "1")
     for bad in ("0", "last"):
         with pytest.raises(SystemExit):
             resolve("--run", str(run), "--checkpoint", bad)

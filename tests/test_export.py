@@ -46,7 +46,7 @@ def test_an_out_that_holds_anything_is_refused_and_left_alone(run, tmp_path, cap
 def fake_consensus(save):
     method = SimpleNamespace(save_consensus=save)
     opts = SimpleNamespace(method="deca", working_dtype="bf16")
-    return lambda *args: checkpoint_consensus.Consensus(None, method, None, 3, opts, 2)
+    return lambda *args: checkpoint_consensus.CheckpointModel(None, method, None, 3, opts, 2)
 
 
 def test_an_export_is_whole_or_absent(run, tmp_path, monkeypatch):
@@ -59,7 +59,7 @@ def test_an_export_is_whole_or_absent(run, tmp_path, monkeypatch):
         (directory / "model.safetensors").write_text("half")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(checkpoint_consensus, "checkpoint_consensus", fake_consensus(fails))
+    monkeypatch.setattr(checkpoint_consensus, "checkpoint_model", fake_consensus(fails))
     with pytest.raises(RuntimeError, match="disk full"):
         export.main(["--run", str(run), "--checkpoint", "latest", "--out", str(out)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "run"] and not any(out.iterdir())
@@ -67,12 +67,13 @@ def test_an_export_is_whole_or_absent(run, tmp_path, monkeypatch):
     def writes(model, directory, tokenizer):
         (directory / "config.json").write_text("{}")
 
-    monkeypatch.setattr(checkpoint_consensus, "checkpoint_consensus", fake_consensus(writes))
+    monkeypatch.setattr(checkpoint_consensus, "checkpoint_model", fake_consensus(writes))
     export.main(["--run", str(run), "--checkpoint", "latest", "--out", str(out)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "run"]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", export.MARKER]
     assert json.loads((out / export.MARKER).read_text()) == {
-        "run": str(run.resolve()), "checkpoint": 3, "method": "deca", "n_clients": 2, "working_dtype": "bf16"}
+        "run": str(run.resolve()), "checkpoint": 3, "client": None, "method": "deca", "n_clients": 2,
+        "working_dtype": "bf16"}
 
 
 def test_a_directory_filled_meanwhile_is_left_as_it_is(tmp_path):

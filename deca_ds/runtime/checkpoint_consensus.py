@@ -1,7 +1,7 @@
 """x̄ of a run's checkpoint, formed in one process from every client's saved state (deca-eval
 --checkpoint, deca-export): the consensus the run would have had at that step, as the run forms it
 (the clients' mean, or a non-linear method's own combination with uniform weights), without
-resuming the run."""
+resuming the run; or one client's model of the step (--client)."""
 
 from __future__ import annotations
 
@@ -64,42 +64,50 @@ def mean_of_weights(model: torch.nn.Module, paths: list[Path]) -> None:
             tensor.copy_(total.div_(len(paths)))
 
 
-class Consensus(NamedTuple):
-    model: torch.nn.Module  # x̄, in the run's working dtype
-    method: Method  # the run's, whose save_consensus writes x̄ as the run exports it
+class CheckpointModel(NamedTuple):
+    model: torch.nn.Module  # x̄ (or one client's model), in the run's working dtype
+    method: Method  # the run's, whose save_consensus writes the model as the run exports x̄
     tokenizer: object  # the run's model's
     step: int
     opts: RunOptions  # the run's
     n_clients: int
 
 
-def checkpoint_consensus(run: Path, step: int | str, device: torch.device, trust_remote_code: bool) -> Consensus:
-    """x̄ of the run's checkpoint `step` ('latest': the newest complete for every client) on
-    `device`. The model repo's own code runs only if the caller allows it, never because the run did."""
+def checkpoint_model(run: Path, step: int | str, device: torch.device, trust_remote_code: bool,
+                     client: int | None = None) -> CheckpointModel:
+    """x̄ of the run's checkpoint `step` ('latest': the newest complete for every client) on `device`,
+    or with `client` that client's own model of the step. The model repo's own code runs only if the
+    caller allows it, never because the run did."""
     from ..models import load_tokenizer
     from .task import build_task
 
     opts, n_clients = run_options(run)
+    if client is not None and not 0 <= client < n_clients:
+        raise ValueError(f"--client {client}: the run has clients 0 to {n_clients - 1}")
     opts = dataclasses.replace(opts, trust_remote_code=trust_remote_code)
     step = checkpoint_step(run, n_clients, opts.ranks_per_client, None if step == "latest" else step)
     # the built-in tiny Llama's vocabulary is the task's word tokenizer's, made as the run made it
     tokenizer = (build_task(opts, n_clients).tokenizer if opts.model == "tiny" else
                  load_tokenizer(opts.model, trust_remote_code=trust_remote_code))
-    model, method = form_consensus(run, step, opts, n_clients, len(tokenizer), device)
-    return Consensus(model, method, tokenizer, step, opts, n_clients)
+    model, method = form_consensus(run, step, opts, n_clients, len(tokenizer), device, client)
+    return CheckpointModel(model, method, tokenizer, step, opts, n_clients)
 
 
 def form_consensus(root: Path, step: int, opts: RunOptions, n_clients: int, vocab_size: int,
-                   device: torch.device) -> tuple[torch.nn.Module, Method]:
+                   device: torch.device, client: int | None = None) -> tuple[torch.nn.Module, Method]:
     """(x̄ of checkpoint `step` on `device`, the run's method): the run's model as its method trains
     it, with the clients' mean weights, or for a method whose combination is not linear (DeCAF)
-    client 0's with its own combination of every client's vector, as the run forms x̄ at its end."""
+    client 0's with its own combination of every client's vector, as the run forms x̄ at its end.
+    With `client`: that client's weights of the step instead."""
     from .trainer import build_model
 
     model = build_model(dataclasses.replace(opts, offload="none", device_map="auto"), vocab_size)
     method = opts.build_method(model_partition(model, opts.deca_config()))
     model = method.prepare(model).to(device)
     dirs = [ckpt.client_dir(root, step, c) for c in range(n_clients)]
+    if client is not None:
+        ckpt.load_weights(model, dirs[client] / "model.safetensors")
+        return model, method
     if method.linear:
         mean_of_weights(model, [d / "model.safetensors" for d in dirs])
         return model, method

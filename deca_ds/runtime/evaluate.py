@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --run: x̄ of the clients' checkpoints at STEP ('latest': the newest complete for every "
                         "client), formed as the run forms it at its end, in place of its consensus/: a run stopped "
                         "early, or one step of a finished run's (as many as --keep-checkpoints kept)")
+    p.add_argument("--client", metavar="N", type=int,
+                   help="with --checkpoint: client N's own model of that step instead of x̄")
     p.add_argument("--out", required=True, help="JSON file of the results")
     fields = {f.name: f for f in dataclasses.fields(RunOptions)}
     p.add_argument("--working-dtype", choices=fields["working_dtype"].metadata["choices"],
@@ -90,6 +92,8 @@ def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | Non
     set (None: no classification)) of parsed arguments: deca-eval's defaults < the run's (--run) <
     the command line."""
     given = {name: value for name, value in vars(args).items() if name in FLAGS}
+    if args.client is not None and args.checkpoint is None:
+        raise ValueError("--client N takes client N's model of a checkpoint: give --run and --checkpoint")
     values, model, dtype, tokenizer_of = dict(DEFAULTS), args.model, args.working_dtype, None
     if args.run is not None:
         run = Path(args.run)
@@ -165,11 +169,11 @@ def evaluate(args: argparse.Namespace) -> dict:
         model = load_export(path, dtype=parse_dtype(dtype), trust_remote_code=trust).to(device)
         results: dict = {"model": path, "working_dtype": dtype}
     else:
-        from .checkpoint_consensus import checkpoint_consensus
+        from .checkpoint_consensus import checkpoint_model
 
-        model, _, tokenizer, step, *_ = checkpoint_consensus(Path(args.run), args.checkpoint, device, trust)
+        model, _, tokenizer, step, *_ = checkpoint_model(Path(args.run), args.checkpoint, device, trust, args.client)
         model.to(parse_dtype(dtype))
-        results = {"model": path, "checkpoint": step, "working_dtype": dtype}
+        results = {"model": path, "checkpoint": step, "client": args.client, "working_dtype": dtype}
     if opts is not None:
         results["options"] = {name: getattr(opts, name) for name in (*TEST_SET, "eval_limit")}
         results["classification"] = evaluator(opts)(model, opts.eval_limit or None)
