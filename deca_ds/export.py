@@ -39,8 +39,6 @@ def export(args: argparse.Namespace) -> Path:
     from .runtime.checkpoint_consensus import checkpoint_model
 
     run, out = Path(args.run), Path(args.out)
-    if not (run / "run_config.json").is_file():
-        raise ValueError(f"--run {run}: no run_config.json there (not a deca-train output directory)")
     if not vacant(out):
         raise ValueError(f"--out {out} holds files (or is one); deca-export writes only a new or empty directory")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -35,7 +35,7 @@ def assert_umask_modes(directory: Path) -> None:
     mask = os.umask(0)
     os.umask(mask)
     modes = {str(p.relative_to(directory)): oct(p.stat().st_mode & 0o777) for p in directory.rglob("*") if p.is_file()}
-    assert modes and {m for m in modes.values()} == {oct(0o666 & ~mask)}, modes
+    assert modes and set(modes.values()) == {oct(0o666 & ~mask)}, modes
 
 
 def assert_only_run_outputs(out: Path) -> None:

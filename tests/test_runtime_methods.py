@@ -100,7 +100,7 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
     x3 = tmp_path / "x3"
     export.main(["--run", str(out), "--checkpoint", "3", "--out", str(x3)])
     assert json.loads((x3 / "deca_export.json").read_text())["checkpoint"] == 3
-    assert (saved_adapters(x3) is not None) == (name == "dec_adapter")  # LoRA's is merged, peft's beside it
+    assert (saved_adapters(x3) is not None) == (name == "dec_adapter")  # LoRA's adapter/ is peft's, merged in
     check_checkpoint_export(x3, [ckpt.client_dir(out, 3, c) / "model.safetensors" for c in range(N)],
                             rank=4 if name == "decaf" else None)
     evaluate.main(["--run", str(out), "--model", str(x3), "--eval-limit", "32", "--out", str(tmp_path / "x.json")])

@@ -25,6 +25,8 @@ def run_options(root: Path) -> tuple[RunOptions, int]:
     """(the run's options, its number of clients) from its run_config.json, converted and checked as
     a run file's (an option this version does not know is named)."""
     config = root / "run_config.json"
+    if not config.is_file():
+        raise ValueError(f"--run {root}: no run_config.json there (not a deca-train output directory)")
     saved = json.loads(config.read_text())
     return RunOptions(**convert_options(saved["options"], str(config))), saved["n_clients"]
 
