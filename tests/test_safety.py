@@ -407,25 +407,53 @@ def test_a_stopped_run_says_where_it_goes_on_from(tmp_path):
 
 def test_a_run_whose_end_failed_resumes_straight_to_it(tmp_path):
     """The last step's checkpoint is written too, so a run whose end fails (forming x̄, its export or
-    evaluation) loses no training: --resume trains no step and writes the same x̄ and summary."""
+    evaluation) loses no training: --resume trains no step and writes the same x̄ and summary. The x̄
+    a resume finds (the end failed after the export) is replaced whole, never written into."""
+    from helpers import assert_only_run_outputs
     from ranks import start_rank
     from test_runtime import ROOT, unlaunched_env
 
     out = tmp_path / "run"
     args = [*TINY, "--checkpoint-interval", "4", "--output-dir", str(out)]  # the last step is no multiple of it
-    for name in ("first", "resumed"):
+    for name in ("first", "resumed", "resumed again"):
         rank = start_rank(args, unlaunched_env(), ROOT, tmp_path / f"{name}.out", tmp_path / f"{name}.err")
         assert wait_all([rank], timeout=300) == [0], (tmp_path / f"{name}.err").read_text()[-3000:]
         if name == "first":
             steps = sum(1 for _ in (out / "metrics" / "client_000.jsonl").open())
             assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004", f"step_{steps:08d}"]
             before = snapshot(out / "consensus"), json.loads((out / "summary.json").read_text())
-            shutil.rmtree(out / "consensus")  # as if the end had failed
+            shutil.rmtree(out / "consensus")  # as if the export had failed
             (out / "summary.json").unlink()
             args.append("--resume")
-    assert f"resumed from step {steps} of {steps}" in (tmp_path / "resumed.out").read_text()
-    assert sum(1 for _ in (out / "metrics" / "client_000.jsonl").open()) == steps
-    assert snapshot(out / "consensus") == before[0] and json.loads((out / "summary.json").read_text()) == before[1]
+            continue
+        assert f"resumed from step {steps} of {steps}" in (tmp_path / f"{name}.out").read_text()
+        assert sum(1 for _ in (out / "metrics" / "client_000.jsonl").open()) == steps
+        assert snapshot(out / "consensus") == before[0]
+        assert json.loads((out / "summary.json").read_text()) == before[1]
+        assert_only_run_outputs(out)
+        if name == "resumed":  # as if the evaluation after the export had failed, and consensus/ were damaged
+            (out / "summary.json").unlink()
+            (out / "consensus" / "model.safetensors").write_bytes(b"cut short")
+            (out / "consensus" / "stale.json").write_text("{}")
+
+
+def test_a_failed_replacement_keeps_the_directory_it_would_replace(tmp_path):
+    """How a resumed run writes x̄ (and --save-clients' models) over those it wrote before: a failure
+    keeps the old directory as it was, a success leaves the new one alone, and nothing else stays."""
+    from deca_ds.runtime.checkpoint import atomic_directory
+
+    model = tmp_path / "consensus"
+    model.mkdir()
+    (model / "model.safetensors").write_text("whole")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with atomic_directory(model, replace=True) as partial:
+            (partial / "model.safetensors").write_text("half")
+            raise RuntimeError("out of memory")
+    assert [p.name for p in tmp_path.iterdir()] == ["consensus"] and snapshot(model) == {
+        model / "model.safetensors": b"whole"}
+    with atomic_directory(model, replace=True) as partial:
+        (partial / "config.json").write_text("{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["consensus"] and snapshot(model) == {model / "config.json": b"{}"}
 
 
 @pytest.mark.parametrize("how, timeout", [("SIGKILL", 120), ("SIGSTOP", 8)])

@@ -56,19 +56,27 @@ def vacant(path: Path) -> bool:
 
 
 @contextmanager
-def atomic_directory(path: Path) -> Iterator[Path]:
+def atomic_directory(path: Path, *, replace: bool = False) -> Iterator[Path]:
     """A new directory beside `path` to write into, renamed to `path` (absent or an empty directory)
-    when the block ends and removed if it fails: `path` ends up whole or as it was."""
+    when the block ends and removed if it fails: `path` ends up whole or as it was. `replace`: a
+    directory already at `path` (the run's own, from before a resume) is moved aside only once the
+    new one is whole, then removed, so a failed write keeps it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 otherwise
         yield tmp
         umask_modes(tmp)
+        old = None
+        if replace and path.is_dir() and not path.is_symlink():
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, old)
         os.replace(tmp, path)  # over an empty directory too; a non-empty one raises and is left alone
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def umask_modes(directory: Path) -> None:

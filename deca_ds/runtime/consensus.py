@@ -91,10 +91,9 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
     """Write the clients (optionally) and x̄ (rank 0, the method's format, unless --no-export);
     return ‖x_i − x̄‖ and the model to evaluate (x̄ itself)."""
     if opts.save_clients and layout.local_rank == 0:
-        directory = out / "clients" / f"client_{layout.client:03d}"
-        ckpt.save_hf_model(model, directory, tokenizer, state=method.plain_state(model))
-        method.save_extras(model, directory)
-        ckpt.umask_modes(directory)
+        with ckpt.atomic_directory(out / "clients" / f"client_{layout.client:03d}", replace=True) as directory:
+            ckpt.save_hf_model(model, directory, tokenizer, state=method.plain_state(model))
+            method.save_extras(model, directory)
     if optimizer.linear:
         distance = to_consensus_(model, device)
     else:  # the trainable vector's distance to the clients' mean, as during training: DeCAF's combination
@@ -102,8 +101,9 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
         distance = consensus_distance(optimizer.consensus_vector())
         factor_consensus_(optimizer)
     if layout.rank == 0 and opts.export:
-        model = method.save_consensus(model, out / "consensus", tokenizer)
-        ckpt.umask_modes(out / "consensus")
+        # whole or not at all: a resumed run's failed export keeps the x̄ it wrote before
+        with ckpt.atomic_directory(out / "consensus", replace=True) as directory:
+            model = method.save_consensus(model, directory, tokenizer)
     return distance, model
 
 
