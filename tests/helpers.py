@@ -6,7 +6,6 @@ import contextlib
 import copy
 import importlib.util
 import json
-import os
 import runpy
 import sys
 import threading
@@ -19,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds.data import token_range_batches
+from deca_ds.runtime.checkpoint import current_umask
 from deca_ds.runtime.dist import free_port as dist_free_port
 from deca_ds.runtime.outputs import RUN_OUTPUTS
 
@@ -32,8 +32,7 @@ VOCAB = 64
 def assert_umask_modes(directory: Path) -> None:
     """Every file under `directory` has the mode this process's umask gives a new file (the ranks a
     test starts inherit it): a model or checkpoint a run writes is as readable as its other files."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = current_umask()
     modes = {str(p.relative_to(directory)): oct(p.stat().st_mode & 0o777) for p in directory.rglob("*") if p.is_file()}
     assert modes and set(modes.values()) == {oct(0o666 & ~mask)}, modes
 

@@ -12,6 +12,7 @@ import pytest
 
 from deca_ds.data import build_word_tokenizer
 from deca_ds.runtime import token_cache
+from deca_ds.runtime.checkpoint import current_umask
 from deca_ds.runtime.options import RunOptions
 from deca_ds.runtime.task import build_task
 
@@ -49,9 +50,7 @@ def test_round_trip_and_second_call_reads_the_file(tmp_path):
     assert token_cache.cached_features(tmp_path, "k", build, writer=True) == FEATURES
     assert token_cache.cached_features(tmp_path, "k", build, writer=True) == FEATURES
     assert len(calls) == 1 and [p.name for p in tmp_path.iterdir()] == ["k.npz"]  # no temporary file left
-    umask = os.umask(0)
-    os.umask(umask)
-    assert (tmp_path / "k.npz").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (tmp_path / "k.npz").stat().st_mode & 0o777 == 0o666 & ~current_umask()
 
 
 def test_key_changes_with_tokenizer_data_and_settings():

@@ -41,7 +41,7 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         write(tmp)
         # mkstemp creates 0600, and so does safetensors (0.8) for the file it puts in tmp's place:
         # the file gets the mode any other file of the run gets (0644 under umask 022)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -64,7 +64,7 @@ def atomic_directory(path: Path, *, replace: bool = False) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 otherwise
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700 otherwise
         yield tmp
         umask_modes(tmp)
         old = None
@@ -83,13 +83,14 @@ def umask_modes(directory: Path) -> None:
     """The safetensors files under `directory`, which this process wrote, with the mode the umask
     gives any new file: safetensors 0.8 creates them 0600 whatever the umask (safetensors#782), so a
     model written through save_pretrained would be readable by its owner alone."""
-    mode = 0o666 & ~_umask()
+    mode = 0o666 & ~current_umask()
     for path in directory.rglob("*.safetensors"):
         if path.is_file() and not path.is_symlink():
             os.chmod(path, mode)
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -14,13 +14,14 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
+
+from .checkpoint import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -90,23 +91,17 @@ def _unpack(arrays: dict[str, np.ndarray]) -> list[dict[str, list[int]]]:
 
 
 def write(path: Path, features: list[dict[str, list[int]]]) -> None:
-    """Write atomically (a temporary file in the same folder, then rename): a reader sees the
-    whole file or none."""
+    """Write atomically, synced to disk before the rename: a reader (another rank, a later run)
+    sees the whole file or none."""
     arrays = _pack(features)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def savez(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             np.savez(f, digest=np.array(_digest(arrays)), **arrays)
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as open() would make it, not mkstemp's 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    atomic_write(path, savez)
 
 
 def read(path: Path) -> list[dict[str, list[int]]]:
