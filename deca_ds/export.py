@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def export(args: argparse.Namespace) -> Path:
     import torch
 
-    from .runtime.checkpoint import atomic_directory, vacant, write_json
+    from .files import atomic_directory, vacant, write_json
     from .runtime.checkpoint_consensus import checkpoint_model
 
     run, out = Path(args.run), Path(args.out)

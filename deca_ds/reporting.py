@@ -13,6 +13,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .files import atomic_write
+
 REPO = Path(__file__).resolve().parents[1]  # the checkout: its commit, its launch/ scripts
 
 
@@ -38,10 +40,8 @@ def pyplot():
 
 
 def save_figure(fig, path: Path, *, dpi: int = 120) -> None:
-    """Laid out, written whole (checkpoint.atomic_write: a reader never sees half a PNG, and two
+    """Laid out, written whole (files.atomic_write: a reader never sees half a PNG, and two
     writers leave one of theirs) and closed."""
-    from .runtime.checkpoint import atomic_write
-
     fig.tight_layout()
     atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
     pyplot().close(fig)

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds.data import token_range_batches
-from deca_ds.runtime.checkpoint import current_umask
+from deca_ds.files import current_umask
 from deca_ds.runtime.dist import free_port as dist_free_port
 from deca_ds.runtime.outputs import RUN_OUTPUTS
 

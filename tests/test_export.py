@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from deca_ds import export
+from deca_ds.files import atomic_directory, current_umask
 from deca_ds.runtime import checkpoint_consensus
-from deca_ds.runtime.checkpoint import atomic_directory, current_umask
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ import shutil
 import pytest
 import yaml
 
+from deca_ds.files import write_json
 from deca_ds.reproduce import GridError, build_grid
-from deca_ds.reproduce.cells import FINAL, write_json
+from deca_ds.reproduce.cells import FINAL
 from deca_ds.reproduce.grid import Cell, load_grid
 from deca_ds.reproduce.paper import models, published_cells, reference, reference_tables, to_csv, to_markdown
 from deca_ds.reproduce.report import TABLES, build_comparison, build_generation_comparison, write_report

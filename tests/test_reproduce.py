@@ -19,6 +19,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from deca_ds.files import sha256
 from deca_ds.models import load_model, load_tokenizer
 from deca_ds.reporting import commit, kernels_of, pin_cpu_kernels
 from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_finished, pretrain, run_grid
@@ -37,7 +38,6 @@ from deca_ds.reproduce.report import (
     to_markdown,
     write_report,
 )
-from deca_ds.runtime.checkpoint import sha256
 from helpers import assert_umask_modes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -171,17 +171,17 @@ def test_every_json_the_project_writes_refuses_nan():
 def test_atomic_writes_get_the_umask_mode(tmp_path):
     import os
 
-    from deca_ds.runtime import checkpoint
+    from deca_ds import files
 
     old = os.umask(0o022)
     try:
-        checkpoint.write_json(tmp_path / "a.json", {"x": 1})
+        files.write_json(tmp_path / "a.json", {"x": 1})
         (tmp_path / "b.txt").write_text("plain")
     finally:
         os.umask(old)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644 == (tmp_path / "b.txt").stat().st_mode & 0o777
     with pytest.raises(ValueError):
-        checkpoint.write_json(tmp_path / "nan.json", {"x": float("nan")})
+        files.write_json(tmp_path / "nan.json", {"x": float("nan")})
     assert not (tmp_path / "nan.json").exists() and not list(tmp_path.glob(".nan.json.*"))
 
 
@@ -440,7 +440,7 @@ def test_a_run_whose_end_failed_resumes_straight_to_it(tmp_path):
 def test_a_failed_replacement_keeps_the_directory_it_would_replace(tmp_path):
     """How a resumed run writes x̄ (and --save-clients' models) over those it wrote before: a failure
     keeps the old directory as it was, a success leaves the new one alone, and nothing else stays."""
-    from deca_ds.runtime.checkpoint import atomic_directory
+    from deca_ds.files import atomic_directory
 
     model = tmp_path / "consensus"
     model.mkdir()

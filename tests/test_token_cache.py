@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from deca_ds.data import build_word_tokenizer
+from deca_ds.files import current_umask
 from deca_ds.runtime import token_cache
-from deca_ds.runtime.checkpoint import current_umask
 from deca_ds.runtime.options import RunOptions
 from deca_ds.runtime.task import build_task
 

@@ -40,10 +40,6 @@ class TaskSpec:
         if self.kind == "generation" and not self.response_column:
             raise ValueError(f"task {self.name!r}: a generation task needs a response column")
 
-    @property
-    def is_pair(self) -> bool:
-        return self.kind == "classification" and len(self.text_columns) == 2
-
 
 def _choose(task: str, names: Sequence[str]) -> str:
     return f"{task} Answer with one of: {', '.join(names)}."

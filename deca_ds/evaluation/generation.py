@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..datasets import alpaca_prompt, render_chat
+from ..files import write_text
 
 
 @lru_cache(maxsize=1)
@@ -121,10 +122,7 @@ def generate_answers(model, tokenizer, questions_jsonl_path: str | os.PathLike, 
         model.train(was_training)
     rows = [{"question_id": q["question_id"], "turns": q["turns"], "answers": a,
              **{k: q[k] for k in ("category", "reference") if k in q}} for q, a in zip(questions, answers)]
-    out_path = Path(out_jsonl_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text("".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows),
-                        encoding="utf-8")
+    write_text(Path(out_jsonl_path), "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows))
     return rows
 
 

@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from ..files import write_text
 from .endpoint import RedirectRefused, judge_api_key, judge_url, safe_opener
 from .generation import read_jsonl
 
@@ -120,9 +121,7 @@ def read_judgments(path: Path) -> list[dict]:
     text = path.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         text = text[:text.rfind("\n") + 1]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text(path, text)
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         try:

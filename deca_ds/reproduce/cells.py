@@ -37,8 +37,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
+from ..files import sha256, write_json
 from ..reporting import REPO
-from ..runtime.checkpoint import atomic_write, sha256
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
@@ -57,16 +57,6 @@ STOPPED = "stopped: the grid was stopped before this cell started"
 
 def read_json(path: Path):
     return json.loads(path.read_text())
-
-
-def write_text(path: Path, text: str) -> None:
-    """Whole or not at all (checkpoint.atomic_write): a reader never sees half a file, a killed run
-    leaves no final.json, and two grid runs writing the same table leave one of theirs."""
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-
-
-def write_json(path: Path, data) -> None:
-    write_text(path, json.dumps(data, indent=2, allow_nan=False))
 
 
 def is_finished(cell_dir: Path) -> bool:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from ..runtime.checkpoint import sha256
+from ..files import sha256
 from ..runtime.options import SET_NAME
 
 ANSWERS, SCORES = "answers", "scores.json"
@@ -148,7 +148,7 @@ def judge_cells(cells: list[tuple[str, Path]], generation: Generation, *, log=pr
     run). The key is read (and a missing one refused) before any request. `judge_options` go to
     judge_answers (tests: opener, sleep)."""
     from ..evaluation import judge_answers, judge_api_key
-    from .cells import write_json
+    from ..files import write_json
 
     judge = generation.judge
     judge_api_key(judge.key_env)  # ValueError, naming the variable, before the first request

@@ -42,8 +42,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
+from ..files import atomic_directory, sha256, vacant, write_json
 from ..reporting import cpu_kernels, invocation, kernels_of
-from ..runtime.checkpoint import atomic_directory, sha256, vacant, write_json
 from ..runtime.dist import to_device
 from ..runtime.options import RunOptions, add_option, per_client
 from ..runtime.task import DATASETS, load_records

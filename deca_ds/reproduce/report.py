@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import reporting
+from ..files import write_text
 from . import paper
-from .cells import BASE, FINAL, METRICS, RUN_CONFIG, read_json, saved_settings, write_text
+from .cells import BASE, FINAL, METRICS, RUN_CONFIG, read_json, saved_settings
 from .generation import judged
 from .grid import METHODS, NOT_RESULT, Cell, Grid, GridError
 

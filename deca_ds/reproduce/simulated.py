@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from ..evaluation import answer_sets
+from ..files import atomic_write, write_json, write_text
 from ..mixing import ClientView
 from ..models import compile_layers
 from ..optimizer import model_partition
 from ..reporting import commit, cpu_kernels
 from ..rng import ClientGenerators
-from ..runtime.checkpoint import atomic_write
 from ..runtime.dist import local_device, to_device
 from ..runtime.options import RunOptions
 from ..runtime.task import build_task
@@ -43,8 +43,6 @@ from .cells import (
     finish,
     read_json,
     simulated_checkpoint,
-    write_json,
-    write_text,
 )
 from .generation import ANSWERS
 

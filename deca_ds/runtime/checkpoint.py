@@ -1,5 +1,4 @@
-"""Per-client checkpoints, written atomically, and the choice of where to resume; the atomic
-writes (of a file, of a whole directory) that outputs use.
+"""Per-client checkpoints, written atomically, and the choice of where to resume.
 
 Layout: <output>/checkpoints/step_<S>/client_<c>/
     model.safetensors, optimizer.pt        (written by the client's first rank)
@@ -15,90 +14,18 @@ skipped and why.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file, save_model
 
+from ..files import atomic_write, sha256, write_json
+
 _STEP = re.compile(r"step_(\d+)$")
-
-
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Call write(tmp) on a temporary file beside `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        # mkstemp creates 0600, and so does safetensors (0.8) for the file it puts in tmp's place:
-        # the file gets the mode any other file of the run gets (0644 under umask 022)
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def vacant(path: Path) -> bool:
-    """Absent, or an empty directory (not a link to one): what atomic_directory may write."""
-    if path.is_symlink():
-        return False
-    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
-
-
-@contextmanager
-def atomic_directory(path: Path, *, replace: bool = False) -> Iterator[Path]:
-    """A new directory beside `path` to write into, renamed to `path` (absent or an empty directory)
-    when the block ends and removed if it fails: `path` ends up whole or as it was. `replace`: a
-    directory already at `path` (the run's own, from before a resume) is moved aside only once the
-    new one is whole, then removed, so a failed write keeps it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial"))
-    try:
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700 otherwise
-        yield tmp
-        umask_modes(tmp)
-        old = None
-        if replace and path.is_dir() and not path.is_symlink():
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
-            os.replace(path, old)
-        os.replace(tmp, path)  # over an empty directory too; a non-empty one raises and is left alone
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
-
-
-def umask_modes(directory: Path) -> None:
-    """The safetensors files under `directory`, which this process wrote, with the mode the umask
-    gives any new file: safetensors 0.8 creates them 0600 whatever the umask (safetensors#782), so a
-    model written through save_pretrained would be readable by its owner alone."""
-    mode = 0o666 & ~current_umask()
-    for path in directory.rglob("*.safetensors"):
-        if path.is_file() and not path.is_symlink():
-            os.chmod(path, mode)
-
-
-def current_umask() -> int:
-    """The process's umask (reading it means setting it: set back at once)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_json(path: Path, obj) -> None:
-    """Atomically, and as valid JSON: a NaN or infinity raises instead of writing a bare NaN."""
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n"))
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -116,14 +43,6 @@ def rank_files(local_rank: int) -> list[str]:
 
 def manifest_name(local_rank: int) -> str:
     return f"manifest_{local_rank}.json"
-
-
-def sha256(path: Path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def save_client(root: Path, step: int, client: int, local_rank: int, *, model: torch.nn.Module | None,

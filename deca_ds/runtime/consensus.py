@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import atomic_directory
 from ..methods import Method
 from ..mixing import MIX_CHUNK, ClientView
 from . import checkpoint as ckpt
@@ -91,7 +92,7 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
     """Write the clients (optionally) and x̄ (rank 0, the method's format, unless --no-export);
     return ‖x_i − x̄‖ and the model to evaluate (x̄ itself)."""
     if opts.save_clients and layout.local_rank == 0:
-        with ckpt.atomic_directory(out / "clients" / f"client_{layout.client:03d}", replace=True) as directory:
+        with atomic_directory(out / "clients" / f"client_{layout.client:03d}", replace=True) as directory:
             ckpt.save_hf_model(model, directory, tokenizer, state=method.plain_state(model))
             method.save_extras(model, directory)
     if optimizer.linear:
@@ -102,7 +103,7 @@ def export_consensus(model, optimizer, method: Method, out: Path, tokenizer, lay
         factor_consensus_(optimizer)
     if layout.rank == 0 and opts.export:
         # whole or not at all: a resumed run's failed export keeps the x̄ it wrote before
-        with ckpt.atomic_directory(out / "consensus", replace=True) as directory:
+        with atomic_directory(out / "consensus", replace=True) as directory:
             model = method.save_consensus(model, directory, tokenizer)
     return distance, model
 

@@ -144,8 +144,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     from ..config import parse_dtype
     from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
+    from ..files import write_json
     from ..models import load_tokenizer
-    from .checkpoint import write_json
     from .task import evaluator, task_kind
 
     path, dtype, opts = resolve(args)

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from .. import __version__
+from ..files import write_json
 from ..reporting import commit, cpu_kernels
-from .checkpoint import write_json
 
 MARKER = "run_owner.json"
 # The results of a finished run: removed before training starts, so that a run that crashes

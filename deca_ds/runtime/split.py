@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from .checkpoint import atomic_write, write_json
+from ..files import atomic_write, write_json
 from .options import RunOptions, build_parser, dump_config, resolve
 
 SPLIT_OPTIONS = ("dataset", "data_files", "text_column", "text_pair_column", "label_column", "label_names",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import atomic_write
+from ..files import atomic_write
 
 log = logging.getLogger(__name__)
 

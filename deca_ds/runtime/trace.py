@@ -21,7 +21,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .checkpoint import write_json
+from ..files import write_json
 
 PHASES = ("forward", "backward", "step")
 RANGES = {f"deca.{phase}": phase for phase in PHASES}

@@ -29,6 +29,7 @@ from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..evaluation import answer_sets
+from ..files import atomic_write, write_json
 from ..methods import Method
 from ..models import (
     causal_lm_loss,
@@ -219,9 +220,9 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
         "commit": commit(),  # the checkout's ("+dirty": changed files), "unknown" outside one
         "cpu_kernels": cpu_kernels(),  # ATen's on CPU (AVX2, AVX512, …): a CPU run's bits depend on them
     }
-    ckpt.write_json(out / "run_config.json", resolved)
+    write_json(out / "run_config.json", resolved)
     # the same run as a run file: deca-train --config <out>/config.yaml (with --resume or --overwrite)
-    ckpt.atomic_write(out / "config.yaml", lambda tmp: Path(tmp).write_text(dump_config(opts, ds_config)))
+    atomic_write(out / "config.yaml", lambda tmp: Path(tmp).write_text(dump_config(opts, ds_config)))
     write_partition_report(out / "partition", task.key_histogram, task.key_names,
                            None if opts.client_data else task.client_indices)
     if layout.rank:
@@ -646,7 +647,7 @@ def answer_questions(out: Path, model, task: Task, opts: RunOptions, summary: di
     answers/NAME.jsonl, and summary.json gains the counts and ROUGE-L (`consensus_answers`)."""
     summary["consensus_answers"] = answer_sets(model, task.tokenizer, opts.question_sets(), out / "answers",
                                                max_new_tokens=opts.max_new_tokens)
-    ckpt.write_json(out / "summary.json", summary)
+    write_json(out / "summary.json", summary)
     for name, answered in summary["consensus_answers"].items():
         print(f"consensus model: answered {answered['questions']} questions ({answered['turns']} turns) of {name} "
               f"in {out / 'answers' / (name + '.jsonl')}"
@@ -669,7 +670,7 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[l
     plot_losses(records, out / "loss_curve.png", title=opts.method)
     table = summary_table(summary)
     (out / "summary.md").write_text(table)
-    ckpt.write_json(out / "summary.json", summary)
+    write_json(out / "summary.json", summary)
     c = summary["clients"]
     print("\n" + table)
     print(f"loss (mean over clients): start {sum(x['loss_start'] for x in c) / len(c):.4f} -> "
