@@ -8,11 +8,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
+
+# The temporaries below, named after their target (tempfile's 8 random characters between):
+# .<name>.<random>.tmp (a file), .partial (a directory being written), .old (one being replaced).
+_TEMPORARY = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.(tmp|partial|old)")
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
@@ -29,6 +34,16 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def leftovers(directory: Path, names: Iterable[str] | re.Pattern) -> list[Path]:
+    """The temporaries in `directory` of writes to `names` (or to the names the pattern matches) that
+    were cut off where no cleanup runs (SIGKILL, a rank's exit on SIGTERM): a directory of them can
+    hold a whole model."""
+    if not directory.is_dir():
+        return []
+    match = names.fullmatch if isinstance(names, re.Pattern) else set(names).__contains__
+    return sorted(p for p in directory.iterdir() if (m := _TEMPORARY.fullmatch(p.name)) and match(m.group(1)))
 
 
 def vacant(path: Path) -> bool:

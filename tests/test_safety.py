@@ -88,6 +88,41 @@ def test_claim_removes_only_what_a_run_writes(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["analysis", "checkpoints", "notes.txt", "run_owner.json"]
 
 
+def test_claim_removes_what_a_cut_off_write_of_the_run_left(tmp_path, monkeypatch):
+    """A rank killed while it wrote x̄ (SIGKILL, or its exit on a time limit's SIGTERM, where no
+    cleanup runs) leaves a hidden temporary as large as the model: the next run removes it, resuming
+    or starting over, and nothing else hidden."""
+    from deca_ds.files import atomic_directory, atomic_write
+
+    class Killed(BaseException):
+        pass
+
+    def half(tmp):
+        Path(tmp).write_text("half")
+        raise Killed
+
+    out = tmp_path / "run"
+    for resume in (False, True):
+        (out / "clients" / "client_001").mkdir(parents=True, exist_ok=True)
+        with monkeypatch.context() as mp:  # killed before the cleanup of each of the three writes
+            mp.setattr(shutil, "rmtree", lambda *a, **k: None)
+            mp.setattr(Path, "unlink", lambda *a, **k: None)
+            with pytest.raises(Killed):
+                atomic_write(out / "summary.json", half)  # leaves .summary.json.<random>.tmp
+            with pytest.raises(Killed), atomic_directory(out / "consensus") as partial:  # .consensus.<random>.partial
+                half(partial / "model.safetensors")
+            with atomic_directory(out / "clients" / "client_001", replace=True):  # .client_001.<random>.old
+                pass
+        # not the run's: kept (clients/ is the run's, all removed when it starts over)
+        mine = [out / ".notes.abcdefgh.tmp", out / ".cache", *[out / "clients" / ".mine.abcdefgh.partial"] * resume]
+        for path in mine:
+            path.write_text("keep me")
+        assert len([p for p in out.rglob(".*") if p.parent in (out, out / "clients")]) == 3 + len(mine)
+        outputs.claim(out, resume=resume)
+        hidden = sorted(p for p in out.rglob(".*") if p.parent in (out, out / "clients"))
+        assert hidden == sorted(mine), hidden
+
+
 def test_a_file_as_output_dir_is_refused(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):

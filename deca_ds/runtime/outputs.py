@@ -10,12 +10,13 @@ an earlier run, after every check of the new run has passed.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
 
 from .. import __version__
-from ..files import write_json
+from ..files import leftovers, write_json
 from ..reporting import commit, cpu_kernels
 
 MARKER = "run_owner.json"
@@ -24,6 +25,7 @@ MARKER = "run_owner.json"
 RESULT_FILES = ("summary.json", "summary.md", "loss_curve.png")
 RUN_OUTPUTS = (MARKER, "run_config.json", "config.yaml", *RESULT_FILES, "partition", "checkpoints", "metrics",
                "tensorboard", "trace", "consensus", "adapter", "clients", "answers")
+CLIENT_DIR = re.compile(r"client_\d{3,}")  # clients/client_NNN/ (--save-clients)
 
 
 def is_run(out: Path) -> bool:
@@ -57,10 +59,12 @@ def check_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
 
 def claim(out: Path, *, resume: bool) -> None:
     """Rank 0, once every check has passed: drop what an earlier run wrote (all of it when starting
-    over, its result files when resuming) and write the marker first."""
+    over, its result files when resuming, and either way what a write of it cut off left) and write
+    the marker first."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in RUN_OUTPUTS if not resume else RESULT_FILES:
-        path = out / name
+    stale = [out / name for name in (RUN_OUTPUTS if not resume else RESULT_FILES)]
+    stale += leftovers(out, RUN_OUTPUTS) + leftovers(out / "clients", CLIENT_DIR)
+    for path in stale:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
