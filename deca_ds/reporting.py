@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import platform
@@ -13,20 +14,20 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .files import atomic_write
+from .files import atomic_write, write_text
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout: its commit, its launch/ scripts
 
 
 def write_results(out: Path, name: str, *, markdown: str, rows: list[dict], payload: dict) -> None:
     """<out>/<name>.md (the table), .csv (one line per row) and .json (`payload`, rows included)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.md").write_text(markdown)
-    with (out / f"{name}.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / f"{name}.json").write_text(json.dumps(payload, indent=2, allow_nan=False))
+    write_text(out / f"{name}.md", markdown)
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(out / f"{name}.csv", table.getvalue())
+    write_text(out / f"{name}.json", json.dumps(payload, indent=2, allow_nan=False))
 
 
 def pyplot():

@@ -347,6 +347,33 @@ def test_resume_refuses_every_change_that_alters_the_result(diverged, monkeypatc
         trainer.check_output_dir(*parse_args(same), edited)
 
 
+def test_a_resume_cut_off_while_it_trims_the_metrics_keeps_them(tmp_path, monkeypatch):
+    """Resuming rewrites each client's metrics without the steps it redoes: a failure in that write
+    (the disk full, the job killed) leaves the file as it was, never cut short; done, the file holds
+    the steps before the resumed one and then what the resumed run appends."""
+    from deca_ds.runtime.metrics import MetricsWriter, metrics_path, read_client_metrics
+
+    path = metrics_path(tmp_path, 0)
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)))
+    before = path.read_bytes()
+    write_text = Path.write_text
+
+    def disk_full(self, text, *args, **kwargs):  # what was opened is emptied, then the write fails
+        write_text(self, "")
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "write_text", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            MetricsWriter(tmp_path, 0, resume_step=4)
+    assert path.read_bytes() == before and [p.name for p in path.parent.iterdir()] == [path.name]
+    writer = MetricsWriter(tmp_path, 0, resume_step=4)
+    writer.write({"step": 4, "loss": 0.5})
+    writer.close()
+    assert [r["step"] for r in read_client_metrics(tmp_path, 0)] == [1, 2, 3, 4]
+
+
 def test_resume_ignores_an_option_the_method_does_not_read():
     """A D-Adam run saved with --state-bits 8 (ignored, before such options were refused) resumes
     without it: recorded, not refused; for a DECA run the moments' bits are a result's."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data import dirichlet_partition, iid_partition, label_histogram
+from ..files import write_text
 from .tasks import Record
 
 
@@ -101,7 +102,7 @@ def write_partition_report(out_dir: str | os.PathLike, histogram, label_names: S
     hist = np.asarray(histogram, dtype=np.int64)
     paths = {k: out / f for k, f in (("json", "partition.json"), ("csv", "label_histogram.csv"),
                                       ("md", "label_histogram.md"), ("png", "label_histogram.png"))}
-    paths["json"].write_text(json.dumps({
+    write_text(paths["json"], json.dumps({
         "n_clients": len(hist), "label_names": names, "sizes": hist.sum(1).tolist(),
         "label_histogram": hist.tolist(), "mean_tv_distance": round(histogram_skew(hist), 6),
         **({"partition": [[int(i) for i in p] for p in partition]} if partition is not None else {}),
@@ -112,10 +113,10 @@ def write_partition_report(out_dir: str | os.PathLike, histogram, label_names: S
 
     rows = [["client", *map(cell, names), "total"]]
     rows += [[str(c), *map(str, h.tolist()), str(int(h.sum()))] for c, h in enumerate(hist)]
-    paths["csv"].write_text("".join(",".join(r) + "\n" for r in rows))
+    write_text(paths["csv"], "".join(",".join(r) + "\n" for r in rows))
     md = ["| " + " | ".join(rows[0]) + " |", "|" + " ---: |" * len(rows[0])]
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    paths["md"].write_text("\n".join(md) + "\n")
+    write_text(paths["md"], "\n".join(md) + "\n")
 
     fig = Figure(figsize=(1.2 + 0.6 * len(names), 1.0 + 0.35 * len(hist)), dpi=100)
     FigureCanvasAgg(fig)

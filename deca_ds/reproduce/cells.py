@@ -37,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from ..files import sha256, write_json
+from ..files import sha256, write_json, write_text
 from ..reporting import REPO
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
@@ -464,7 +464,7 @@ def _deepspeed_command(grid: Grid, cell: Cell, d: Path, launch: Launch, *, resum
     import yaml
 
     options = json.loads(json.dumps(cell.options, allow_nan=False))
-    (d / "options.yaml").write_text(yaml.safe_dump(options))
+    write_text(d / "options.yaml", yaml.safe_dump(options))
     if launch.launcher == "torchrun":
         launcher = [sys.executable, "-m", "torch.distributed.run"]
     else:
@@ -482,14 +482,15 @@ def collect_deepspeed(d: Path, *, wall_s: float) -> None:
     train = d / "train"
     config = read_json(train / RUN_CONFIG)
     records = [read_client_metrics(train, c) for c in range(config["n_clients"])]
-    with (d / METRICS).open("w") as f:
-        for step_records in zip(*records):
-            first = step_records[0]
-            rec = {k: first[k] for k in ("step", "round", "block", "r")}
-            rec["loss"] = sum(r["loss"] for r in step_records) / len(step_records)
-            if "consensus_distance" in first:
-                rec["consensus_distance"] = sum(r["consensus_distance"] for r in step_records) / len(step_records)
-            f.write(json.dumps(rec, allow_nan=False) + "\n")
+    lines = []
+    for step_records in zip(*records):
+        first = step_records[0]
+        rec = {k: first[k] for k in ("step", "round", "block", "r")}
+        rec["loss"] = sum(r["loss"] for r in step_records) / len(step_records)
+        if "consensus_distance" in first:
+            rec["consensus_distance"] = sum(r["consensus_distance"] for r in step_records) / len(step_records)
+        lines.append(json.dumps(rec, allow_nan=False) + "\n")
+    write_text(d / METRICS, "".join(lines))
     write_json(d / RUN_CONFIG, config)
     summary = read_json(train / "summary.json")
     evaluation = summary["consensus_eval"]

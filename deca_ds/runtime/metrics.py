@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import write_text
+
 
 def metrics_path(root: Path, client: int) -> Path:
     return root / "metrics" / f"client_{client:03d}.jsonl"
@@ -23,7 +25,8 @@ class MetricsWriter:
         if resume_step and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if line and json.loads(line).get("step", -1) < resume_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        # whole or not at all: a resume killed here keeps every record of the run so far
+        write_text(self.path, "".join(line + "\n" for line in kept))
         self.file = self.path.open("a")
         self.tb = None
         if tensorboard:

@@ -29,7 +29,7 @@ from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..evaluation import answer_sets
-from ..files import atomic_write, write_json
+from ..files import atomic_write, write_json, write_text
 from ..methods import Method
 from ..models import (
     causal_lm_loss,
@@ -669,7 +669,7 @@ def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[l
                    bytes_sent_total=sum(c["bytes_sent"] for c in summary["clients"]), **placement)
     plot_losses(records, out / "loss_curve.png", title=opts.method)
     table = summary_table(summary)
-    (out / "summary.md").write_text(table)
+    write_text(out / "summary.md", table)
     write_json(out / "summary.json", summary)
     c = summary["clients"]
     print("\n" + table)
