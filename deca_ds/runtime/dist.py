@@ -79,13 +79,23 @@ def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None) 
     return n
 
 
+def launch_rank() -> int:
+    """This process's rank as its launcher numbered it (RANK), readable before any process group
+    exists; 0 for a process started without one, a job of one rank."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launch_local_rank() -> int:
+    """Its rank on its node (LOCAL_RANK; 0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def local_device(device_map: str = "auto") -> torch.device:
     """This rank's device: the GPU --device-map gives local rank LOCAL_RANK (by default LOCAL_RANK
     modulo the visible GPUs, so k ranks can share one), or the CPU on a machine without one."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return torch.device("cuda", gpu_of(local_rank, torch.cuda.device_count(), parse_device_map(device_map)))
+    return torch.device("cuda", gpu_of(launch_local_rank(), torch.cuda.device_count(), parse_device_map(device_map)))
 
 
 def to_device(batch, device: torch.device):

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..evaluation.classification import SCORE_BATCH
 from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate, ModelSpec
 from ..topology import make_topology
-from .dist import check_layout
+from .dist import check_layout, launch_rank
 from .options import RunOptions, estimate_run, offload_keep_for_budget
 from .transport import parse_device_map
 
@@ -40,7 +40,7 @@ def model_config(opts: RunOptions, vocab_size: int):
 
 def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     """(the estimate of a round's peak block, what it was computed for)."""
-    from .task import build_task, task_kind
+    from .task import build_task, own_clients, task_kind
     from .trainer import loss_positions_max
 
     if opts.clients is None and "WORLD_SIZE" not in os.environ:  # a launcher's ranks make the clients, as in the run
@@ -50,8 +50,7 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed,
                              matrix_file=opts.matrix_file)
     neighbors = max(len(topology.neighbors(i)) for i in range(n_clients))
-    task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
-                      if opts.client_data else None)
+    task = build_task(opts, n_clients, own_clients(opts))
     spec = ModelSpec.from_config(model_config(opts, len(task.tokenizer)))
     options, positions = asdict(opts), loss_positions_max(opts, task)
     if opts.offload_budget:
@@ -115,5 +114,5 @@ def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
 
 def main(opts: RunOptions, ds_config: dict) -> None:
     est, setting = estimate(opts, ds_config)
-    if int(os.environ.get("RANK", "0")) == 0:  # under a launcher: one report, not one per rank
+    if launch_rank() == 0:  # under a launcher: one report, not one per rank
         print(report(opts, est, setting))

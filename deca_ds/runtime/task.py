@@ -11,7 +11,6 @@ are all of the data that crosses sites.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -42,7 +41,7 @@ from ..datasets import (
 from ..evaluation import evaluate_classification, evaluate_records
 from ..models import load_tokenizer
 from . import token_cache
-from .dist import ClientLayout
+from .dist import ClientLayout, launch_rank
 from .options import RunOptions, client_path
 
 
@@ -185,7 +184,7 @@ def _own_files(opts: RunOptions, n_clients: int, held: tuple[int, ...]) -> Task:
     tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
     features, keys, parts, loaded = [], [], [[] for _ in range(n_clients)], None
     # in a distributed run a process reads its own client's file: the client's first rank tokenizes it
-    writer = int(os.environ.get("RANK", "0")) % opts.ranks_per_client == 0
+    writer = launch_rank() % opts.ranks_per_client == 0
     for client in held:
         loaded = load_records(opts, client)
         if len(loaded.train) < opts.micro_batch:
@@ -270,6 +269,12 @@ def evaluator(opts: RunOptions) -> Callable[..., dict]:
         return _synthetic_evaluator(opts, _tokenizer(opts, task.vocabulary), task, task.generate()[1])
     loaded = load_records(opts)
     return _evaluator(opts, loaded, _records_tokenizer(opts, loaded))
+
+
+def own_clients(opts: RunOptions) -> tuple[int, ...] | None:
+    """With per-client files (train=…{client}…), the client whose file this process reads (a site
+    may hold no other's); None when every process reads the one training file."""
+    return (launch_rank() // opts.ranks_per_client,) if opts.client_data else None
 
 
 def build_task(opts: RunOptions, n_clients: int, held: tuple[int, ...] | None = None) -> Task:

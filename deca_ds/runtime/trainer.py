@@ -59,6 +59,8 @@ from .dist import (
     check_layout,
     host_staging,
     init_process_group,
+    launch_local_rank,
+    launch_rank,
     local_device,
     to_device,
 )
@@ -77,7 +79,7 @@ from .nonfinite import (
 )
 from .options import RunOptions, dump_config, offload_keep_for_budget
 from .same_start import check_same_start, start_fingerprint
-from .task import Task, build_task, check_questions, share_counts
+from .task import Task, build_task, check_questions, own_clients, share_counts
 from .timing import DeviceTime, Timer
 from .trace import StepTrace, check_window
 from .transport import check_placement, env_placement, resolve_transport, spans_nodes
@@ -271,8 +273,7 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
                              seed=opts.topology_seed, matrix_file=opts.matrix_file)
     check_questions(opts)
     # per-client files: a process reads its own client's only
-    task = build_task(opts, n_clients, (int(os.environ.get("RANK", "0")) // opts.ranks_per_client,)
-                      if opts.client_data else None)
+    task = build_task(opts, n_clients, own_clients(opts))
     laps("data")
     model = build_model(opts, len(task.tokenizer))
     laps("model")
@@ -283,7 +284,7 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
         opts.offload_keep = offload_keep_for_budget(
             asdict(opts), model.config, ds_config, loss_positions=loss_positions_max(opts, task),
             n_neighbors=max(len(topology.neighbors(i)) for i in range(n_clients)))
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launch_rank() == 0:
             print(f"--offload-budget {opts.offload_budget:g} GB: keeping the top {opts.offload_keep} decoder layers "
                   "on the device")
     check_keep(len(find_decoder_layers(model)[1]), opts.offload_keep)
@@ -629,7 +630,7 @@ def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer
 
 def node_lead() -> bool:
     """Whether this rank is its node's first (it writes the node's copy of the run's files)."""
-    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+    return launch_local_rank() == 0
 
 
 def gather_metrics(out: Path, layout: ClientLayout) -> list[list[dict]] | None:
