@@ -634,6 +634,28 @@ def test_results_readmes_quote_their_generated_tables(results):
     assert [n for n in quoted if n not in tables] == []
 
 
+def started_cell(grid, cell) -> Path:
+    """The cell's directory as a grid run starts the cell, before its first step."""
+    from deca_ds.reproduce.cells import _prepare, base_weights
+
+    assert _prepare(grid, cell, grid.cell_dir(cell), base_weights(grid)) is None
+    return grid.cell_dir(cell)
+
+
+def test_a_cell_directory_no_grid_run_wrote_is_refused_and_kept(tmp_path):
+    """Starting a cell afresh removes its directory (an unfinished attempt's): one that holds files
+    but no cell.json is someone else's, and the grid stops before any cell runs, naming it."""
+    grid = build_grid(tiny_grid("tiny", methods=["deca"], seeds=[0, 1]), runs_dir=tmp_path)
+    mine = grid.cell_dir(grid.cells[1]) / "notes.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("keep me")
+    grid.cell_dir(grid.cells[0]).mkdir()  # empty: as a run killed before its cell.json leaves it
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(GridError, match=rf"1 cell directory\(ies\) hold files but no cell.json.*{grid.cells[1].key}"):
+        run_grid(grid, log=lambda *_: None)
+    assert mine.read_text() == "keep me" and sorted(tmp_path.rglob("*")) == before
+
+
 def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):
     grid = build_grid(tiny_grid("tiny", methods=["deca"], seeds=[0], cell_timeout_s=0.5), runs_dir=tmp_path)
     status = run_grid(grid, log=lambda *_: None)
@@ -1016,8 +1038,7 @@ def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path, capsys):
     from deca_ds.reproduce.cli import main
 
     grid = build_grid(tiny_grid("tiny", methods=["deca"], seeds=[0]), runs_dir=tmp_path / "runs")
-    d = grid.cell_dir(grid.cells[0])
-    d.mkdir(parents=True)
+    d = started_cell(grid, grid.cells[0])
     (d / "metrics.jsonl").write_text("{}\n")  # the holder's cell, one step in
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(tiny_grid("tiny", methods=["deca"], seeds=[0])))
     with claim(d) as held:
@@ -1026,7 +1047,7 @@ def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path, capsys):
         assert main([str(tmp_path / "grid.yaml"), "--runs-dir", str(tmp_path / "runs"), "--dry-run"]) == 0
     me = f"pid {os.getpid()} on {os.uname().nodename} since "
     assert list(status.values()) == [f"elsewhere: run by {me}" + status[grid.cells[0].key].split(" since ")[1]]
-    assert [p.name for p in d.iterdir()] == ["metrics.jsonl"]
+    assert sorted(p.name for p in d.iterdir()) == ["cell.json", "metrics.jsonl"]
     # the dry run says where the cell runs and how far it is
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(grid.cells[0].key))
     assert line.startswith(f"{grid.cells[0].key}: 8 steps x 4 examples per client step, tables ['main'], "
@@ -1147,7 +1168,7 @@ def test_dry_run_says_a_stopped_cell_without_a_checkpoint_starts_afresh(tmp_path
     path.write_text(yaml.safe_dump(tiny_grid("tiny", runs_dir=str(tmp_path / "runs"))))
     grid = load_grid(str(path))
     stopped, fresh = grid.cells[:2]
-    grid.cell_dir(stopped).mkdir(parents=True)
+    started_cell(grid, stopped)
     rows = [{"step": i, "loss": 1.0, "wall_s": 0.75 * (i + 1)} for i in range(3)]  # seconds since the cell began
     (grid.cell_dir(stopped) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main([str(path), "--dry-run"]) == 0

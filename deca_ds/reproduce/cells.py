@@ -37,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from ..files import sha256, write_json, write_text
+from ..files import sha256, vacant, write_json, write_text
 from ..reporting import REPO
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
@@ -126,14 +126,18 @@ def saved_settings(cell_dir: Path) -> dict | None:
 
 def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
     """(cells to run, cells already finished with the same settings); raises when a finished cell's
-    settings differ from the grid's, naming them, so no run overwrites a result, and when finished
+    settings differ from the grid's, naming them, so no run overwrites a result, when a cell's
+    directory holds files no grid run wrote (a user's, which starting the cell would remove), and when finished
     cells were fine-tuned from different weights of the grid's base model (their results do not
     compare, whichever weights the model now has)."""
-    todo, done, conflicts = [], [], []
+    todo, done, conflicts, foreign = [], [], [], []
     base = base_weights(grid)
     for cell in grid.cells:
         changed = finished_changes(grid, cell, base)
         if changed is None:
+            d = grid.cell_dir(cell)
+            if not (d / CELL).is_file() and not vacant(d):  # _prepare removes an unfinished cell's directory
+                foreign.append(str(d))
             todo.append(cell)
         elif changed:
             conflicts.append(f"{grid.cell_dir(cell)} ({', '.join(changed[:6])})")
@@ -142,6 +146,10 @@ def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
     if conflicts:
         raise GridError(f"{len(conflicts)} finished cell(s) hold results of other settings and would be overwritten: "
                         + "; ".join(conflicts[:5]) + ". Give another runs_dir or remove those directories.")
+    if foreign:
+        raise GridError(f"{len(foreign)} cell directory(ies) hold files but no {CELL}, so no grid run wrote them, and "
+                        "starting the cell would remove them: " + "; ".join(foreign[:5])
+                        + ". Give another runs_dir or move them.")
     bases: dict[str, list[str]] = {}
     for cell in done:
         sha = (saved_settings(grid.cell_dir(cell)) or {}).get(BASE)
