@@ -35,12 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
 def export(args: argparse.Namespace) -> Path:
     import torch
 
-    from .files import atomic_directory, vacant, write_json
+    from .files import atomic_directory, remove_leftovers, vacant, write_json
     from .runtime.checkpoint_consensus import checkpoint_model
 
     run, out = Path(args.run), Path(args.out)
     if not vacant(out):
         raise ValueError(f"--out {out} holds files (or is one); deca-export writes only a new or empty directory")
+    remove_leftovers(out, say=lambda line: print(line, file=sys.stderr))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x = checkpoint_model(run, args.checkpoint, device, args.trust_remote_code, args.client)
     with atomic_directory(out) as partial:

@@ -46,6 +46,22 @@ def leftovers(directory: Path, names: Iterable[str] | re.Pattern) -> list[Path]:
     return sorted(p for p in directory.iterdir() if (m := _TEMPORARY.fullmatch(p.name)) and match(m.group(1)))
 
 
+def remove(path: Path) -> None:
+    """A file, a link (not what it points to) or a directory tree; nothing if absent."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_leftovers(path: Path, say: Callable[[str], None]) -> None:
+    """Remove, saying so, what writes of `path` cut off before their end left beside it: as large as
+    what they wrote (a model, for a directory)."""
+    for left in leftovers(path.parent, [path.name]):
+        say(f"removing {left}, left by a write of {path} that was cut off (killed, or a time limit)")
+        remove(left)
+
+
 def vacant(path: Path) -> bool:
     """Absent, or an empty directory (not a link to one): what atomic_directory may write."""
     if path.is_symlink():

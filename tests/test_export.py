@@ -50,7 +50,8 @@ def fake_consensus(save):
 
 def test_an_export_is_whole_or_absent(run, tmp_path, monkeypatch):
     """A failure while writing leaves nothing of the export (an empty --out the user made stays);
-    a finished one is renamed into place with where it came from."""
+    a finished one is renamed into place with where it came from, and what an export to the same
+    --out killed before its end left beside it is removed."""
     out = tmp_path / "model"
     out.mkdir()
 
@@ -67,8 +68,12 @@ def test_an_export_is_whole_or_absent(run, tmp_path, monkeypatch):
         (directory / "config.json").write_text("{}")
 
     monkeypatch.setattr(checkpoint_consensus, "checkpoint_model", fake_consensus(writes))
+    cut_off = tmp_path / ".model.abcdefgh.partial"  # what an export killed before its end leaves
+    (cut_off / "model.safetensors").parent.mkdir()
+    (cut_off / "model.safetensors").write_text("half")
+    (tmp_path / ".model.notes").write_text("not an export's")
     export.main(["--run", str(run), "--checkpoint", "latest", "--out", str(out)])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.notes", "model", "run"]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", export.MARKER]
     assert json.loads((out / export.MARKER).read_text()) == {
         "run": str(run.resolve()), "checkpoint": 3, "client": None, "method": "deca", "n_clients": 2,

@@ -506,6 +506,15 @@ def test_pretrain_never_writes_over_files_nor_leaves_half_a_checkpoint(tmp_path,
         pretrain(PretrainOptions(str(tmp_path / "new"), **TINY_PRETRAIN), log=lambda *_: None)
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
+    monkeypatch.undo()  # a pretraining killed while it saved, where no cleanup runs, left its directory:
+    cut_off = tmp_path / ".new.abcdefgh.partial"  # the next one removes it, saying so
+    cut_off.mkdir()
+    (cut_off / "model.safetensors").write_text("half")
+    said = []
+    pretrain(PretrainOptions(str(tmp_path / "new"), **TINY_PRETRAIN), log=lambda *a: said.append(" ".join(map(str, a))))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "out"]
+    assert any(line.startswith(f"removing {cut_off}, left by a write of") for line in said), said
+
 
 def test_only_takes_the_grids_own_keys_and_values(tmp_path):
     grid = build_grid(tiny_grid("tiny"), runs_dir=tmp_path)

@@ -42,7 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
-from ..files import atomic_directory, sha256, vacant, write_json
+from ..files import atomic_directory, remove_leftovers, sha256, vacant, write_json
 from ..reporting import cpu_kernels, invocation, kernels_of
 from ..runtime.dist import to_device
 from ..runtime.options import RunOptions, add_option, per_client
@@ -205,6 +205,7 @@ def pretrain(opts: PretrainOptions, *, log=print, command: list[str] | None = No
     if not vacant(out):
         raise ValueError(f"{out} already holds files; pretraining writes a new checkpoint and never writes over "
                          "one: give another output directory")
+    remove_leftovers(out, say=log)
     start = time.perf_counter()
     prompts, keep = training_text(opts)
     tokenizer = build_tokenizer(prompts, keep, opts.vocab_size)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 
 from .. import __version__
-from ..files import leftovers, write_json
+from ..files import leftovers, remove, write_json
 from ..reporting import commit, cpu_kernels
 
 MARKER = "run_owner.json"
@@ -65,10 +64,7 @@ def claim(out: Path, *, resume: bool) -> None:
     stale = [out / name for name in (RUN_OUTPUTS if not resume else RESULT_FILES)]
     stale += leftovers(out, RUN_OUTPUTS) + leftovers(out / "clients", CLIENT_DIR)
     for path in stale:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        remove(path)
     owner = {"tool": "deca-ds", "version": __version__, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              "outputs": list(RUN_OUTPUTS)}
     write_json(out / MARKER, owner)
