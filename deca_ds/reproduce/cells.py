@@ -26,6 +26,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from ..files import sha256, vacant, write_json, write_text
+from ..files import leftovers, remove, sha256, vacant, write_json, write_text
 from ..reporting import REPO
 from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
@@ -48,6 +49,7 @@ from .placement import Launch, Placement, placement
 from .pretrain import WEIGHTS, kernels_note, pretrain, pretrained_state
 
 CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
+ANY_NAME = re.compile(".+")  # a cell's directory is the grid's, every entry of it
 CHECKPOINT, CHECKPOINT_META = "checkpoint.pt", "checkpoint.json"  # a simulated cell's
 # how the checkpoint's clients drew their dropout masks: from generators of their own (rng.ClientGenerators);
 # an older checkpoint, whose clients drew from one, is not gone on from (the cell starts afresh)
@@ -425,6 +427,8 @@ def _prepare(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
         write_json(d / CELL, {"settings": cell_settings(grid, cell, base), "options": cell.options,
                               "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
     else:
+        for left in leftovers(d, ANY_NAME):  # a write the stopped run was killed in: its checkpoint's, say
+            remove(left)
         saved = read_json(d / CELL)
         write_json(d / CELL, {**saved, "resumed_from": [*saved.get("resumed_from", []), resume]})
     return resume
