@@ -85,7 +85,12 @@ def atomic_directory(path: Path, *, replace: bool = False) -> Iterator[Path]:
         if replace and path.is_dir() and not path.is_symlink():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
             os.replace(path, old)
-        os.replace(tmp, path)  # over an empty directory too; a non-empty one raises and is left alone
+        try:
+            os.replace(tmp, path)  # over an empty directory too; a non-empty one raises and is left alone
+        except BaseException:
+            if old is not None:
+                os.replace(old, path)  # back where it was: the next run would remove it as a leftover
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

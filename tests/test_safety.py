@@ -501,7 +501,10 @@ def test_a_run_whose_end_failed_resumes_straight_to_it(tmp_path):
 
 def test_a_failed_replacement_keeps_the_directory_it_would_replace(tmp_path):
     """How a resumed run writes x̄ (and --save-clients' models) over those it wrote before: a failure
-    keeps the old directory as it was, a success leaves the new one alone, and nothing else stays."""
+    keeps the old directory as it was (also when the new one cannot take its place once the old
+    one is moved aside), a success leaves the new one alone, and nothing else stays."""
+    import os
+
     from deca_ds.files import atomic_directory
 
     model = tmp_path / "consensus"
@@ -511,6 +514,19 @@ def test_a_failed_replacement_keeps_the_directory_it_would_replace(tmp_path):
         with atomic_directory(model, replace=True) as partial:
             (partial / "model.safetensors").write_text("half")
             raise RuntimeError("out of memory")
+    assert [p.name for p in tmp_path.iterdir()] == ["consensus"] and snapshot(model) == {
+        model / "model.safetensors": b"whole"}
+    replace = os.replace
+
+    def swap_fails(src, dst):  # the old one moved aside, then the new one cannot take its place
+        if str(src).endswith(".partial"):
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    with pytest.raises(OSError, match="No space left"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "replace", swap_fails)
+        with atomic_directory(model, replace=True) as partial:
+            (partial / "model.safetensors").write_text("new")
     assert [p.name for p in tmp_path.iterdir()] == ["consensus"] and snapshot(model) == {
         model / "model.safetensors": b"whole"}
     with atomic_directory(model, replace=True) as partial:
