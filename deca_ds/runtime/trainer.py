@@ -29,7 +29,7 @@ from ..data import ClientStream
 from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..evaluation import answer_sets
-from ..files import atomic_write, write_json, write_text
+from ..files import write_json, write_text
 from ..methods import Method
 from ..models import (
     causal_lm_loss,
@@ -224,7 +224,7 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
     }
     write_json(out / "run_config.json", resolved)
     # the same run as a run file: deca-train --config <out>/config.yaml (with --resume or --overwrite)
-    atomic_write(out / "config.yaml", lambda tmp: Path(tmp).write_text(dump_config(opts, ds_config)))
+    write_text(out / "config.yaml", dump_config(opts, ds_config))
     write_partition_report(out / "partition", task.key_histogram, task.key_names,
                            None if opts.client_data else task.client_indices)
     if layout.rank:
