@@ -302,6 +302,12 @@ def test_smooth_is_a_trailing_mean():
     ({"options": {"model": "tiny"}}, r"clients must be integers >= 1, got \[None\]"),
     ({"seeds": []}, r"seeds is empty"),
     ({"seeds": [0, "a"]}, r"seeds must be integers, got \['a'\]"),
+    # a repeat adds no cell (cells are keyed by their values): one seed where two were meant
+    ({"seeds": [0, 1, 0, 1, 2]}, r"grid: seeds lists 0, 1 more than once; give each value once"),
+    ({"methods": ["deca", "dec_lora", "deca"]}, r"grid: methods lists 'deca' more than once"),
+    ({"sweeps": [{"table": "clients", "clients": [3, 3]}]}, r"sweeps\[0\].clients lists 3 more than once"),
+    ({"sweeps": [{"table": "bma", "methods": ["deca"], "bma_betas": [[0.3, 0.2], [0.3, 0.2]]}]},
+     r"sweeps\[0\].bma_betas lists \(0.3, 0.2\) more than once"),
     ({"results_dir": 5}, r"results_dir must be text, got \[5\]"),
     ({"jobs": 0}, r"jobs must be an integer >= 1, got 0"),
     ({"cpu_kernels": "AVX2"}, r"cpu_kernels must be one of default, avx2, avx512 .* got 'AVX2'"),

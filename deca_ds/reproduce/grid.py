@@ -179,12 +179,21 @@ def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _as_list(value, what: str) -> list:
+def _as_list(value, what: str, *, once: bool = True) -> list:
     if isinstance(value, (list, tuple)):
         if not value:
             raise GridError(f"{what} is empty")
-        return list(value)
+        return _once(list(value), what) if once else list(value)
     return [value]
+
+
+def _once(values: list, what: str) -> list:
+    """`values`, refused if one repeats: the cells are keyed by their values, so a repeat adds no cell
+    (seeds [0, 0] run one seed), and is most likely a typo for another value."""
+    repeated = [v for i, v in enumerate(values) if v in values[:i] and v not in values[i + 1:]]
+    if repeated:
+        raise GridError(f"{what} lists {', '.join(map(repr, repeated))} more than once; give each value once")
+    return values
 
 
 def _check_keys(where: str, values: dict, known: set) -> None:
@@ -510,12 +519,12 @@ def _bma_betas(values, methods: tuple[str, ...], where: str) -> tuple[tuple[floa
     if others:
         raise GridError(f"{where}.bma_betas: BMA's betas are DECA's; the sweep's methods {others} have none "
                         "(give the sweep `methods: [deca]`)")
-    pairs = _as_list(values, f"{where}.bma_betas")
+    pairs = _as_list(values, f"{where}.bma_betas", once=False)  # each a pair first, then each pair once
     bad = [p for p in pairs if not isinstance(p, (list, tuple)) or len(p) != 2
            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in p)]
     if bad:
         raise GridError(f"{where}.bma_betas must be [β1, β2] pairs, e.g. [[0.3, 0.222], [0.3, 0.333]], got {bad}")
-    return tuple((float(b1), float(b2)) for b1, b2 in pairs)
+    return tuple(_once([(float(b1), float(b2)) for b1, b2 in pairs], f"{where}.bma_betas"))
 
 
 def _cell(task, method, topology, clients, lpb, seed, preset, base, task_opts, method_opts, runs, where,
