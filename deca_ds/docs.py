@@ -30,8 +30,9 @@ def render_options() -> str:
         "its options from, lowest first: the defaults below, the DeepSpeed preset's `\"deca\"` section, the run file "
         "(`--config run.yaml`), the command line. A run file uses the names below with `_` "
         "(`steps_per_block: 48`), holds the DeepSpeed keys under `deepspeed:` (a mapping, or a preset's name or "
-        "path), and its values are converted to the types below; `--print-config` prints the resolved config "
-        "as such a file. On the command line a boolean is `--name` or `--no-name`.",
+        "path), and its values are converted to the types below; a key given twice in one mapping (of a run "
+        "file, a preset or a grid file) is refused, where YAML and JSON parsers keep the last. `--print-config` "
+        "prints the resolved config as such a file. On the command line a boolean is `--name` or `--no-name`.",
         "",
         "```yaml",
         "# run.yaml: deca-train --config run.yaml",

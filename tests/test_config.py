@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deca_ds.mapping_files import load_json, load_yaml
 from deca_ds.runtime import options as options_module
 from deca_ds.runtime.options import RunOptions, default_text, dump_config, parse_args
 from deca_ds.runtime.presets import PRESET_DIR, preset_names
@@ -68,6 +69,10 @@ def test_yaml_values_are_converted_to_the_declared_types(tmp_path):
     ("deepspeeed: {}\n", "unknown option 'deepspeeed' (did you mean 'deepspeed'?)"),
     ("- lr\n", "must hold a mapping of options"),
     ("lr: [\n", "is not valid YAML"),
+    # parsers keep a repeated key's last value: the run would train with whichever came second
+    ("lr: 1e-4\nrounds: 2\nlr: 3e-4\n",
+     "is not valid YAML: the key 'lr' is given twice (lines 1 and 3); give each key once"),
+    ("deepspeed:\n  gradient_clipping: 1.0\n  gradient_clipping: 0.5\n", "the key 'gradient_clipping' is given twice"),
     ("deepspeed: {zero_optimization: {stage: 2}}\n", "ZeRO stages above 0"),
     ("deepspeed: {optimiser: {}}\n", "unknown key(s) ['optimiser']"),
     ("deepspeed: 3\n", "expected a mapping of DeepSpeed keys or a preset's name or path"),
@@ -81,6 +86,23 @@ def test_bad_run_file_names_the_key_and_the_expected_type(tmp_path, text, messag
     assert message in str(err.value)
     if "deepspeed" not in text and "mapping" not in message and "YAML" not in message:
         assert str(err.value).startswith(path)  # the file is named, then the key
+
+
+def test_a_key_given_twice_is_refused_at_any_depth_and_a_merge_key_may_be_overridden():
+    """What the run file, preset and grid file loaders share (deca_ds.mapping_files): the
+    parsers' results where keys are unique, an error naming the key where one repeats."""
+    text = "base: &b {lr: 1.0e-3, rounds: 2}\nrun:\n  <<: *b\n  lr: 5.0e-4\n"
+    assert load_yaml(text) == yaml.safe_load(text) == {"base": {"lr": 1e-3, "rounds": 2},
+                                                       "run": {"lr": 5e-4, "rounds": 2}}
+    with pytest.raises(yaml.YAMLError, match=r"the key 'lr' is given twice \(lines 3 and 5\)"):
+        load_yaml("run:\n  deepspeed:\n    lr: 1\n    rounds: 2\n    lr: 3\n")
+    with pytest.raises(yaml.YAMLError, match=r"the key 1 is given twice \(lines 1 and 2\)"):
+        load_yaml("1: a\n1: b\n")
+    assert load_json('{"lr": 0.5, "deca": {"a": [1, 2]}}') == {"lr": 0.5, "deca": {"a": [1, 2]}}
+    with pytest.raises(ValueError, match="the key 'a' is given twice in one object"):
+        load_json('{"x": [{"a": 1, "a": 2}]}')
+    with pytest.raises(json.JSONDecodeError):
+        load_json('{"x": ')
 
 
 def test_run_file_holds_everything_and_the_command_line_wins(tmp_path):

@@ -330,6 +330,11 @@ def test_a_grid_file_that_is_not_yaml_is_named(tmp_path):
     (tmp_path / "grid.yaml").write_text("name: [x\n")
     with pytest.raises(GridError, match=r"grid.yaml is not valid YAML: while parsing a flow sequence"):
         load_grid(tmp_path / "grid.yaml")
+    # a key given twice: YAML loaders keep the second silently (here: two seeds where the first said one)
+    text = yaml.safe_dump(tiny_grid("tiny", seeds=[0]), sort_keys=False) + "seeds: [0, 1]\n"
+    (tmp_path / "grid.yaml").write_text(text)
+    with pytest.raises(GridError, match=r"grid.yaml is not valid YAML: the key 'seeds' is given twice \(lines \d+ and"):
+        load_grid(tmp_path / "grid.yaml")
 
 
 def test_grid_values_are_typed_as_the_commands_type_them(tmp_path):

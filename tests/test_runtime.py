@@ -398,10 +398,12 @@ def test_bad_input_is_refused_before_anything_is_written(case, previous_run, tmp
     ({"zero_optimization": {"stage": 2}}, "ZeRO stages above 0"),
     ({"optimizer": {"type": "Adam"}}, "DECA supplies the optimizer"),
     ({"deca": {"stepz_per_block": 3}}, "unknown option 'stepz_per_block' \\(did you mean 'steps_per_block'\\?\\)"),
+    # as text: json.loads would keep the second value
+    ('{"deca": {"lr": 0.001, "lr": 0.01}}', "preset.json is not valid JSON: the key 'lr' is given twice in one object"),
 ])
 def test_bad_preset_is_refused(preset, message, previous_run, tmp_path, capsys):
     path = tmp_path / "preset.json"
-    path.write_text(json.dumps(preset))
+    path.write_text(preset if isinstance(preset, str) else json.dumps(preset))
     before = snapshot(previous_run)
     with pytest.raises(SystemExit):
         train_main(["--ds_config", str(path), "--output-dir", str(previous_run), "--overwrite"])

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from ..mapping_files import load_yaml
 from ..models import TINY_LLAMA
 from ..reporting import CPU_KERNELS
 from ..runtime.options import RunOptions, convert_options, option_defaults
@@ -290,7 +291,7 @@ def load_grid(path: str | Path, *, runs_dir: str | Path | None = None, results_d
     `options` its options (every cell's)."""
     path = grid_path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as err:
         raise GridError(f"{path} is not valid YAML: {err}") from None
     if isinstance(data, dict):  # else build_grid says what the file holds
@@ -310,7 +311,7 @@ def parse_settings(pairs: list[str]) -> dict:
         if not sep or not key:
             raise GridError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set compile_layers=true")
         try:
-            options[key] = yaml.safe_load(value)
+            options[key] = load_yaml(value)
         except yaml.YAMLError as err:
             raise GridError(f"--set {pair!r}: the value is not valid YAML: {err}") from None
     return options

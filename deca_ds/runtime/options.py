@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from ..mapping_files import load_json, load_yaml
 from .presets import HONORED, load_ds_config, preset_names, split_ds_config
 
 if TYPE_CHECKING:
@@ -483,8 +484,8 @@ def type_text(name: str) -> str:
 
 def _json_object(text: str) -> dict:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
+        value = load_json(text)
+    except ValueError as err:
         raise argparse.ArgumentTypeError(f"not JSON ({err}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
@@ -563,8 +564,8 @@ def read_run_file(path: str) -> dict:
     except FileNotFoundError:
         raise ValueError(f"run file {path} does not exist") from None
     try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        data = load_json(text) if path.endswith(".json") else load_yaml(text)
+    except (ValueError, yaml.YAMLError) as err:  # ValueError: not JSON, or a key given twice
         raise ValueError(f"run file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {err}") \
             from None
     if not isinstance(data, dict):

@@ -6,8 +6,9 @@ deca-ds run options of its "deca" section). Imports no torch, so the command lin
 from __future__ import annotations
 
 import difflib
-import json
 from pathlib import Path
+
+from ..mapping_files import load_json
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 
@@ -98,7 +99,7 @@ def load_ds_config(spec: str | Path) -> tuple[dict, dict]:
     """Read a preset (a path or a shipped preset's name) and split it as split_ds_config does."""
     path = preset_path(spec)
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        config = load_json(path.read_text())
+    except ValueError as err:  # not JSON, or a key given twice
         raise ValueError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
     return split_ds_config(config, str(path))
