@@ -54,10 +54,12 @@ def check_state_bits(value: int) -> int:
     return value
 
 
-def check_betas(name: str, betas: Sequence[float]) -> tuple[float, float]:
+def check_betas(name: str, betas: Sequence[float], *, one: bool = True) -> tuple[float, float]:
+    """Two decay rates in [0, 1], or in [0, 1) where `one` is False: Adam's, whose bias correction
+    divides by 1 - α^(r+1) (torch.optim.Adam refuses 1 too); BMA's β = 1 is the plain step (no_bma)."""
     betas = tuple(float(b) for b in betas)
-    if len(betas) != 2 or not all(0.0 <= b <= 1.0 for b in betas):
-        raise ValueError(f"{name} must be two numbers in [0, 1], got {betas}")
+    if len(betas) != 2 or not all(0.0 <= b <= 1.0 and (one or b < 1.0) for b in betas):
+        raise ValueError(f"{name} must be two numbers in {'[0, 1]' if one else '[0, 1)'}, got {betas}")
     return betas
 
 
@@ -92,7 +94,7 @@ class AdamSettings:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        self.adam_betas = check_betas("adam_betas", self.adam_betas)
+        self.adam_betas = check_betas("adam_betas", self.adam_betas, one=False)
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if not self.weight_decay >= 0:

@@ -179,7 +179,10 @@ def test_weight_decay_is_decoupled():
 ADAM_REFUSALS = [
     (dict(lr=0), "lr must be > 0"),
     (dict(lr=-1e-3), "lr must be > 0"),
-    (dict(adam_betas=(0.9, 1.5)), "adam_betas must be two numbers in \\[0, 1\\]"),
+    (dict(adam_betas=(0.9, 1.5)), "adam_betas must be two numbers in \\[0, 1\\)"),
+    # α = 1: the bias correction 1 - α^(r+1) is 0, and the first step NaN
+    (dict(adam_betas=(0.9, 1.0)), "adam_betas must be two numbers in \\[0, 1\\), got \\(0.9, 1.0\\)"),
+    (dict(adam_betas=(1.0, 0.999)), "adam_betas must be two numbers in \\[0, 1\\)"),
     (dict(eps=0), "eps must be > 0"),
     (dict(master_dtype="bf16"), "master_dtype must be float32 or float64"),
     (dict(master_dtype="fp128"), "master_dtype must be one of"),
