@@ -37,14 +37,14 @@ def run_file(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
 
 def test_yaml_values_are_converted_to_the_declared_types(tmp_path):
     # YAML 1.1 reads 5e-5 and 1e2 (no dot) as strings; the declared types decide
-    path = run_file(tmp_path, "lr: 5e-5\nsteps_per_block: 1e2\nrounds: '3'\nadam_betas: [0.8, 1]\n"
+    path = run_file(tmp_path, "lr: 5e-5\nsteps_per_block: 1e2\nrounds: '3'\nadam_betas: [0.8, 0]\n"
                               "iid: 'yes'\neps: 1e-6\n")
     assert yaml.safe_load(Path(path).read_text())["lr"] == "5e-5"
     opts, _ = parse_args(["--config", path])
     assert opts.lr == 5e-5 and type(opts.lr) is float
     assert opts.steps_per_block == 100 and type(opts.steps_per_block) is int
     assert opts.rounds == 3 and type(opts.rounds) is int
-    assert opts.adam_betas == (0.8, 1.0) and all(type(b) is float for b in opts.adam_betas)
+    assert opts.adam_betas == (0.8, 0.0) and all(type(b) is float for b in opts.adam_betas)
     assert opts.iid is True
     assert opts.eps == 1e-6
     # one module name becomes the list
@@ -482,3 +482,30 @@ def test_an_option_the_method_does_not_read_is_refused():
                 flag = "--" + name.replace("_", "-")
                 with pytest.raises(ValueError, match=f"--method {method} does not read {flag} "):
                     RunOptions(method=method, **{name: value})
+
+
+def test_an_option_the_task_or_split_does_not_read_is_refused():
+    """What names a user's data, beside the built-in synthetic task (`--data-files train=mine.jsonl`
+    without `--dataset files` trained on the synthetic task), and the Dirichlet split's settings
+    beside --iid: refused before anything loads, naming each; the same values are taken where
+    they are read."""
+    data = {"data_files": ["train=mine.jsonl"], "text_column": "body", "text_pair_column": "second",
+            "label_column": "topic", "label_names": ["a", "b"], "response_column": "output", "chat_template": True}
+    assert data.keys() == set(options_module.TASK_DATA)
+    for name, value in data.items():
+        flag = "--" + name.replace("_", "-")
+        with pytest.raises(ValueError, match=f"--dataset synthetic does not read {flag} \\(read by --dataset files "
+                                             "and the hub tasks\\): leave it at its default"):
+            RunOptions(**{name: value})
+        if name not in ("data_files", "response_column"):  # files need a train file; a response column
+            RunOptions(dataset="agnews", **{name: value})  # makes a generation task of a classification one
+    RunOptions(dataset="files", data_files=["train=mine.jsonl"], response_column="output")
+    with pytest.raises(ValueError, match=r"--iid does not read --dirichlet-alpha \(the Dirichlet split's, which "
+                                         r"--iid replaces\), --partition-key \(.*\): leave them at their defaults"):
+        RunOptions(iid=True, dirichlet_alpha=0.1, partition_key="category")
+    RunOptions(iid=True)
+    RunOptions(dirichlet_alpha=0.1, partition_key="category")
+    # a run recorded before these were refused is read without them (deca-eval, deca-export)
+    saved = {"method": "dadam", "variant": "no_bma", "dataset": "synthetic", "label_names": ["a", "b"], "iid": True,
+             "dirichlet_alpha": 0.1, "lr": 0.5}
+    assert options_module.read_options(saved) == {"method": "dadam", "dataset": "synthetic", "iid": True, "lr": 0.5}

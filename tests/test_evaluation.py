@@ -382,6 +382,10 @@ def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_pat
         (run / "run_config.json").write_text(json.dumps({"options": {**saved, **problem}}))
         with pytest.raises(ValueError, match=message):
             resolve("--run", str(run))
+    # a synthetic run saved with data options it did not read (before they were refused): left out
+    (run / "run_config.json").write_text(json.dumps({"options": {**saved, "dataset": "synthetic"}}))
+    opts = resolve("--run", str(run))[2]
+    assert (opts.dataset, opts.data_files, opts.label_names, opts.max_seq_len) == ("synthetic", None, None, 48)
     (run / "consensus").rmdir()
     with pytest.raises(ValueError, match="exported no consensus/"):
         resolve("--run", str(run))

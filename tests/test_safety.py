@@ -376,7 +376,8 @@ def test_a_resume_cut_off_while_it_trims_the_metrics_keeps_them(tmp_path, monkey
 
 def test_resume_ignores_an_option_the_method_does_not_read():
     """A D-Adam run saved with --state-bits 8 (ignored, before such options were refused) resumes
-    without it: recorded, not refused; for a DECA run the moments' bits are a result's."""
+    without it: recorded, not refused; for a DECA run the moments' bits are a result's. So for a
+    synthetic run's data files and an IID split's Dirichlet settings."""
     from deca_ds.runtime.outputs import resume_changes
 
     now = {"method": "dadam", "state_bits": 32, "lr": 1e-3}
@@ -385,6 +386,15 @@ def test_resume_ignores_an_option_the_method_does_not_read():
     deca = {"options": {**saved["options"], "method": "deca"}, "world_size": 2}
     with pytest.raises(ValueError, match="state_bits: 8 in the saved run, 32 now"):
         resume_changes(deca, {**now, "method": "deca"}, {}, 2, {})
+    # the same for the data: --data-files beside the synthetic task, --dirichlet-alpha beside --iid
+    now = {"method": "deca", "dataset": "synthetic", "data_files": None, "iid": True, "dirichlet_alpha": 0.25}
+    saved = {"options": {**now, "data_files": ["train=mine.jsonl"], "dirichlet_alpha": 0.1}, "world_size": 2}
+    assert resume_changes(saved, now, {}, 2, {}) == {"data_files": [["train=mine.jsonl"], None],
+                                                     "dirichlet_alpha": [0.1, 0.25]}
+    with pytest.raises(ValueError, match=r"data_files: \['train=mine.jsonl'\] in the saved run, None now; "
+                                         r"dirichlet_alpha: 0.1 in the saved run, 0.25 now"):
+        files = {"dataset": "files", "iid": False}  # both read there
+        resume_changes({**saved, "options": {**saved["options"], **files}}, {**now, **files}, {}, 2, {})
 
 
 def test_record_resume_appends_to_run_config(tmp_path):

@@ -81,7 +81,8 @@ def settings_changed(saved: dict | None, now: dict) -> list[str]:
         return ["no settings saved" if saved is None else "key"]
     defaults = json.loads(json.dumps(option_defaults(), allow_nan=False))
     old, new = saved["options"], now["options"]
-    changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT - unread(new["method"])
+    ignored = unread(new["method"], new.get("dataset"), new.get("iid", defaults["iid"]))
+    changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT - ignored
                      if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
     if None not in (saved.get(BASE), now.get(BASE)) and saved[BASE] != now[BASE]:
         changed.append("the base model's weights")

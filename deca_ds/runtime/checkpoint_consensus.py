@@ -18,7 +18,7 @@ from ..methods import Method
 from ..mixing import ClientView
 from ..optimizer import model_partition
 from . import checkpoint as ckpt
-from .options import RunOptions, convert_options
+from .options import RunOptions, convert_options, read_options
 
 
 def run_options(root: Path) -> tuple[RunOptions, int]:
@@ -28,7 +28,7 @@ def run_options(root: Path) -> tuple[RunOptions, int]:
     if not config.is_file():
         raise ValueError(f"--run {root}: no run_config.json there (not a deca-train output directory)")
     saved = json.loads(config.read_text())
-    return RunOptions(**convert_options(saved["options"], str(config))), saved["n_clients"]
+    return RunOptions(**convert_options(read_options(saved["options"]), str(config))), saved["n_clients"]
 
 
 def checkpoint_step(root: Path, n_clients: int, ranks_per_client: int, step: int | None) -> int:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .options import RunOptions, add_option, convert_options
+from .options import RunOptions, add_option, convert_options, read_options
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +104,8 @@ def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | Non
             saved = json.loads(config.read_text())["options"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"--run {run}: {config} is not a deca-train run's record ({err!r})") from None
-        ran = convert_options({k: saved[k] for k in (*TEST_SET, "working_dtype") if k in saved}, str(config))
+        ran = convert_options({k: v for k, v in read_options(saved).items() if k in (*TEST_SET, "working_dtype")},
+                              str(config))
         # the run scored x̄ in its working dtype: the same number needs the same dtype
         dtype = dtype or ran.pop("working_dtype", "fp32")
         values.update(ran)

@@ -56,12 +56,40 @@ BLOCK_ORDERS = ("ascending", "descending", "random")  # deca_ds.blocks.BLOCK_ORD
 BASELINES = tuple(m for m in METHOD_NAMES if m != "deca")
 READ_BY = {"variant": ("deca",), "bma_betas": ("deca",), "block_order": ("deca",), "state_bits": ("deca",),
            "steps": BASELINES, "mix_every": BASELINES}
+# The same for the data: what names a user's data (files, columns, labels, the chat template its
+# prompts are rendered with) the built-in synthetic task does not read, so `--data-files train=mine.jsonl`
+# without `--dataset files` would train on the synthetic task; --iid replaces the Dirichlet split.
+TASK_DATA = ("data_files", "text_column", "text_pair_column", "label_column", "label_names", "response_column",
+             "chat_template")
+DIRICHLET = ("dirichlet_alpha", "partition_key")
 
 
-def unread(method: str) -> set[str]:
-    """The options `method` does not read: they change none of its results (a run saved before they
+def unread_by(method: str, dataset: str | None = None, iid: bool = False) -> dict[str, dict[str, str]]:
+    """The options a run of `method` on `dataset` (split IID or not) does not read, by what leaves
+    them unread ('--method dadam', '--dataset synthetic', '--iid'), each with who does read it."""
+    groups = {f"--method {method}": {name: f"read by {'/'.join(methods)} only"
+                                      for name, methods in READ_BY.items() if method not in methods}}
+    if dataset == "synthetic":
+        groups["--dataset synthetic"] = dict.fromkeys(TASK_DATA, "read by --dataset files and the hub tasks")
+    if iid:
+        groups["--iid"] = dict.fromkeys(DIRICHLET, "the Dirichlet split's, which --iid replaces")
+    return groups
+
+
+def unread(method: str, dataset: str | None = None, iid: bool = False) -> set[str]:
+    """The options of `unread_by`: they change none of the run's results (a run saved before they
     were refused may hold another value)."""
-    return {name for name, methods in READ_BY.items() if method not in methods}
+    return {name for names in unread_by(method, dataset, iid).values() for name in names}
+
+
+def read_options(saved: dict) -> dict:
+    """A run's recorded options (run_config.json's) less those it did not read, which a run saved
+    before they were refused may hold at any value: what RunOptions takes for that run."""
+    defaults = option_defaults()
+    gone = unread(*(saved.get(k, defaults[k]) for k in ("method", "dataset", "iid")))
+    return {k: v for k, v in saved.items() if k not in gone}
+
+
 TRANSPORTS = ("auto", "nccl", "gloo")  # how ranks talk (deca_ds.runtime.transport)
 PHASE_TIMINGS = ("sync", "events")  # deca_ds.runtime.timing
 
@@ -238,11 +266,17 @@ class RunOptions:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         defaults = option_defaults()
-        ignored = [name for name in READ_BY if name in unread(self.method) and getattr(self, name) != defaults[name]]
+        ignored, given = [], 0
+        for who, names in unread_by(self.method, self.dataset, self.iid).items():
+            flags = [f"--{name.replace('_', '-')} ({reader})" for name, reader in names.items()
+                     if getattr(self, name) != defaults[name]]
+            if flags:
+                ignored.append(f"{who} does not read {', '.join(flags)}")
+                given += len(flags)
         if ignored:
-            raise ValueError(f"--method {self.method} does not read " + ", ".join(
-                f"--{name.replace('_', '-')} (read by {'/'.join(READ_BY[name])} only)" for name in ignored)
-                + ": leave it at its default (in a grid, under method_options)")
+            leave = "it at its default" if given == 1 else "them at their defaults"
+            raise ValueError(f"{'; '.join(ignored)}: leave {leave} (in a grid, under method_options or the task's "
+                             "options)")
         if self.offload == "frozen":
             # Evaluating x̄ mid-run swaps every weight in and out on the device, which offloading
             # exists to avoid; offloading streams the decoder layers DECA's blocks freeze.

@@ -85,7 +85,7 @@ def resume_changes(saved: dict, options: dict, ds_config: dict, world_size: int,
                     if _plain(saved_ds.get(k)) != _plain(now_ds.get(k))})
     if saved.get("world_size", world_size) != world_size:
         changed["world_size"] = [saved["world_size"], world_size]
-    same = NOT_RESULT | unread(options["method"])
+    same = NOT_RESULT | unread(options["method"], options.get("dataset"), options.get("iid", False))
     refused = {k: v for k, v in changed.items() if k not in same and k.removeprefix("ds_config.") not in NOT_RESULT_DS}
     if refused:
         lines = "; ".join(f"{k}: {a!r} in the saved run, {b!r} now" for k, (a, b) in sorted(refused.items()))
