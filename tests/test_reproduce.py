@@ -99,6 +99,12 @@ def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
     ({"steps": 0}, r"steps must be >= 1, got 0"),
     ({"dtype": "fp16"}, r"dtype must be fp32 or bf16, got 'fp16'"),
     ({"seq_len": 512}, r"seq_len 512 exceeds the model's max_position_embeddings"),
+    ({"seq_len": 1}, r"seq_len must be >= 2, got 1"),  # was a NaN loss ("diverged") after reading the text
+    # LlamaConfig keeps a key it does not define as an attribute: the misspelt width went unused
+    ({"model": {"hiden_size": 64}}, r"model: unknown Llama config key 'hiden_size' \(did you mean 'hidden_size'\?\)"),
+    ({"model": {"vocab_size": 64}}, r"model: vocab_size comes from the tokenizer \(--vocab-size"),
+    ({"model": {"num_hidden_layers": 0}}, r"model: num_hidden_layers must be an integer >= 1, got 0"),
+    ({"model": {"hidden_size": 30}}, r"model: The hidden size \(30\) is not a multiple of the number of attention"),
     ({"dataset": "emotion"}, r"emotion"),
     ({"dataset": "files", "data_files": ["train=c{client}.jsonl", "test=t.jsonl"]},
      r"pretraining reads one training file: --data-files train=…\{client\}… names each client's own"),

@@ -51,6 +51,32 @@ from ..runtime.task import DATASETS, load_records
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
                    initializer_range=0.1)
+# The config keys the tokenizer decides (--vocab-size for the vocabulary), not --model
+FROM_TOKENIZER = ("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id")
+SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "max_position_embeddings")
+
+
+def check_model(model: dict) -> None:
+    """`model` (SMALL_LLAMA with the --model overrides) as a Llama config takes it, refused before
+    any text is read: a key LlamaConfig does not define (it would keep a misspelt one as an unused
+    attribute), one the tokenizer decides, a size that is not a positive integer, or what
+    LlamaConfig's own checks refuse (heads that do not divide the width)."""
+    import difflib
+
+    known = set(LlamaConfig().to_dict()) - set(FROM_TOKENIZER)
+    for key in sorted(set(model) - known):
+        if key in FROM_TOKENIZER:
+            raise ValueError(f"model: {key} comes from the tokenizer (--vocab-size sets the vocabulary)")
+        close = difflib.get_close_matches(key, known, n=1)
+        raise ValueError(f"model: unknown Llama config key {key!r}{f' (did you mean {close[0]!r}?)' if close else ''}")
+    for key in SIZES:
+        if not isinstance(model[key], int) or isinstance(model[key], bool) or model[key] < 1:
+            raise ValueError(f"model: {key} must be an integer >= 1, got {model[key]!r}")
+    try:
+        LlamaConfig(**model)
+    except Exception as err:  # huggingface_hub's validation error, which holds LlamaConfig's own as its cause
+        raise ValueError(f"model: {err.__cause__ or err}") from None
 
 
 def _opt(default, help: str, **extra):
@@ -83,9 +109,11 @@ class PretrainOptions:
 
     def __post_init__(self) -> None:
         self.model = {**SMALL_LLAMA, **self.model}
-        for name in ("vocab_size", "seq_len", "batch", "steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_model(self.model)
+        # a row's loss predicts each of its tokens from those before it: a row of one token predicts none
+        for name, least in (("vocab_size", 1), ("seq_len", 2), ("batch", 1), ("steps", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if not self.lr > 0 or self.warmup < 0:
             raise ValueError(f"lr must be > 0 and warmup >= 0, got {self.lr}, {self.warmup}")
         if self.dtype not in ("fp32", "bf16"):
