@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -46,6 +47,8 @@ def simulate(
     caller's model is left untouched. Client i takes one batch from `client_batches[i]` per
     local step, T·B·R batches in all. With `generators` each client draws its dropout masks from
     its own (as deca-train's ranks do: ClientGenerators.seeded), else all from the process's.
+    A client's loss or update that is NaN or infinite stops the run with a ValueError naming the
+    clients and the step, as in deca-train.
     """
     mixer = InProcessMixer(mixing_matrix)
     if len(client_batches) != mixer.n:
@@ -71,9 +74,25 @@ def simulate(
                 loss.backward()
             losses.append(loss.detach())  # read once all clients' work is queued: .item() would wait for each
             payloads.append(opt.local_step())
+        # a NaN is an error, not a result: each client's loss and update (x½'s largest magnitude, NaN
+        # if any value is), queued before the mixing may overwrite x½ and read with the losses
+        largest = torch.stack([torch.linalg.vector_norm(p, float("inf")).double() if p.numel() else
+                               torch.zeros((), dtype=torch.float64, device=p.device) for p in payloads])
         mixer.post(payloads)
         for opt, payload in zip(optimizers, payloads):
             opt.combine(opt.mixer, payload)
+        values = torch.cat([torch.stack(losses).double(), largest]).tolist()  # one wait for the device a step
+        check_finite(values[:mixer.n], values[mixer.n:], info)
         if on_step is not None:
-            on_step(StepInfo(losses=torch.stack(losses).tolist(), **info))
+            on_step(StepInfo(losses=values[:mixer.n], **info))
     return [{name: p.detach().clone() for name, p in c.named_parameters()} for c in clients]
+
+
+def check_finite(losses: list[float], updates: list[float], where: dict) -> None:
+    """A ValueError naming the clients whose loss or update at the step `where` is NaN or infinite."""
+    bad = [f"{what} on client(s) {clients}" for what, values in (("loss", losses), ("update", updates))
+           if (clients := [i for i, v in enumerate(values) if not math.isfinite(v)])]
+    if bad:
+        raise ValueError(f"non-finite {' and '.join(bad)} at step {where['step']} (round {where['round']}, block "
+                         f"{where['block']}, r {where['step_in_block']}): the simulation stops here (a smaller lr, "
+                         "or check the data and the model's weights)")

@@ -24,6 +24,35 @@ def test_beta_one_deca_is_no_bma():
         assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_a_nonfinite_loss_or_update_stops_the_simulation_naming_the_clients(monkeypatch):
+    """A NaN is an error, not a result: simulate() stops at the step where a client's loss or update
+    (x½) is not finite, naming the clients, before on_step sees it."""
+    W, seen = make_topology("ring", 2).W, []
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"non-finite loss on client\(s\) \[0, 1\] and update on client\(s\) "
+                                         r"\[0, 1\] at step 0 \(round 0, block 0, r 0\)"):
+        simulate(model, client_batches(2, steps=6), W, config(), on_step=seen.append)
+    assert seen == []
+
+    # a finite loss, but client 1's update at step 2 (its gradient, say, overflowed)
+    local_step, calls = DecaOptimizer.local_step, []
+
+    def poisoned(self):
+        payload = local_step(self)
+        calls.append(self)
+        if len(calls) == 2 * 2 + 2:  # the third step's second client
+            payload[0] = float("inf")
+        return payload
+
+    monkeypatch.setattr(DecaOptimizer, "local_step", poisoned)
+    with pytest.raises(ValueError, match=r"^non-finite update on client\(s\) \[1\] at step 2 \(round 0, block 0, "
+                                         r"r 2\): the simulation stops here"):
+        simulate(tiny_llama(), client_batches(2, steps=6), W, config(), on_step=seen.append)
+    assert [info.step for info in seen] == [0, 1]
+
+
 @pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])
 def test_complete_uniform_graph_gives_identical_clients(variant):
     model, batches = tiny_llama(), client_batches(4, steps=18)
