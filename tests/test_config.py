@@ -507,5 +507,8 @@ def test_an_option_the_task_or_split_does_not_read_is_refused():
     RunOptions(dirichlet_alpha=0.1, partition_key="category")
     # a run recorded before these were refused is read without them (deca-eval, deca-export)
     saved = {"method": "dadam", "variant": "no_bma", "dataset": "synthetic", "label_names": ["a", "b"], "iid": True,
-             "dirichlet_alpha": 0.1, "lr": 0.5}
-    assert options_module.read_options(saved) == {"method": "dadam", "dataset": "synthetic", "iid": True, "lr": 0.5}
+             "dirichlet_alpha": 0.1, "lr": 0.5, "eval_clients": True, "eval_interval": 0}
+    assert options_module.read_options(saved) == {"method": "dadam", "dataset": "synthetic", "iid": True, "lr": 0.5,
+                                                  "eval_interval": 0}
+    assert options_module.read_options({"eval_clients": True, "eval_interval": 3}) == {"eval_clients": True,
+                                                                                      "eval_interval": 3}

@@ -82,11 +82,17 @@ def unread(method: str, dataset: str | None = None, iid: bool = False) -> set[st
     return {name for names in unread_by(method, dataset, iid).values() for name in names}
 
 
+# Options that act only with another: --eval-clients scores each client at the steps --eval-interval
+# scores x̄ (at the end it scores x̄ alone), --trace-start is the first of --trace-steps
+NEEDS = {"trace_start": "trace_steps", "eval_clients": "eval_interval"}
+
+
 def read_options(saved: dict) -> dict:
     """A run's recorded options (run_config.json's) less those it did not read, which a run saved
     before they were refused may hold at any value: what RunOptions takes for that run."""
     defaults = option_defaults()
     gone = unread(*(saved.get(k, defaults[k]) for k in ("method", "dataset", "iid")))
+    gone |= {name for name, needed in NEEDS.items() if not saved.get(needed, defaults[needed])}
     return {k: v for k, v in saved.items() if k not in gone}
 
 
@@ -291,8 +297,10 @@ class RunOptions:
                 raise ValueError("--offload-budget chooses --offload-keep: give one of them")
         elif self.offload_keep or self.offload_budget:
             raise ValueError(f"--offload-{'keep' if self.offload_keep else 'budget'} needs --offload frozen")
-        if self.trace_start != defaults["trace_start"] and not self.trace_steps:
-            raise ValueError("--trace-start needs --trace-steps")
+        for name, needed in NEEDS.items():
+            if getattr(self, name) != defaults[name] and not getattr(self, needed):
+                raise ValueError(f"--{name.replace('_', '-')} needs --{needed.replace('_', '-')} (it acts only at "
+                                 "the steps that one picks)")
         from .transport import parse_device_map
 
         parse_device_map(self.device_map)
