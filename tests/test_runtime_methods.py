@@ -233,7 +233,9 @@ def test_a_resumed_lora_run_ends_as_the_uninterrupted_one(tmp_path):
     from ranks import start_rank
     from test_runtime import ROOT, unlaunched_env
 
-    args = [*RUN, "--method", "dec_lora", "--clients", "1", "--eval-interval", "0"]
+    # no evaluation mid-run, so no --eval-clients (which acts only at --eval-interval's steps)
+    args = [*(a for a in RUN if a != "--eval-clients"), "--method", "dec_lora", "--clients", "1",
+            "--eval-interval", "0"]
 
     def train(out: Path, *extra: str) -> str:
         rank = start_rank([*args, "--output-dir", str(out), *extra], unlaunched_env(), ROOT, out.with_suffix(".out"),
