@@ -34,11 +34,21 @@ def load_yaml(text: str):
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
+def repeated(values: list) -> list:
+    """The values `values` holds more than once, each once, in the order of their first repeat
+    (compared by ==: lists and other unhashable values too)."""
+    seen, again = [], []
+    for v in values:
+        if v in seen and v not in again:
+            again.append(v)
+        seen.append(v)
+    return again
+
+
 def _unique(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    repeated = [k for i, k in enumerate(keys) if k in keys[:i]]
-    if repeated:
-        raise ValueError(f"the key {repeated[0]!r} is given twice in one object; give each key once")
+    again = repeated([k for k, _ in pairs])
+    if again:
+        raise ValueError(f"the key {again[0]!r} is given twice in one object; give each key once")
     return dict(pairs)
 
 

@@ -75,14 +75,13 @@ def settings_changed(saved: dict | None, now: dict) -> list[str]:
     does not read) are not compared, and an option the cell's code did not have yet counts as its
     default: a new option's default keeps the old behaviour. The base model's weights are compared
     where both settings know them."""
-    from ..runtime.options import NOT_RESULT, option_defaults, unread
+    from ..runtime.options import NOT_RESULT, option_defaults, unread_in
 
     if saved is None or saved.get("key") != now["key"]:
         return ["no settings saved" if saved is None else "key"]
     defaults = json.loads(json.dumps(option_defaults(), allow_nan=False))
     old, new = saved["options"], now["options"]
-    ignored = unread(new["method"], new.get("dataset"), new.get("iid", defaults["iid"]))
-    changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT - ignored
+    changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT - unread_in(new)
                      if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
     if None not in (saved.get(BASE), now.get(BASE)) and saved[BASE] != now[BASE]:
         changed.append("the base model's weights")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from ..mapping_files import load_yaml
+from ..mapping_files import load_yaml, repeated
 from ..models import TINY_LLAMA
 from ..reporting import CPU_KERNELS
 from ..runtime.options import RunOptions, convert_options, option_defaults
@@ -191,9 +191,9 @@ def _as_list(value, what: str, *, once: bool = True) -> list:
 def _once(values: list, what: str) -> list:
     """`values`, refused if one repeats: the cells are keyed by their values, so a repeat adds no cell
     (seeds [0, 0] run one seed), and is most likely a typo for another value."""
-    repeated = [v for i, v in enumerate(values) if v in values[:i] and v not in values[i + 1:]]
-    if repeated:
-        raise GridError(f"{what} lists {', '.join(map(repr, repeated))} more than once; give each value once")
+    again = repeated(values)
+    if again:
+        raise GridError(f"{what} lists {', '.join(map(repr, again))} more than once; give each value once")
     return values
 
 

@@ -76,10 +76,13 @@ def unread_by(method: str, dataset: str | None = None, iid: bool = False) -> dic
     return groups
 
 
-def unread(method: str, dataset: str | None = None, iid: bool = False) -> set[str]:
-    """The options of `unread_by`: they change none of the run's results (a run saved before they
-    were refused may hold another value)."""
-    return {name for names in unread_by(method, dataset, iid).values() for name in names}
+def unread_in(options: dict) -> set[str]:
+    """The options of `unread_by` for a run of these options (a run_config.json's, a grid cell's,
+    asdict(RunOptions); one left out takes its default): they change none of its results (a run
+    saved before they were refused may hold another value)."""
+    defaults = option_defaults()
+    groups = unread_by(*(options.get(k, defaults[k]) for k in ("method", "dataset", "iid")))
+    return {name for names in groups.values() for name in names}
 
 
 # Options that act only with another: --eval-clients scores each client at the steps --eval-interval
@@ -91,8 +94,7 @@ def read_options(saved: dict) -> dict:
     """A run's recorded options (run_config.json's) less those it did not read, which a run saved
     before they were refused may hold at any value: what RunOptions takes for that run."""
     defaults = option_defaults()
-    gone = unread(*(saved.get(k, defaults[k]) for k in ("method", "dataset", "iid")))
-    gone |= {name for name, needed in NEEDS.items() if not saved.get(needed, defaults[needed])}
+    gone = unread_in(saved) | {name for name, needed in NEEDS.items() if not saved.get(needed, defaults[needed])}
     return {k: v for k, v in saved.items() if k not in gone}
 
 

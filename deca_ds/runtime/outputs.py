@@ -75,7 +75,7 @@ def resume_changes(saved: dict, options: dict, ds_config: dict, world_size: int,
     """Compare this run's resolved options and DeepSpeed config with the saved run_config.json:
     refuse (ValueError listing every difference) any change that alters the result; return the
     others as {name: [saved, now]} to record. An option the saved run predates counts as its default."""
-    from .options import NOT_RESULT, NOT_RESULT_DS, unread
+    from .options import NOT_RESULT, NOT_RESULT_DS, unread_in
 
     before = {**defaults, **saved.get("options", {})}
     changed = {name: [before.get(name), value] for name, value in options.items()
@@ -85,7 +85,7 @@ def resume_changes(saved: dict, options: dict, ds_config: dict, world_size: int,
                     if _plain(saved_ds.get(k)) != _plain(now_ds.get(k))})
     if saved.get("world_size", world_size) != world_size:
         changed["world_size"] = [saved["world_size"], world_size]
-    same = NOT_RESULT | unread(options["method"], options.get("dataset"), options.get("iid", False))
+    same = NOT_RESULT | unread_in(options)
     refused = {k: v for k, v in changed.items() if k not in same and k.removeprefix("ds_config.") not in NOT_RESULT_DS}
     if refused:
         lines = "; ".join(f"{k}: {a!r} in the saved run, {b!r} now" for k, (a, b) in sorted(refused.items()))
