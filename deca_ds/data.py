@@ -113,12 +113,20 @@ def encode(tokenizer: PreTrainedTokenizerBase, prompt: str, answer: str, max_len
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + eos
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    for what, text, ids in (("prompt", prompt, prompt_ids), ("answer", answer, answer_ids)):
+        if text.strip() and not ids:
+            # e.g. transformers 5 loading a tokenizer.json as the class its config.json's model type
+            # maps to, which rebuilds another tokenizer: an example would hold nothing to learn
+            raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) turns the {what} {text[:80]!r} into no "
+                             "tokens: it cannot read this text")
+    answer_ids += eos
     room = max_length - len(bos) - len(answer_ids)
     if room < 1:
         raise ValueError(
             f"max_length={max_length} cannot hold the answer {answer!r} ({len(answer_ids)} tokens incl. eos) "
-            f"after at least one prompt token{' and bos' if bos else ''}"
+            f"after at least one prompt token{' and bos' if bos else ''}: raise max_length (--max-seq-len) or drop "
+            "such records (deca_ds.datasets.fits_max_length)"
         )
     prompt_ids = bos + prompt_ids[max(len(prompt_ids) - room, 0):]
     input_ids = prompt_ids + answer_ids

@@ -101,6 +101,24 @@ def test_truncation_keeps_bos():
     assert f["labels"][:3] == [-100] * 3
 
 
+def test_text_the_tokenizer_reads_as_no_tokens_is_refused():
+    """A BPE tokenizer without an unknown token drops what its vocabulary lacks (transformers 5 also
+    loads a word-level tokenizer.json beside a Qwen2 config.json as such a tokenizer): an example
+    would hold no token to learn, and the first step's loss would be NaN. An empty answer is not such
+    text (a generation example may end at once: eos is its answer)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(vocab={"<eos>": 0, "a": 1}, merges=[]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    assert encode(tok, "a", "", max_length=8)["input_ids"] == [1, 0]
+    with pytest.raises(ValueError, match=r"the tokenizer \(\w+\) turns the prompt 'w1 w2 =>' "
+                                         "into no tokens"):
+        encode(tok, "w1 w2 =>", "a", max_length=8)
+    with pytest.raises(ValueError, match="turns the answer ' yes' into no tokens"):
+        encode(tok, "a", " yes", max_length=8)
+
+
 def test_collate_pads_right():
     batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "attention_mask": [1, 1, 1]},
                      {"input_ids": [8], "labels": [8], "attention_mask": [1]}], pad_id=0)

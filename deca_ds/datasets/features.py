@@ -43,16 +43,15 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
 def to_features(tokenizer, records: Sequence[Record], *, max_length: int,
                 use_chat_template: bool = False) -> list[dict[str, list[int]]]:
     """`deca_ds.data.encode` of each record: loss on the answer (and eos) only; a long prompt
-    loses tokens from the left, the answer is never cut, and a record whose answer cannot fit
-    raises a ValueError naming it."""
+    loses tokens from the left, the answer is never cut, and a record whose answer cannot fit (or
+    whose text the tokenizer reads as no tokens) raises a ValueError naming it."""
     features = []
     for i, record in enumerate(records):
         prompt, answer = render(tokenizer, record, use_chat_template=use_chat_template)
         try:
             features.append(encode(tokenizer, prompt, answer, max_length))
         except ValueError as e:
-            raise ValueError(f"record {i}: {e}; raise max_length or drop such records "
-                             "(fits_max_length)") from e
+            raise ValueError(f"record {i}: {e}") from e
     return features
 
 
