@@ -171,6 +171,16 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         _load(tmp_path, data_files={"train": strings}, label_names=SENTIMENT)
     with pytest.raises(ValueError, match="holds integers; pass label_names"):
         _load(tmp_path, data_files={"train": ints})
+    # a missing label (an empty CSV cell: None; null in JSON) or a blank one, with label names given or
+    # inferred (it would otherwise name a class "" of its own, or read as a file of integer labels)
+    for suffix, missing in ((".csv", ""), (".jsonl", None), (".jsonl", " ")):
+        rows = [{**r, "label": SENTIMENT[r["label"]]} for r in _classification_rows(6)]
+        rows[3]["label"] = missing
+        unlabelled = _write(rows, tmp_path / f"unlabelled{suffix}")
+        for names in (SENTIMENT, None):
+            with pytest.raises(ValueError, match=rf"row 3 of .*unlabelled\{suffix} \(split 'train'\) has no label "
+                                                 r"\(column 'label' is "):
+                _load(tmp_path, data_files={"train": unlabelled}, label_names=names)
     with pytest.raises(ValueError, match="'train'"):
         _load(tmp_path, data_files={"test": good})
 

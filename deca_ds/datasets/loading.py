@@ -193,12 +193,23 @@ def _infer_label_names(spec: TaskSpec, ds, where: str) -> tuple[str, ...]:
     if feature is not None and getattr(feature, "names", None):
         return tuple(feature.names)  # a ClassLabel
     values = _column(ds, spec.label_column, where)
+    for row, value in enumerate(values):
+        _check_present(value, row, where, spec.label_column)
     if values and all(isinstance(v, str) for v in values):
         return tuple(sorted({v.strip() for v in values}))
     raise ValueError(f"label column {spec.label_column!r} of {where} holds integers; pass label_names to name them")
 
 
+def _check_present(label, row: int, where: str, column: str) -> None:
+    """A missing label (an empty CSV cell, null, NaN) or a blank one is refused, naming its row:
+    as a label name it would be a class of its own, or pass for a file of integer labels."""
+    if label is None or (isinstance(label, float) and math.isnan(label)) or (isinstance(label, str)
+                                                                             and not label.strip()):
+        raise ValueError(f"row {row} of {where} has no label (column {column!r} is {label!r}): give every row one")
+
+
 def _label_index(value, names: Sequence[str], row: int, where: str, column: str) -> int:
+    _check_present(value, row, where, column)
     if isinstance(value, str):
         if value.strip() in names:
             return names.index(value.strip())
