@@ -100,6 +100,8 @@ def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
     ({"dtype": "fp16"}, r"dtype must be fp32 or bf16, got 'fp16'"),
     ({"seq_len": 512}, r"seq_len 512 exceeds the model's max_position_embeddings"),
     ({"seq_len": 1}, r"seq_len must be >= 2, got 1"),  # was a NaN loss ("diverged") after reading the text
+    ({"lr": float("inf")}, r"lr must be a finite number > 0, got inf"),  # was a NaN loss after the first step
+    ({"steps": 10, "warmup": 11}, r"warmup must be in \[0, steps\] = \[0, 10\], got 11"),
     # LlamaConfig keeps a key it does not define as an attribute: the misspelt width went unused
     ({"model": {"hiden_size": 64}}, r"model: unknown Llama config key 'hiden_size' \(did you mean 'hidden_size'\?\)"),
     ({"model": {"vocab_size": 64}}, r"model: vocab_size comes from the tokenizer \(--vocab-size"),
@@ -316,6 +318,9 @@ def test_smooth_is_a_trailing_mean():
      r"sweeps\[0\].bma_betas lists \(0.3, 0.2\) more than once"),
     ({"results_dir": 5}, r"results_dir must be text, got \[5\]"),
     ({"jobs": 0}, r"jobs must be an integer >= 1, got 0"),
+    # YAML's .inf: a cell would be waited for without end (every wait has a timeout)
+    ({"cell_timeout_s": float("inf")}, r"cell_timeout_s must be a finite number > 0, got inf"),
+    ({"options": {"model": "tiny", "clients": 3, "lr": float("nan")}}, r"lr must be a finite number, got nan"),
     ({"cpu_kernels": "AVX2"}, r"cpu_kernels must be one of default, avx2, avx512 .* got 'AVX2'"),
     ({"pretrain": {"output_dir": "x"}}, r"pretrain: unknown key\(s\) \['output_dir'\]"),
     ({"pretrain": {}}, r"pretrain makes the one model every cell fine-tunes.*\['tiny'\]"),

@@ -378,6 +378,12 @@ BAD_INPUTS = {
                                "--gpu-memory-gb 31 caps the CUDA allocator, but this rank runs on the CPU"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),
     "lora_dropout": (lambda t: ["--method", "decaf", "--lora-dropout", "1.5"], "lora dropout"),
+    # the adapters' scale alpha / r: at 0 they add nothing and get no gradient, and the run trained nothing
+    "lora_alpha": (lambda t: ["--method", "dec_lora", "--lora-alpha", "0"], r"lora alpha must be > 0, got 0\.0"),
+    # inf and nan parse as floats: --timeout inf crashed at the first wait, --lora-alpha nan was "other options
+    # than client 0" (nan != nan), --dirichlet-alpha inf failed writing run_config.json
+    "infinite_timeout": (lambda t: ["--timeout", "inf"], "timeout must be a finite number, got inf"),
+    "nan_option": (lambda t: ["--method", "dec_lora", "--lora-alpha", "nan"], "lora_alpha must be a finite number"),
 }
 
 

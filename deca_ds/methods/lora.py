@@ -42,6 +42,8 @@ class DecLoRA(AdamMethod):
                  targets: str | list[str] = DEFAULT_TARGETS, seed: int = 0) -> None:
         if rank < 1:
             raise ValueError(f"lora rank must be >= 1, got {rank}")
+        if not alpha > 0:  # the adapters' scale alpha / r: at 0 they add nothing and get no gradient
+            raise ValueError(f"lora alpha must be > 0, got {alpha}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"lora dropout must be in [0, 1), got {dropout}")
         self.config, self.rank, self.alpha, self.dropout = config, rank, alpha, dropout

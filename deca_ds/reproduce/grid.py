@@ -459,8 +459,8 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
         raise GridError(f"{where}: paper {paper_model}: no cell of the grid is in the paper's tables, whose tasks "
                         f"are {', '.join(tasks)} (a task by its dataset)")
     timeout = data.get("cell_timeout_s", 3600)
-    if not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise GridError(f"{where}: cell_timeout_s must be a number > 0, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise GridError(f"{where}: cell_timeout_s must be a finite number > 0, got {timeout!r}")
     return Grid(name=data.get("name", path_stem(where)), backend=backend, runs_dir=runs,
                 results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
                 cells=list(cells.values()), budgets=budgets,

@@ -114,8 +114,10 @@ class PretrainOptions:
         for name, least in (("vocab_size", 1), ("seq_len", 2), ("batch", 1), ("steps", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
-        if not self.lr > 0 or self.warmup < 0:
-            raise ValueError(f"lr must be > 0 and warmup >= 0, got {self.lr}, {self.warmup}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.warmup <= self.steps:  # a longer warmup never reaches the peak lr before the cosine ends
+            raise ValueError(f"warmup must be in [0, steps] = [0, {self.steps}], got {self.warmup}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if self.seq_len > self.model["max_position_embeddings"]:

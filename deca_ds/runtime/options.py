@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import re
 import string
 import types
@@ -244,6 +245,11 @@ class RunOptions:
                                 "any client, count it in the summary, and go on (default: every rank stops there)")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # inf and nan parse as floats; no option means either
+            value = getattr(self, f.name)
+            if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, (list, tuple))
+                                                                            else (value,))):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
         for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints", "mix_every", "lora_rank", "adapter_size",
                      "max_new_tokens"):
             if getattr(self, name) < 1:
