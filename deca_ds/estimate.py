@@ -65,7 +65,7 @@ def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | N
                         "(with --neighbors 0: the update runs in place and holds no x½)")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation")
     p.add_argument("--steps-per-block", type=int, default=48, help="R, for the communication per round")
-    p.add_argument("--h2d-gbps", type=float, default=55.2,
+    p.add_argument("--h2d-gbps", type=finite(least=0, strict=True), default=55.2,
                    help="host-to-device copy rate (GB/s) for the offloaded copy time per step; default: pinned "
                         "copies measured on the H100 machine of profiling/results/gpu_h100")
     p.add_argument("--deepspeed-allreduce", action="store_true",
@@ -76,12 +76,25 @@ def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | N
     p.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES), metavar="METHOD",
                    help=f"baselines to estimate beside DECA, with deca-train's defaults ({', '.join(BASELINES)}; "
                         "none: DECA only)")
-    p.add_argument("--reserve-gib", type=float, default=1.0,
+    p.add_argument("--reserve-gib", type=finite(least=0), default=1.0,
                    help="memory a process needs besides the estimate (CUDA context, NCCL, allocator slack); "
                         "fits = peak + reserve <= capacity")
     p.add_argument("--out", default=out, metavar="DIR", help="output directory")
     p.add_argument("--name", default="estimate", help="base name of the output files")
     return p.parse_args(argv)
+
+
+def finite(*, least: float, strict: bool = False):
+    """An argparse type: a finite float >= `least` (> with `strict`); inf and nan parse as floats."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value > least if strict else value >= least) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} {least:g}, got {text}")
+        return value
+    return parse
 
 
 def versions() -> dict:

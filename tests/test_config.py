@@ -406,6 +406,23 @@ def test_estimate_command_names_a_bad_setting_and_writes_nothing(tmp_path, capsy
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--h2d-gbps", "0", "must be a finite number > 0, got 0"),  # was a ZeroDivisionError
+    ("--h2d-gbps", "nan", "must be a finite number > 0, got nan"),  # was a table of nan copy times
+    ("--reserve-gib", "-1", "must be a finite number >= 0, got -1"),  # was fits on less than the card
+    ("--reserve-gib", "inf", "must be a finite number >= 0, got inf"),  # was an OverflowError
+])
+def test_estimate_command_refuses_a_rate_or_reserve_that_is_no_amount(tmp_path, capsys, flag, value, message):
+    from deca_ds.estimate import main as estimate_main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        estimate_main(["--config", str(ROOT / "profiling" / "configs" / "qwen2-1.5b.json"), flag, value,
+                       "--out", str(out)])
+    assert exit_info.value.code == 2 and f"error: argument {flag}: {message}\n" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_option_reference_is_generated_from_the_parser(tmp_path):
     from deca_ds.docs import main as docs_main
     from deca_ds.docs import render_options
