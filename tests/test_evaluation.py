@@ -332,6 +332,44 @@ def test_evaluate_checks_the_judge_before_loading_any_model(tmp_path, monkeypatc
     assert not (tmp_path / "e.json").exists()
 
 
+def test_deca_eval_writes_over_no_file_but_its_own(tmp_path, monkeypatch, capsys):
+    """--out and the answers file: a file there that is not deca-eval's results or answers (a model's
+    config.json, a questions file) is refused before any model is loaded, and left as it was; its
+    own from an earlier evaluation, or an empty file, is replaced (the model is then loaded)."""
+    from deca_ds import models
+    from deca_ds.runtime import evaluate
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "turns": ["hi"]}\n')
+    config = tmp_path / "model" / "config.json"
+    config.parent.mkdir()
+    config.write_text('{"model_type": "llama"}')
+    refused = [(["--dataset", "synthetic", "--out", str(config)], f"--out {config} holds a file that is not "
+                "deca-eval's results: it is left as it is"),
+               (["--dataset", "synthetic", "--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
+               (["--questions", str(questions), "--out", str(tmp_path / "e.json"), "--answers", str(questions)],
+                f"--answers {questions} holds a file that is not deca-eval's answers")]
+    for argv, message in refused:
+        with pytest.raises(SystemExit) as code:
+            evaluate.main(["--model", str(tmp_path / "model"), *argv])
+        assert code.value.code == 1 and message in capsys.readouterr().err
+    assert config.read_text() == '{"model_type": "llama"}'
+    assert questions.read_text() == '{"question_id": 1, "turns": ["hi"]}\n'
+    earlier = tmp_path / "e.json"
+    earlier.write_text(json.dumps({"model": "m", "working_dtype": "fp32", "classification": {}}))
+    (tmp_path / "e.answers.jsonl").write_text(json.dumps({"question_id": 1, "turns": ["hi"], "answers": ["x"]}))
+    (tmp_path / "empty.json").write_text("")
+    for argv in (["--dataset", "synthetic", "--out", str(earlier)],
+                 ["--questions", str(questions), "--out", str(earlier)],
+                 ["--dataset", "synthetic", "--out", str(tmp_path / "empty.json")]):
+        with pytest.raises(AssertionError, match="a model was loaded"):
+            evaluate.main(["--model", str(tmp_path / "model"), *argv])
+
+
 def test_deca_eval_of_a_generation_task_asks_for_questions_before_loading(tmp_path, monkeypatch, capsys):
     from deca_ds import models
     from deca_ds.runtime import evaluate

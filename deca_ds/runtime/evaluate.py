@@ -150,6 +150,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     from .task import evaluator, task_kind
 
     path, dtype, opts = resolve(args)
+    answers = Path(args.answers or Path(args.out).with_suffix(".answers.jsonl"))
+    check_replaceable(Path(args.out), _is_result, "--out", "results")
+    if args.questions is not None:
+        check_replaceable(answers, _is_answers, "--answers" if args.answers else "the answers file", "answers")
     if opts is not None and task_kind(opts) == "generation":  # its quality is judged on answers, not scored by label
         if args.questions is None:
             raise ValueError(f"--dataset {opts.dataset}: a generation task; deca-eval scores its model's answers "
@@ -179,7 +183,6 @@ def evaluate(args: argparse.Namespace) -> dict:
         results["options"] = {name: getattr(opts, name) for name in (*TEST_SET, "eval_limit")}
         results["classification"] = evaluator(opts)(model, opts.eval_limit or None)
     if args.questions is not None:
-        answers = Path(args.answers or Path(args.out).with_suffix(".answers.jsonl"))
         if args.checkpoint is None:
             tokenizer = load_tokenizer(path, trust_remote_code=trust)
         rows = generate_answers(model, tokenizer, args.questions, answers, max_new_tokens=args.max_new_tokens)
@@ -192,6 +195,33 @@ def evaluate(args: argparse.Namespace) -> dict:
     write_json(Path(args.out), results)  # whole or not at all
     print(json.dumps(results, indent=2, allow_nan=False))
     return results
+
+
+def check_replaceable(path: Path, ours, what: str, noun: str) -> None:
+    """A file deca-eval is to write is new, empty, or its own from an earlier evaluation (`ours` of
+    the text), which it replaces; any other file there is a user's and is left as it is."""
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a directory: give the path of a file")
+    if not path.exists():
+        return
+    try:
+        text = path.read_text(encoding="utf-8")
+        replaceable = not text.strip() or ours(text)
+    except (UnicodeDecodeError, ValueError):
+        replaceable = False
+    if not replaceable:
+        raise ValueError(f"{what} {path} holds a file that is not deca-eval's {noun}: it is left as it is; give "
+                         "another path")
+
+
+def _is_result(text: str) -> bool:
+    result = json.loads(text)
+    return isinstance(result, dict) and {"model", "working_dtype"} <= result.keys()
+
+
+def _is_answers(text: str) -> bool:
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return all(isinstance(row, dict) and {"question_id", "answers"} <= row.keys() for row in rows)
 
 
 def main(argv: list[str] | None = None) -> None:
