@@ -307,6 +307,8 @@ def main(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = 
     """Run the command; `prog`, `configs` and `out` as in parse_args."""
     args = parse_args(argv, prog=prog, configs=configs, out=out)
     try:
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a file: give the directory the results go to")
         rows = run(args)
     except ValueError as err:  # a setting the estimator refuses, named: before anything is written
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -406,6 +406,18 @@ def test_estimate_command_names_a_bad_setting_and_writes_nothing(tmp_path, capsy
     assert not out.exists()
 
 
+def test_estimate_command_refuses_a_file_for_its_directory(tmp_path, capsys):
+    from deca_ds.estimate import main as estimate_main
+
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    assert estimate_main(["--config", str(ROOT / "profiling" / "configs" / "qwen2-1.5b.json"), "--out", str(out)]) == 2
+    # was a FileExistsError's traceback, after the table was computed
+    assert capsys.readouterr().err == f"deca-estimate: error: --out {out} is a file: give the directory the " \
+                                      "results go to\n"
+    assert out.read_text() == "mine"
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--h2d-gbps", "0", "must be a finite number > 0, got 0"),  # was a ZeroDivisionError
     ("--h2d-gbps", "nan", "must be a finite number > 0, got nan"),  # was a table of nan copy times
