@@ -101,7 +101,8 @@ def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
     ({"seq_len": 512}, r"seq_len 512 exceeds the model's max_position_embeddings"),
     ({"seq_len": 1}, r"seq_len must be >= 2, got 1"),  # was a NaN loss ("diverged") after reading the text
     ({"lr": float("inf")}, r"lr must be a finite number > 0, got inf"),  # was a NaN loss after the first step
-    ({"steps": 10, "warmup": 11}, r"warmup must be in \[0, steps\] = \[0, 10\], got 11"),
+    ({"steps": 10, "warmup": 11}, r"warmup \(11\) is longer than steps \(10\): the learning rate would never"),
+    ({"warmup": -1}, r"warmup must be >= 0, got -1"),
     # LlamaConfig keeps a key it does not define as an attribute: the misspelt width went unused
     ({"model": {"hiden_size": 64}}, r"model: unknown Llama config key 'hiden_size' \(did you mean 'hidden_size'\?\)"),
     ({"model": {"vocab_size": 64}}, r"model: vocab_size comes from the tokenizer \(--vocab-size"),
@@ -335,6 +336,17 @@ def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     with pytest.raises(GridError, match=message):
         build_grid(tiny_grid("tiny", **change), runs_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_a_grids_directory_that_is_a_file_is_refused(tmp_path):
+    """runs_dir or results_dir naming a file: refused when the grid is read (it was a traceback when
+    the first cell or the first table was written), and the file left as it was."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    for key, what in (("runs_dir", "cells run in"), ("results_dir", "tables and figures go to")):
+        with pytest.raises(GridError, match=rf"{key} {mine} is a file: give the directory the grid's {what}"):
+            build_grid(tiny_grid("tiny"), **{key: mine})
+    assert mine.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_a_grid_file_that_is_not_yaml_is_named(tmp_path):

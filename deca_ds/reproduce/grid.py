@@ -461,8 +461,12 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     timeout = data.get("cell_timeout_s", 3600)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise GridError(f"{where}: cell_timeout_s must be a finite number > 0, got {timeout!r}")
-    return Grid(name=data.get("name", path_stem(where)), backend=backend, runs_dir=runs,
-                results_dir=Path(results_dir or data.get("results_dir") or runs / "results"),
+    results = Path(results_dir or data.get("results_dir") or runs / "results")
+    for name, directory in (("runs_dir", runs), ("results_dir", results)):
+        if directory.exists() and not directory.is_dir():
+            raise GridError(f"{where}: {name} {directory} is a file: give the directory the grid's "
+                            f"{'cells run in' if name == 'runs_dir' else 'tables and figures go to'}")
+    return Grid(name=data.get("name", path_stem(where)), backend=backend, runs_dir=runs, results_dir=results,
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, cpu_kernels=cpu_kernels, jobs=jobs,
                 clients_per_gpu=sharing, deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain,

@@ -116,8 +116,11 @@ class PretrainOptions:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if not 0 < self.lr < math.inf:
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
-        if not 0 <= self.warmup <= self.steps:  # a longer warmup never reaches the peak lr before the cosine ends
-            raise ValueError(f"warmup must be in [0, steps] = [0, {self.steps}], got {self.warmup}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.warmup > self.steps:
+            raise ValueError(f"warmup ({self.warmup}) is longer than steps ({self.steps}): the learning rate would "
+                             "never reach its peak; give a warmup of at most the steps")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if self.seq_len > self.model["max_position_embeddings"]:
