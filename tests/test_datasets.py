@@ -7,6 +7,7 @@ Offline: every fixture is written here under tmp_path and hub access is switched
 import csv
 import json
 import time
+from pathlib import Path
 
 import datasets  # noqa: F401 - imported before the offline variables are set: load_task must honour them anyway
 import numpy as np
@@ -183,6 +184,12 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
                 _load(tmp_path, data_files={"train": unlabelled}, label_names=names)
     with pytest.raises(ValueError, match="'train'"):
         _load(tmp_path, data_files={"test": good})
+    # a line cut short: the parse error that names its row, not only datasets' "an error occurred"
+    lines = Path(good).read_text().splitlines()
+    (tmp_path / "cut.jsonl").write_text("\n".join([*lines[:3], lines[3][:-3], *lines[4:]]) + "\n")
+    with pytest.raises(ValueError, match=r"could not load .*cut\.jsonl \(split 'train'\): DatasetGenerationError: "
+                                         r".* \(ArrowInvalid: JSON parse error: .* in row 3\)$"):
+        _load(tmp_path, data_files={"train": str(tmp_path / "cut.jsonl")}, label_names=SENTIMENT)
 
 
 def test_named_task_offline_without_cache_fails_fast(tmp_path):

@@ -61,7 +61,17 @@ def _load_dataset(path: str, *, what: str, trust_remote_code: bool, **kwargs):
             os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")) else ""
         hint = (f" ({offline}it is not in the local cache: download it once with network access, or pass "
                 "data_files with local JSONL/CSV/Parquet files)") if path not in _LOADERS.values() else ""
-        raise ValueError(f"could not load {what}{hint}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"could not load {what}{hint}: {type(e).__name__}: {e}{_root_cause(e)}") from e
+
+
+def _root_cause(error: BaseException) -> str:
+    """' (Type: message)' of the error `error` was raised from, the innermost: datasets raises a
+    DatasetGenerationError that says only that one happened from a file's parse error, which names
+    its row. (Not the errors met while handling it: its JSON reader's fallback to pandas has one.)"""
+    cause = error
+    while cause.__cause__ is not None and cause.__cause__ is not error:
+        cause = cause.__cause__
+    return "" if cause is error else f" ({type(cause).__name__}: {cause})"
 
 
 def _check_file(split: str, path: str) -> str:
