@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import platform
 import shlex
 import sys
@@ -91,7 +92,7 @@ def finite(*, least: float, strict: bool = False):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (value > least if strict else value >= least) or value == float("inf"):
+        if not math.isfinite(value) or value < least or (strict and value == least):
             raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} {least:g}, got {text}")
         return value
     return parse

@@ -51,6 +51,10 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: st
     os.environ.update(env)
     os.chdir(cwd)
     _redirect(stdout, stderr)
+    # Ctrl-C raises KeyboardInterrupt, as in a command started from a terminal. A fork takes the
+    # forkserver's inherited disposition, which is "ignored" where the tests run as a background
+    # job (`cmd &` in a script): a SIGINT then did nothing and the run went on to its end.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [LAUNCH, *argv]
     from deca_ds.train import main
 

@@ -467,7 +467,9 @@ def test_a_stopped_run_says_where_it_goes_on_from(tmp_path):
     said = r"\[rank 0\] (?:interrupted \(Ctrl-C\): )?client 0's newest checkpoint is step (\d+) \(.*step_0*\1\): " \
            r"the same command with --resume goes on from the newest step every client completed"
     code, _, err = stop(signal.SIGINT, 0, "first")
-    first = int(re.search(said, err).group(1))
+    note = re.search(said, err)
+    assert note, err[-3000:]
+    first = int(note.group(1))
     assert code == 130 and "Traceback" not in err and first % 20 == 0, err[-3000:]
     args.append("--resume")
     code, stdout, err = stop(signal.SIGTERM, first, "resumed")
