@@ -83,6 +83,11 @@ def test_rouge_of_answers_uses_references_only(tmp_path):
 @pytest.mark.parametrize("text, problem", [
     ('{"question_id": 1, "text": "x"}\n\n{"question_id": 2, "text": "y"\n', r"q.jsonl:3: not JSON"),
     ('["not", "a", "question"]\n', r"q.jsonl:1: a question needs 'question_id'"),
+    # answers, references and judgments are matched by the id: the second's judgment replaced the first's
+    ('{"question_id": 7, "text": "x"}\n{"question_id": 7, "text": "y"}\n',
+     r"q.jsonl:2: question_id 7 is also line 1's: give each question its own"),
+    ('{"question_id": [1], "text": "x"}\n', r"q.jsonl:1: question_id must be an integer or a string, got \[1\]"),
+    ("\n", r"q.jsonl: holds no questions"),  # was max() of an empty sequence when the answers were generated
 ])
 def test_question_and_reference_files_name_the_bad_line(tmp_path, text, problem):
     path = tmp_path / "q.jsonl"

@@ -32,12 +32,20 @@ def rouge_l(prediction: str, reference: str) -> float:
 
 def read_questions(path: str | os.PathLike) -> list[dict]:
     """Vicuna-80 / MT-Bench style questions: one JSON object a line with "question_id" and
-    "turns": [str, ...] (MT-Bench) or "text": str (Vicuna); "category" is kept where present."""
-    questions = []
+    "turns": [str, ...] (MT-Bench) or "text": str (Vicuna); "category" is kept where present. Each
+    question_id once: answers, references and judgments are matched by it."""
+    questions, lines = [], {}
     for n, q in read_jsonl(path):
         turns = q.get("turns", [q["text"]] if "text" in q else None) if isinstance(q, dict) else None
         if not turns or "question_id" not in q or not all(isinstance(t, str) for t in turns):
             raise ValueError(f"{path}:{n}: a question needs 'question_id' and 'turns' (list of str) or 'text'")
+        qid = q["question_id"]
+        if isinstance(qid, bool) or not isinstance(qid, (int, str)):
+            raise ValueError(f"{path}:{n}: question_id must be an integer or a string, got {qid!r}")
+        if qid in lines:
+            raise ValueError(f"{path}:{n}: question_id {qid!r} is also line {lines[qid]}'s: give each question its "
+                             "own (answers and judgments are matched by it)")
+        lines[qid] = n
         reference = q.get("reference")
         if isinstance(reference, str):
             reference = [reference]
@@ -46,6 +54,8 @@ def read_questions(path: str | os.PathLike) -> list[dict]:
         questions.append({"question_id": q["question_id"], "turns": list(turns),
                           **({"category": q["category"]} if "category" in q else {}),
                           **({"reference": list(reference)} if reference is not None else {})})
+    if not questions:
+        raise ValueError(f"{path}: holds no questions")
     return questions
 
 
