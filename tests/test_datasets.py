@@ -184,6 +184,10 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
                 _load(tmp_path, data_files={"train": unlabelled}, label_names=names)
     with pytest.raises(ValueError, match="'train'"):
         _load(tmp_path, data_files={"test": good})
+    # names as a file's labels are matched: without their surrounding spaces (a blank name was an eos-only answer)
+    for names in (["positive", "positive"], ["positive", " "], ["positive", "positive "], []):
+        with pytest.raises(ValueError, match=r"label_names must be distinct names, none blank"):
+            _load(tmp_path, data_files={"train": good}, label_names=names)
     # a line cut short: the parse error that names its row, not only datasets' "an error occurred"
     lines = Path(good).read_text().splitlines()
     (tmp_path / "cut.jsonl").write_text("\n".join([*lines[:3], lines[3][:-3], *lines[4:]]) + "\n")

@@ -139,8 +139,11 @@ def resolve_spec(
     local files: generation when `response_column` is given (instruction/input columns default
     to "instruction"/"input"), classification otherwise (columns default to "text"/"label")."""
     names = tuple(label_names) if label_names is not None else None
-    if names is not None and (not names or len(set(names)) != len(names)):
-        raise ValueError(f"label_names must be non-empty and distinct, got {list(names)}")
+    # a file's labels are matched without their surrounding spaces: so are the names
+    if names is not None and (not names or not all(isinstance(n, str) and n.strip() for n in names)
+                              or len({n.strip() for n in names}) != len(names)):
+        raise ValueError(f"label_names must be distinct names, none blank (spaces around a name do not count), "
+                         f"got {list(names)}")
     if name is not None:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))} "
