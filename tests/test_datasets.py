@@ -295,6 +295,10 @@ def test_partition_records_iid_dirichlet_category(tmp_path, alpaca_file):
     _check_split(parts, len(generation))
     with pytest.raises(ValueError, match="key must be"):
         partition_records(records, 2, key="topic")
+    # a classification task's records have no instruction: one category for all, and a split not skewed at all
+    with pytest.raises(ValueError, match=r"partition key 'category' skews the split by each instruction's first "
+                                         r"word, and no record has an instruction"):
+        partition_records(records, 2, key="category")
 
 
 def test_label_skew_falls_with_alpha():

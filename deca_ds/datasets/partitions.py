@@ -44,6 +44,10 @@ def partition_keys(records: Sequence[Record], key: str = "label", *, top_k: int 
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         words = [instruction_category(r.instruction) for r in records]
         counts = Counter(w for w in words if w)
+        if not counts:  # one key for all: the split would not be skewed at all
+            raise ValueError("partition key 'category' skews the split by each instruction's first word, and no "
+                             "record has an instruction (a classification task's records have none): split by the "
+                             "label")
         top = [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top_k]]
         index = {w: k for k, w in enumerate(top)}
         keys = [index.get(w, len(top)) for w in words]
