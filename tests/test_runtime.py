@@ -373,7 +373,10 @@ BAD_INPUTS = {
                            "--trace-start 478 --trace-steps 4 goes past the run's 480 steps"),
     "trace_start_alone": (lambda t: ["--trace-start", "5"], "--trace-start needs --trace-steps"),
     # it scores each client at the steps --eval-interval scores x̄: without one it did nothing, silently
-    "eval_clients_alone": (lambda t: ["--eval-clients"], r"--eval-clients needs --eval-interval \(it acts only"),
+    "eval_clients_alone": (lambda t: ["--eval-clients"], r"--eval-clients needs --eval-interval \(it scores each "
+                                                         r"client at the steps that one scores x̄ at\)"),
+    "max_new_tokens_alone": (lambda t: ["--max-new-tokens", "64"], r"--max-new-tokens needs --questions \(it bounds "
+                                                                   r"the answers to that one's question sets\)"),
     "gpu_memory_without_gpu": (lambda t: ["--gpu-memory-gb", "31"],
                                "--gpu-memory-gb 31 caps the CUDA allocator, but this rank runs on the CPU"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),

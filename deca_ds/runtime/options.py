@@ -86,16 +86,17 @@ def unread_in(options: dict) -> set[str]:
     return {name for names in groups.values() for name in names}
 
 
-# Options that act only with another: --eval-clients scores each client at the steps --eval-interval
-# scores x̄ (at the end it scores x̄ alone), --trace-start is the first of --trace-steps
-NEEDS = {"trace_start": "trace_steps", "eval_clients": "eval_interval"}
+# Options that act only with another (given alone, they did nothing, silently), and why
+NEEDS = {"trace_start": ("trace_steps", "it is the first of the steps that one traces"),
+         "eval_clients": ("eval_interval", "it scores each client at the steps that one scores x̄ at"),
+         "max_new_tokens": ("questions", "it bounds the answers to that one's question sets")}
 
 
 def read_options(saved: dict) -> dict:
     """A run's recorded options (run_config.json's) less those it did not read, which a run saved
     before they were refused may hold at any value: what RunOptions takes for that run."""
     defaults = option_defaults()
-    gone = unread_in(saved) | {name for name, needed in NEEDS.items() if not saved.get(needed, defaults[needed])}
+    gone = unread_in(saved) | {name for name, (needed, _) in NEEDS.items() if not saved.get(needed, defaults[needed])}
     return {k: v for k, v in saved.items() if k not in gone}
 
 
@@ -305,10 +306,9 @@ class RunOptions:
                 raise ValueError("--offload-budget chooses --offload-keep: give one of them")
         elif self.offload_keep or self.offload_budget:
             raise ValueError(f"--offload-{'keep' if self.offload_keep else 'budget'} needs --offload frozen")
-        for name, needed in NEEDS.items():
+        for name, (needed, why) in NEEDS.items():
             if getattr(self, name) != defaults[name] and not getattr(self, needed):
-                raise ValueError(f"--{name.replace('_', '-')} needs --{needed.replace('_', '-')} (it acts only at "
-                                 "the steps that one picks)")
+                raise ValueError(f"--{name.replace('_', '-')} needs --{needed.replace('_', '-')} ({why})")
         from .transport import parse_device_map
 
         parse_device_map(self.device_map)
