@@ -349,6 +349,17 @@ def test_a_grids_directory_that_is_a_file_is_refused(tmp_path):
     assert mine.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+def test_no_judge_on_a_grid_that_judges_nothing_is_refused(tmp_path, capsys):
+    """--no-judge leaves a generation grid's answers unjudged: on a grid without a judge it did nothing."""
+    from deca_ds.reproduce.cli import main
+
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(tiny_grid("tiny", runs_dir=str(tmp_path / "runs"))))
+    assert main([str(tmp_path / "grid.yaml"), "--no-judge", "--dry-run"]) == 2
+    assert "error: --no-judge: this grid judges no answers (it has no generation.judge section)" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_grid_file_that_is_not_yaml_is_named(tmp_path):
     (tmp_path / "grid.yaml").write_text("name: [x\n")
     with pytest.raises(GridError, match=r"grid.yaml is not valid YAML: while parsing a flow sequence"):

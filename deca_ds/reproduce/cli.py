@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             # where the cells to run go, checked before pretraining or any cell
             running = not (args.estimate or args.fetch or args.report_only)
             place = placement(grid, [c for c in todo if select(c)]) if running else None
+            if args.no_judge and not (grid.generation and grid.generation.judge):
+                raise GridError("--no-judge: this grid judges no answers (it has no generation.judge section)")
             judging = bool(grid.generation and grid.generation.judge) and not (
                 args.no_judge or args.dry_run or args.estimate or args.fetch)
             if judging and grid.generation.judge.key_env and not os.environ.get(grid.generation.judge.key_env):
