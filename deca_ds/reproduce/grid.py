@@ -462,10 +462,10 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise GridError(f"{where}: cell_timeout_s must be a finite number > 0, got {timeout!r}")
     results = Path(results_dir or data.get("results_dir") or runs / "results")
-    for name, directory in (("runs_dir", runs), ("results_dir", results)):
+    for name, directory, holds in (("runs_dir", runs, "cells run in"), ("results_dir", results,
+                                                                       "tables and figures go to")):
         if directory.exists() and not directory.is_dir():
-            raise GridError(f"{where}: {name} {directory} is a file: give the directory the grid's "
-                            f"{'cells run in' if name == 'runs_dir' else 'tables and figures go to'}")
+            raise GridError(f"{where}: {name} {directory} is a file: give the directory the grid's {holds}")
     return Grid(name=data.get("name", path_stem(where)), backend=backend, runs_dir=runs, results_dir=results,
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, cpu_kernels=cpu_kernels, jobs=jobs,

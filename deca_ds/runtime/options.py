@@ -248,8 +248,8 @@ class RunOptions:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # inf and nan parse as floats; no option means either
             value = getattr(self, f.name)
-            if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, (list, tuple))
-                                                                            else (value,))):
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ValueError(f"{f.name} must be a finite number, got {value}")
         for name in ("max_seq_len", "ranks_per_client", "keep_checkpoints", "mix_every", "lora_rank", "adapter_size",
                      "max_new_tokens"):
