@@ -129,6 +129,45 @@ def test_a_file_as_output_dir_is_refused(tmp_path):
         outputs.check_output_dir(tmp_path / "f", resume=False, overwrite=True)
 
 
+def test_a_held_directory_is_refused_and_left_as_it_was(user_dir, tmp_path):
+    """A second hold on a directory (what a second run's rank 0 takes first) is refused, naming the
+    first holder; each hold leaves the directory as it found it: the user's files, and a directory
+    it had to make removed again where the run wrote nothing into it."""
+    import os
+    import socket
+
+    before = snapshot(user_dir)
+    with outputs.hold(user_dir):
+        assert user_dir / outputs.LOCK in user_dir.iterdir()
+        with pytest.raises(ValueError, match=r"holds no deca-ds run \(metrics, notes.txt\)"):  # nor is the lock
+            outputs.check_output_dir(user_dir, resume=False, overwrite=False)
+        with pytest.raises(ValueError, match=rf"--output-dir {user_dir} is in use by deca-train \(pid {os.getpid()} "
+                                             rf"on {re.escape(socket.gethostname())}, since .*choose another"):
+            with outputs.hold(user_dir):
+                pass
+    assert snapshot(user_dir) == before
+    new = tmp_path / "runs" / "first"
+    with outputs.hold(new):
+        assert new.is_dir()
+    assert not (tmp_path / "runs").exists()
+    with outputs.hold(new):
+        (new / "metrics").mkdir()
+    assert sorted(p.name for p in new.iterdir()) == ["metrics"]
+
+
+def test_a_file_system_without_locks_runs_unheld_and_says_so(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with outputs.hold(tmp_path / "run"):
+        pass
+    assert "its file system takes no locks (No locks available)" in capsys.readouterr().err
+
+
 _PORTS: dict[str, str] = {}
 
 
@@ -439,10 +478,10 @@ def test_a_rank_stopped_by_sigterm_says_where_it_was():
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM" in err and re.search(r"it was at:\n(.|\n)*, in drawing_the_model\n", err), err
 
-def test_a_stopped_run_says_where_it_goes_on_from(tmp_path):
+def test_a_stopped_run_says_where_it_goes_on_from(tmp_path, capsys):
     """A run of one rank (no launcher) stopped by Ctrl-C, then again by a time limit's SIGTERM once
     resumed: each time it exits at once (no traceback for Ctrl-C) naming its newest checkpoint, from
-    which --resume goes on."""
+    which --resume goes on. While it runs, the same command started again is refused, naming it."""
     import signal
     import time
 
@@ -460,6 +499,8 @@ def test_a_stopped_run_says_where_it_goes_on_from(tmp_path):
                    if int(m.parts[-3].removeprefix("step_")) > after]:
             assert time.monotonic() < deadline and rank.poll() is None, (tmp_path / f"{name}.err").read_text()[-3000:]
             time.sleep(0.1)
+        err = refused([*args, "--resume"], capsys)
+        assert f"--output-dir {out} is in use by deca-train (pid {rank.pid} on" in err, err
         rank.send_signal(sig)
         code = wait_all([rank], timeout=120)[0]
         return code, (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()

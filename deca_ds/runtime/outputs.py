@@ -4,14 +4,20 @@ A run owns exactly the entries of RUN_OUTPUTS. It writes the marker `run_owner.j
 anything else, so a directory is recognised as a run (older runs: by their run_config.json).
 A directory that holds anything else and no run is refused unless --overwrite; --overwrite then
 writes beside the foreign files but never removes them, and removes only RUN_OUTPUTS entries of
-an earlier run, after every check of the new run has passed.
+an earlier run, after every check of the new run has passed. While a run lives its rank 0 holds the
+directory (`hold`), so a second run started on it is refused.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import socket
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from .. import __version__
@@ -25,6 +31,9 @@ RESULT_FILES = ("summary.json", "summary.md", "loss_curve.png")
 RUN_OUTPUTS = (MARKER, "run_config.json", "config.yaml", *RESULT_FILES, "partition", "checkpoints", "metrics",
                "tensorboard", "trace", "consensus", "adapter", "clients", "answers")
 CLIENT_DIR = re.compile(r"client_\d{3,}")  # clients/client_NNN/ (--save-clients)
+# flock'ed by a live run's rank 0 (`hold`). Not among RUN_OUTPUTS, which a run starting over removes:
+# removed, it would no longer keep out a run that opens the path anew.
+LOCK = ".deca-train.lock"
 
 
 def is_run(out: Path) -> bool:
@@ -34,8 +43,7 @@ def is_run(out: Path) -> bool:
 def check_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse an output directory the run may not write to (called on every rank, before anything
     is written)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output-dir {out} exists and is not a directory")
+    _check_not_a_file(out)
     if resume:
         if not (out / "run_config.json").is_file():
             raise ValueError(f"--resume: {out} holds no run to continue")
@@ -45,7 +53,7 @@ def check_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
             raise ValueError(f"output directory {out} already holds a run; pass --resume to continue it "
                              "or --overwrite to replace it")
         return
-    foreign = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = sorted(p.name for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
     if foreign and not overwrite:
         raise ValueError(f"output directory {out} is not empty and holds no deca-ds run ({', '.join(foreign[:5])}"
                          f"{', …' if len(foreign) > 5 else ''}); choose an empty directory, or pass --overwrite "
@@ -54,6 +62,78 @@ def check_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     if clashes:
         raise ValueError(f"output directory {out} holds no deca-ds run but has {', '.join(clashes)}, which a run "
                          "writes; these are not removed even with --overwrite: move them or choose another directory")
+
+
+def _check_not_a_file(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {out} exists and is not a directory")
+
+
+@contextmanager
+def hold(out: Path):
+    """Rank 0 holds the output directory for the whole run, from before its first check: a second
+    run started on it meanwhile (from another terminal, a job requeued while the first still runs) is
+    refused before it reads or writes anything, naming the run that holds it, instead of deleting or
+    interleaving that run's files. The lock goes with its process (flock), so a killed run leaves none;
+    the lock file goes at the run's end, and so do the directories the run made if it wrote nothing
+    into them (a run refused by a later check leaves nothing behind)."""
+    _check_not_a_file(out)
+    made = [d for d in (out, *out.parents) if not d.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output-dir {out} cannot be created: {e.strerror}") from None
+    lock = None
+    try:
+        lock = _lock(out)
+        yield
+    finally:
+        if lock is not None:
+            (out / LOCK).unlink(missing_ok=True)
+            lock.close()
+        for d in made:  # the deepest first; rmdir removes only an empty one
+            try:
+                d.rmdir()
+            except OSError:
+                break
+
+
+def _lock(out: Path):
+    """The open lock file, flock'ed for this process, its line saying whose it is; None where the file
+    system takes no locks."""
+    import fcntl
+
+    path = out / LOCK
+    for _ in range(100):
+        f = path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            who = f.read().strip() or "another deca-train run"
+            f.close()
+            raise ValueError(f"--output-dir {out} is in use by {who}: a second run there would remove or mix "
+                             "with that run's files. Wait for it to end or stop it, or choose another "
+                             "--output-dir") from None
+        except OSError as e:
+            f.close()
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            print(f"--output-dir {out}: its file system takes no locks ({e.strerror}), so a second run started "
+                  "on this directory while this one runs would not be refused", file=sys.stderr, flush=True)
+            return None
+        try:  # the holder before us removed the file as it ended: our lock is on a name no longer there
+            if os.fstat(f.fileno()).st_ino == path.stat().st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    else:
+        raise ValueError(f"--output-dir {out}: could not take its lock {path}, removed again each time")
+    f.truncate(0)
+    f.write(f"deca-train (pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+    f.flush()
+    return f
 
 
 def claim(out: Path, *, resume: bool) -> None:

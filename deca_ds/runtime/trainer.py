@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -299,10 +299,12 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
 
 def train(opts: RunOptions, ds_config: dict) -> dict | None:
     """The whole run on this rank: the plan (nothing talks or writes before it is checked), the job
-    set up, its steps, then the consensus and the summary. A CPU rank counts its tensor memory
-    from the start when asked (DECA_COUNT_CPU_MEMORY=1, runtime.allocated)."""
+    set up, its steps, then the consensus and the summary. Rank 0 holds the output directory
+    throughout (outputs.hold). A CPU rank counts its tensor memory from the start when asked
+    (DECA_COUNT_CPU_MEMORY=1, runtime.allocated)."""
     counter = cpu_counter(local_device(opts.device_map))
-    with counting(counter):
+    held = outputs.hold(Path(opts.output_dir)) if launch_rank() == 0 else nullcontext()
+    with counting(counter), held:
         job = start_job(opts, ds_config, plan_run(opts, ds_config), counter)
         while not job.optimizer.done:
             job.step()
