@@ -21,6 +21,7 @@ def _cell(text: str) -> str:
 def render_options() -> str:
     """docs/options.md: every deca-train option with its type, default and help, grouped as --help groups them."""
     parser = build_parser()
+    paths = ", ".join(f"`{f.name}`" for _, fields in option_groups() for f in fields if "path" in f.metadata)
     lines = [
         "# deca-train options",
         "",
@@ -32,7 +33,8 @@ def render_options() -> str:
         "(`steps_per_block: 48`), holds the DeepSpeed keys under `deepspeed:` (a mapping, or a preset's name or "
         "path), and its values are converted to the types below; a key given twice in one mapping (of a run "
         "file, a preset or a grid file) is refused, where YAML and JSON parsers keep the last. `--print-config` "
-        "prints the resolved config as such a file. On the command line a boolean is `--name` or `--no-name`.",
+        "prints the resolved config as such a file. On the command line a boolean is `--name` or `--no-name`. "
+        f"A leading `~` in a path ({paths}) is your home, in a run file or a grid too, where no shell expands it.",
         "",
         "```yaml",
         "# run.yaml: deca-train --config run.yaml",

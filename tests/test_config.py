@@ -52,6 +52,31 @@ def test_yaml_values_are_converted_to_the_declared_types(tmp_path):
     assert opts.lora_targets == ["q_proj"]
 
 
+def test_a_path_options_tilde_is_the_home_wherever_no_shell_expands_it(tmp_path, monkeypatch):
+    """A run file, a grid, deca-pretrain's options and `--flag=~/x` reach the command with `~` as
+    written; each path option takes it as the home, where a run used to make a directory named `~`."""
+    from deca_ds.reproduce.grid import build_grid
+    from deca_ds.reproduce.pretrain import PretrainOptions
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    path = run_file(tmp_path, "output_dir: ~/runs/a\ndataset: files\ndata_files: [train=~/d/train.jsonl, "
+                              "test=~/d/test.jsonl]\ntoken_cache: ~/cache\nmodel: ~/models/m\n")
+    opts, _ = parse_args(["--config", path, "--topology", "file", "--matrix-file=~/W.json",
+                          "--questions=vicuna=~/q.jsonl"])
+    assert (opts.output_dir, opts.data_files, opts.token_cache, opts.model, opts.matrix_file, opts.questions) == (
+        f"{home}/runs/a", [f"train={home}/d/train.jsonl", f"test={home}/d/test.jsonl"], f"{home}/cache",
+        f"{home}/models/m", f"{home}/W.json", [f"vicuna={home}/q.jsonl"])
+    assert RunOptions(model="~alice/m", output_dir="runs/~").output_dir == "runs/~"  # only a leading ~ is the home
+    pretrain = PretrainOptions("~/base", dataset="files", data_files=["train=~/d.jsonl"])
+    assert (pretrain.output_dir, pretrain.data_files) == (f"{home}/base", [f"train={home}/d.jsonl"])
+    grid = build_grid({"name": "g", "options": {"model": "tiny", "clients": 2, "data_files": ["train=~/d.jsonl"],
+                                                "dataset": "files", "text_column": "text", "label_column": "label"},
+                       "tasks": {"files": {}}, "methods": ["deca"], "seeds": [0], "runs_dir": "~/grid"})
+    assert grid.runs_dir == home / "grid" and grid.results_dir == home / "grid" / "results"
+    assert grid.cells[0].options["data_files"] == [f"train={home}/d.jsonl"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("lr: fast\n", "lr: expected a float, got 'fast'"),
     ("rounds: 1.5\n", "rounds: expected an integer, got 1.5"),

@@ -403,7 +403,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
         sweeps.append(Sweep(table, sweep_tasks, sweep_seeds, sweep_methods, **axes, bma_betas=betas))
 
     cells: dict[str, Cell] = {}
-    runs = Path(runs_dir or data.get("runs_dir") or f"runs/{data.get('name', path_stem(where))}")
+    runs = Path(runs_dir or data.get("runs_dir") or f"runs/{data.get('name', path_stem(where))}").expanduser()
     # seed by seed: every cell of a sweep's first seed runs before any of its second, so a grid
     # stopped early (a time limit, a lent GPU's budget) has whole tables at one seed
     for sweep in sweeps:
@@ -461,7 +461,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     timeout = data.get("cell_timeout_s", 3600)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise GridError(f"{where}: cell_timeout_s must be a finite number > 0, got {timeout!r}")
-    results = Path(results_dir or data.get("results_dir") or runs / "results")
+    results = Path(results_dir or data.get("results_dir") or runs / "results").expanduser()
     for name, directory, holds in (("runs_dir", runs, "cells run in"), ("results_dir", results,
                                                                        "tables and figures go to")):
         if directory.exists() and not directory.is_dir():

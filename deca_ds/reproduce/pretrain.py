@@ -45,7 +45,7 @@ from ..datasets import verbalize
 from ..files import atomic_directory, remove_leftovers, sha256, vacant, write_json
 from ..reporting import cpu_kernels, invocation, kernels_of
 from ..runtime.dist import to_device
-from ..runtime.options import RunOptions, add_option, per_client
+from ..runtime.options import KEY_PATH, PATH, RunOptions, add_option, expand_paths, per_client
 from ..runtime.task import DATASETS, load_records
 
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -87,11 +87,12 @@ def _opt(default, help: str, **extra):
 class PretrainOptions:
     """deca-pretrain's options: its command line, and a grid file's `pretrain` section."""
 
-    output_dir: str = field(metadata={"help": "where the checkpoint and its tokenizer go (a new directory)"})
+    output_dir: str = field(metadata={"help": "where the checkpoint and its tokenizer go (a new directory)",
+                                      "path": PATH})
     dataset: str = _opt("synthetic", "the task whose training prompts are read, as deca-train's --dataset",
                         choices=DATASETS)
     data_files: list[str] | None = _opt(None, "local data as train=PATH [test=PATH], as deca-train's (only the "
-                                        "training split's prompts are read)")
+                                        "training split's prompts are read)", path=KEY_PATH)
     vocab_size: int = _opt(8000, "most frequent training words kept, besides the specials, the label words and the "
                            "prompt template's")
     seq_len: int = _opt(64, "tokens per row (the prompts are joined with eos and cut into rows)")
@@ -108,6 +109,7 @@ class PretrainOptions:
                 "e.g. '{\"hidden_size\": 256}'"})
 
     def __post_init__(self) -> None:
+        expand_paths(self)
         self.model = {**SMALL_LLAMA, **self.model}
         check_model(self.model)
         # a row's loss predicts each of its tokens from those before it: a row of one token predicts none

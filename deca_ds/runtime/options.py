@@ -22,6 +22,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import re
 import string
 import types
@@ -131,17 +132,41 @@ def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
 
+PATH, KEY_PATH = "path", "KEY=PATH"  # an option's `path` metadata: a path, or a list of KEY=PATH items
+
+
+def expand_paths(options) -> None:
+    """The path options of a dataclass of options (its fields' `path` metadata), `~` expanded."""
+    for f in dataclasses.fields(options):
+        if "path" in f.metadata:
+            setattr(options, f.name, expand_home(getattr(options, f.name), f.metadata["path"]))
+
+
+def expand_home(value, kind: str):
+    """A path option's `~` (at the start of a path, or of each KEY=PATH item's path) as the user's home:
+    no shell expands it in a run file, a grid, or `--output-dir=~/runs`, and a run would otherwise make
+    a directory named `~` (which `rm -rf ~` then removes with the home)."""
+    if value is None:
+        return None
+    if kind == PATH:
+        return os.path.expanduser(value)
+    return [key + "=" + os.path.expanduser(path) if sep else key
+            for key, sep, path in (item.partition("=") for item in value)]
+
+
 @dataclass
 class RunOptions:
     # model and data
-    model: str = _opt("tiny", "hub id or local path of a causal LM, or 'tiny' (built-in random Llama)")
+    model: str = _opt("tiny", "hub id or local path of a causal LM, or 'tiny' (built-in random Llama)",
+                       path=PATH)
     trust_remote_code: bool = _opt(False, "allow the model repo's own code (off unless you ask)")
     from_config: bool = _opt(False, "random-initialize the model from its config (no weights)")
     dataset: str = _opt("synthetic", "training data: 'synthetic' (built-in non-IID task), a paper task by name "
                         "(from the hub or its cache), or 'files' (--data-files)",
                         choices=("synthetic", *TASK_NAMES, "files"))
     data_files: list[str] | None = _opt(None, "local data as split=path (train=…, test=…; .jsonl, .json, .csv, "
-                                        ".parquet), or a task's local copy; train=…{client}…: each client's own")
+                                        ".parquet), or a task's local copy; train=…{client}…: each client's own",
+                                        path=KEY_PATH)
     text_column: str | None = _opt(None, "column of the input text")
     text_pair_column: str | None = _opt(None, "second text column of pair tasks (e.g. MNLI's hypothesis)")
     label_column: str | None = _opt(None, "column of the label (int index or label name)")
@@ -155,12 +180,13 @@ class RunOptions:
     max_seq_len: int = _opt(64, "tokens per example (prompt truncated from the left, never the answer)")
     token_cache: str | None = _opt(None, "folder of the tokenized-training-set cache (one rank per machine "
                                    "tokenizes, the others read it); default $DECA_CACHE or ~/.cache/deca_ds; "
-                                   "'none' = off")
+                                   "'none' = off", path=PATH)
     synthetic_words: int = _opt(12, "words per example of the synthetic task (long examples fill --max-seq-len "
                                 "for memory and speed profiling)")
     eval_limit: int = _opt(512, "held-out examples scored per evaluation (0 = all)")
     questions: list[str] | None = _opt(None, "question sets x̄ answers after a generation task, NAME=FILE (Vicuna / "
-                                       "MT-Bench JSONL), into answers/NAME.jsonl (docs/evaluation.md)")
+                                       "MT-Bench JSONL), into answers/NAME.jsonl (docs/evaluation.md)",
+                                       path=KEY_PATH)
     max_new_tokens: int = _opt(512, "tokens per answered turn of --questions (greedy)")
     # clients and graph
     clients: int | None = _opt(None, "number of clients N (default: world size / ranks per client)")
@@ -176,7 +202,8 @@ class RunOptions:
     er_p: float = _opt(0.5, "Erdős–Rényi edge probability")
     topology_seed: int = _opt(0, "seed of random graphs")
     weights: str = _opt("metropolis_hastings", "mixing weights", choices=WEIGHT_SCHEMES)
-    matrix_file: str | None = _opt(None, "mixing matrix file (.json, .csv, .npy) for --topology file")
+    matrix_file: str | None = _opt(None, "mixing matrix file (.json, .csv, .npy) for --topology file",
+                                     path=PATH)
     # method
     method: str = _opt("deca", "what trains and how it is mixed: DECA or a baseline (decentralized full-parameter "
                        "Adam, Dec-LoRA, Dec-Adapter, DeCAF)", choices=METHOD_NAMES)
@@ -222,7 +249,7 @@ class RunOptions:
     micro_batch: int | None = _opt(None, "micro-batch per rank (train_micro_batch_size_per_gpu)")
     grad_accum: int | None = _opt(None, "micro-batches per step (gradient_accumulation_steps)")
     # outputs
-    output_dir: str = _opt("outputs/deca", "where metrics, checkpoints and the exported model go")
+    output_dir: str = _opt("outputs/deca", "where metrics, checkpoints and the exported model go", path=PATH)
     overwrite: bool = _opt(False, "allow writing into an output directory that already holds a run")
     consensus_interval: int = _opt(10, "steps between consensus-distance measurements (0 = off)")
     eval_interval: int = _opt(0, "steps between evaluations of the consensus model x̄ (0 = at the end only)")
@@ -246,6 +273,7 @@ class RunOptions:
                                 "any client, count it in the summary, and go on (default: every rank stops there)")
 
     def __post_init__(self) -> None:
+        expand_paths(self)
         for f in dataclasses.fields(self):  # inf and nan parse as floats; no option means either
             value = getattr(self, f.name)
             values = value if isinstance(value, (list, tuple)) else (value,)
@@ -509,6 +537,8 @@ def convert_options(values: dict, source: str, *, cls: type = RunOptions, comman
             out[key] = _convert(key, value, hints[key])
         except ValueError as err:
             raise ValueError(f"{source}: {key}: {err}") from None
+        if "path" in fields[key].metadata:  # a grid keeps its cells' options as read
+            out[key] = expand_home(out[key], fields[key].metadata["path"])
         choices = fields[key].metadata.get("choices")
         if choices and out[key] not in choices:
             raise ValueError(f"{source}: {key}: expected one of {', '.join(map(str, choices))}; got {value!r}")
