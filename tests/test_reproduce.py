@@ -349,6 +349,37 @@ def test_a_grids_directory_that_is_a_file_is_refused(tmp_path):
     assert mine.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+def test_a_results_dir_of_other_files_or_another_grids_report_is_refused_and_left_alone(tmp_path, capsys):
+    """The report writes tables.md, results.json, the tables' CSVs and the figures: into a directory
+    that holds such files of the user's, or another grid's report, it wrote over them. Refused before
+    anything runs; this grid's own earlier report is replaced, and a user's other files stay beside it."""
+    from deca_ds.reproduce.cli import main
+
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(tiny_grid("tiny", runs_dir=str(tmp_path / "runs"))))
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.mkdir()
+    (mine / "tables.md").write_text("# my tables")
+    (mine / "main.csv").write_text("a,b\n")
+    theirs.mkdir()
+    (theirs / "results.json").write_text(json.dumps({"grid": "other", "cells": []}))
+    for out, holds in ((mine, "files no report of this grid wrote (main.csv, tables.md)"),
+                       (theirs, "grid 'other''s report (results.json)")):
+        before = {p.name: p.read_text() for p in out.iterdir()}
+        for mode in ("--report-only", "--dry-run"):
+            assert main([str(tmp_path / "grid.yaml"), mode, "--results-dir", str(out)]) == 2
+            assert (f"error: results_dir {out} holds {holds}, which this grid's report would write over: give "
+                    "another --results-dir") in capsys.readouterr().err
+        assert {p.name: p.read_text() for p in out.iterdir()} == before
+    assert not (tmp_path / "runs").exists()
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "README.md").write_text("how these were made")
+    for _ in range(2):  # the second time over the first's report
+        assert main([str(tmp_path / "grid.yaml"), "--report-only", "--results-dir", str(ours)]) == 0
+    assert json.loads((ours / "results.json").read_text())["grid"] == "tiny"
+    assert (ours / "README.md").read_text() == "how these were made"
+
+
 def test_no_judge_on_a_grid_that_judges_nothing_is_refused(tmp_path, capsys):
     """--no-judge leaves a generation grid's answers unjudged: on a grid without a judge it did nothing."""
     from deca_ds.reproduce.cli import main

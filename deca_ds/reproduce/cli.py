@@ -31,7 +31,7 @@ from .grid import BACKENDS, Cell, Grid, GridError, grid_names, load_grid, parse_
 from .paper import published_cells
 from .placement import Placement, placement
 from .pretrain import kernels_note
-from .report import recorded_results, write_report
+from .report import check_results_dir, recorded_results, write_report
 
 
 def parser() -> argparse.ArgumentParser:
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs,
                          clients_per_gpu=args.clients_per_gpu, deepspeed_args=args.deepspeed_args,
                          backend=args.backend, ds_config=args.ds_config, options=parse_settings(args.set))
+        if not (args.estimate or args.fetch):  # the modes that write no report
+            check_results_dir(grid)
         if args.tables_from:  # the results.json alone: the runs directory and the base model are not read
             recorded = recorded_results(grid, *args.tables_from)
         else:

@@ -546,6 +546,36 @@ def recorded_results(grid: Grid, *paths: Path) -> dict:
     return record | {"cells": list(entries.values())}
 
 
+# every file write_report and write_figures may write into a results_dir
+REPORT_FILE = re.compile(r"tables\.md|results\.json|paired\.csv|paper\.csv|pretrain_.+\.json|"
+                         r"(?:loss|consensus)_.+\.png|"
+                         rf"(?:{'|'.join(t[0] for t in TABLES)}|{'|'.join(t[1] for t in GENERATION_TABLES)})\.csv")
+
+
+def check_results_dir(grid: Grid) -> None:
+    """Before any cell runs: the report replaces files only in a results_dir that is new, holds none
+    of the names it writes, or holds this grid's earlier report (its results.json). A directory of
+    the user's (`--results-dir .`, say) with a tables.md or a results.json of its own, or another
+    grid's report, is refused and left as it is."""
+    out = grid.results_dir
+    if not out.is_dir():
+        return
+    clashes = sorted(p.name for p in out.iterdir() if REPORT_FILE.fullmatch(p.name))
+    if not clashes:
+        return
+    try:
+        record = json.loads((out / "results.json").read_text())
+        owner = record.get("grid") if isinstance(record.get("cells"), list) else None
+    except (OSError, ValueError, AttributeError):  # absent, not JSON, or not an object
+        owner = None
+    if owner == grid.name:
+        return
+    holds = f"grid {owner!r}'s report" if isinstance(owner, str) else "files no report of this grid wrote"
+    raise GridError(f"results_dir {out} holds {holds} ({', '.join(clashes[:5])}{', …' if len(clashes) > 5 else ''}), "
+                    "which this grid's report would write over: give another --results-dir (nothing there is "
+                    "touched)")
+
+
 def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict | None = None) -> list[Path]:
     """Tables (Markdown, CSV) and results.json into grid.results_dir; returns the files written.
 
