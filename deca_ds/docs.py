@@ -34,7 +34,9 @@ def render_options() -> str:
         "path), and its values are converted to the types below; a key given twice in one mapping (of a run "
         "file, a preset or a grid file) is refused, where YAML and JSON parsers keep the last. `--print-config` "
         "prints the resolved config as such a file. On the command line a boolean is `--name` or `--no-name`. "
-        f"A leading `~` in a path ({paths}) is your home, in a run file or a grid too, where no shell expands it.",
+        f"A leading `~` in a path ({paths}, a preset's or a run file's path, and the other commands' file "
+        "and directory flags) is your home, in a run file or a grid too, and after `--flag=`, where no shell "
+        "expands it.",
         "",
         "```yaml",
         "# run.yaml: deca-train --config run.yaml",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import math
+import os
 import platform
 import shlex
 import sys
@@ -34,6 +35,7 @@ def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | N
                     "the baselines, from model configs. Memory in GiB (2^30 B), communication in MB (10^6 B).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", nargs="+", default=configs, required=configs is None, metavar="PATH",
+                   type=os.path.expanduser,
                    help="HF config.json files (or directories holding one)")
     p.add_argument("--layers-per-block", nargs="+", type=int, default=[1, 2, 4], metavar="N",
                    help="granularities to estimate (decoder layers per block)")
@@ -80,7 +82,7 @@ def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | N
     p.add_argument("--reserve-gib", type=finite(least=0), default=1.0,
                    help="memory a process needs besides the estimate (CUDA context, NCCL, allocator slack); "
                         "fits = peak + reserve <= capacity")
-    p.add_argument("--out", default=out, metavar="DIR", help="output directory")
+    p.add_argument("--out", default=out, metavar="DIR", type=os.path.expanduser, help="output directory")
     p.add_argument("--name", default="estimate", help="base name of the output files")
     return p.parse_args(argv)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,11 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .runtime.evaluate import checkpoint_arg
 
     p = argparse.ArgumentParser(prog="deca-export", description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", required=True, metavar="OUTPUT_DIR", help="a deca-train output directory")
+    p.add_argument("--run", required=True, metavar="OUTPUT_DIR", type=os.path.expanduser,
+                   help="a deca-train output directory")
     p.add_argument("--checkpoint", required=True, metavar="STEP", type=checkpoint_arg,
                    help="the step whose checkpoints form x̄ ('latest': the newest complete for every client)")
     p.add_argument("--client", metavar="N", type=int, help="client N's own model of that step instead of x̄")
-    p.add_argument("--out", required=True, metavar="DIR", help="the model directory to write (new or empty)")
+    p.add_argument("--out", required=True, metavar="DIR", type=os.path.expanduser,
+                   help="the model directory to write (new or empty)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the run's model repo run its own code (never taken from the run)")
     return p

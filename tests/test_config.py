@@ -75,6 +75,35 @@ def test_a_path_options_tilde_is_the_home_wherever_no_shell_expands_it(tmp_path,
                        "tasks": {"files": {}}, "methods": ["deca"], "seeds": [0], "runs_dir": "~/grid"})
     assert grid.runs_dir == home / "grid" and grid.results_dir == home / "grid" / "results"
     assert grid.cells[0].options["data_files"] == [f"train={home}/d.jsonl"]
+    # every command's own path flags, and a preset or run file by path
+    from deca_ds.estimate import parse_args as estimate_args
+    from deca_ds.export import build_parser as export_parser
+    from deca_ds.reproduce.cli import parser as reproduce_parser
+    from deca_ds.runtime.evaluate import build_parser as eval_parser
+    from deca_ds.runtime.split import split_parser
+
+    flags = {
+        eval_parser(): ["--model=~/m", "--run=~/r", "--out=~/o.json", "--questions=~/q.jsonl", "--answers=~/a.jsonl",
+                        "--judge-references=~/ref.jsonl"],
+        export_parser(): ["--run=~/r", "--checkpoint=latest", "--out=~/o"],
+        reproduce_parser(): ["g.yaml", "--tables-from=~/results.json"],
+        split_parser(): ["--out=~/sites"],
+        options_module.build_parser(): ["--config=~/run.yaml"],
+    }
+    for parser, argv in flags.items():
+        parsed = vars(parser.parse_args(argv))
+        for flag in argv:
+            if "=~/" in flag:
+                name = flag.split("=")[0].removeprefix("--").replace("-", "_")
+                assert parsed[name] in (f"{home}/{flag.split('/')[1]}", [f"{home}/{flag.split('/')[1]}"]), flag
+    args = estimate_args(["--config=~/config.json", "--out=~/est"])
+    assert (args.config, args.out) == ([f"{home}/config.json"], f"{home}/est")
+    home.mkdir(exist_ok=True)
+    (home / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 3}))
+    (home / "run.yaml").write_text("deepspeed: ~/ds.json\nrounds: 2\n")
+    opts, ds = parse_args(["--config=~/run.yaml"])
+    assert (opts.rounds, opts.micro_batch or ds["train_micro_batch_size_per_gpu"]) == (2, 3)
+    assert parse_args(["--preset=~/ds.json"])[1]["train_micro_batch_size_per_gpu"] == 3
 
 
 @pytest.mark.parametrize("text, message", [

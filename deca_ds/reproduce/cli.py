@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
                            "run nothing")
     mode.add_argument("--report-only", action="store_true",
                       help="write tables and figures of the finished cells only")
-    mode.add_argument("--tables-from", metavar="RESULTS_JSON", nargs="+",
+    mode.add_argument("--tables-from", metavar="RESULTS_JSON", nargs="+", type=os.path.expanduser,
                       help="write the tables and figures from results.json files of this grid (a committed one, ones "
                            "from other machines) instead of the cells' directories, a later file's finished cells "
                            "in place of an earlier one's; run nothing")

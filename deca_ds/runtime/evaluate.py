@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,8 +41,9 @@ DEFAULTS = {"dataset": None, "eval_limit": 0}
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deca-eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="exported model directory (or hub id); default with --run: its consensus/")
-    p.add_argument("--run", metavar="OUTPUT_DIR",
+    p.add_argument("--model", type=os.path.expanduser,
+                   help="exported model directory (or hub id); default with --run: its consensus/")
+    p.add_argument("--run", metavar="OUTPUT_DIR", type=os.path.expanduser,
                    help="a deca-train output directory: its consensus/ (unless --model) scored on the run's test "
                         "set, with the run's data options (run_config.json; the command line wins)")
     p.add_argument("--checkpoint", metavar="STEP", type=checkpoint_arg,
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "early, or one step of a finished run's (as many as --keep-checkpoints kept)")
     p.add_argument("--client", metavar="N", type=int,
                    help="with --checkpoint: client N's own model of that step instead of x̄")
-    p.add_argument("--out", required=True, help="JSON file of the results")
+    p.add_argument("--out", required=True, type=os.path.expanduser, help="JSON file of the results")
     fields = {f.name: f for f in dataclasses.fields(RunOptions)}
     p.add_argument("--working-dtype", choices=fields["working_dtype"].metadata["choices"],
                    help="dtype the model computes in (default: the run's with --run, else bf16 on a GPU and fp32 "
@@ -61,14 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name in FLAGS[1:]:
         add_option(data, fields[name], default=DEFAULTS.get(name, fields[name].default))
     gen = p.add_argument_group("generation")
-    gen.add_argument("--questions", help="questions JSONL (generation)")
-    gen.add_argument("--answers", help="where the answers JSONL goes (default: beside --out)")
+    gen.add_argument("--questions", type=os.path.expanduser, help="questions JSONL (generation)")
+    gen.add_argument("--answers", type=os.path.expanduser, help="where the answers JSONL goes (default: beside --out)")
     gen.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer (default: %(default)s)")
     gen.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint of a judge (off by default)")
     gen.add_argument("--judge-model", default="gpt-4o", help="the judge's model (default: %(default)s)")
     gen.add_argument("--judge-key-env", default="OPENAI_API_KEY",
                      help="environment variable holding the key (default: %(default)s)")
-    gen.add_argument("--judge-references", default=None,
+    gen.add_argument("--judge-references", default=None, type=os.path.expanduser,
                      help="reference answers (FastChat reference_answer JSONL) for math/reasoning/coding questions")
     gen.add_argument("--judge-allow-http", action="store_true",
                      help="allow a plain http judge URL, only to localhost / 127.0.0.1 (https otherwise)")

@@ -612,7 +612,7 @@ def build_parser(prog: str = "deca-train",
         epilog="DeepSpeed keys honored in a preset or a run file's `deepspeed:`: "
                + "; ".join(f"{k}: {v}" for k, v in HONORED.items()),
     )
-    p.add_argument("--config", metavar="RUN_FILE",
+    p.add_argument("--config", metavar="RUN_FILE", type=os.path.expanduser,
                    help="run file (YAML or JSON) of options, with the DeepSpeed keys under `deepspeed:` (a mapping, "
                         "or a preset's name or path); the command line wins")
     p.add_argument("--preset", "--ds_config", "--ds-config", dest="ds_config", metavar="NAME_OR_JSON",

@@ -43,7 +43,7 @@ def shipped_file(spec: str | Path, directory: Path, checkout: str, *, what: str,
     """An existing file, else the one of that name shipped in `directory` (with or without its
     suffix, or as `checkout`/NAME, its path in the checkout, so the documented commands run from any
     directory). ValueError naming the closest shipped name where there is neither."""
-    path = Path(spec)
+    path = Path(spec).expanduser()
     if path.is_file():
         return path
     suffix = Path(checkout).suffix

@@ -16,6 +16,8 @@ the same batches as the run on the one file. Writes, and refuses to write over:
 
 from __future__ import annotations
 
+import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -67,11 +69,17 @@ def write_split(opts: RunOptions, out: Path, command: str = "") -> dict[str, Pat
     return paths
 
 
-def main(argv: list[str] | None = None) -> None:
+def split_parser() -> argparse.ArgumentParser:
+    """deca-split's command line: deca-train's options (what the split depends on) and --out."""
     parser = build_parser("deca-split", description=__doc__.split("\n\n")[0], estimate=False)
-    parser.add_argument("--out", required=True, metavar="DIR", help="folder of the client files (new files only)")
+    parser.add_argument("--out", required=True, metavar="DIR", type=os.path.expanduser,
+                        help="folder of the client files (new files only)")
     parser.usage = "%(prog)s --out DIR --clients N [--config RUN_FILE] [--preset NAME_OR_JSON] [--OPTION VALUE ...]"
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = split_parser().parse_args(argv)
     out = Path(vars(args).pop("out"))
     try:
         opts, ds_config = resolve(args)
