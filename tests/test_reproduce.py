@@ -102,6 +102,7 @@ def test_pretrain_writes_a_loadable_checkpoint_that_learned(pretrained):
     ({"seq_len": 1}, r"seq_len must be >= 2, got 1"),  # was a NaN loss ("diverged") after reading the text
     ({"lr": float("inf")}, r"lr must be a finite number > 0, got inf"),  # was a NaN loss after the first step
     ({"steps": 10, "warmup": 11}, r"warmup \(11\) is longer than steps \(10\): the learning rate would never"),
+    ({"seed": -1}, r"seed must be >= 0, got -1"),
     ({"warmup": -1}, r"warmup must be >= 0, got -1"),
     # LlamaConfig keeps a key it does not define as an attribute: the misspelt width went unused
     ({"model": {"hiden_size": 64}}, r"model: unknown Llama config key 'hiden_size' \(did you mean 'hidden_size'\?\)"),
@@ -310,7 +311,12 @@ def test_smooth_is_a_trailing_mean():
     ({"options": {"model": "tiny", "clients": 3, "dirichlet_alpha": 0}}, r"dirichlet_alpha must be > 0"),
     ({"options": {"model": "tiny"}}, r"clients must be integers >= 1, got \[None\]"),
     ({"seeds": []}, r"seeds is empty"),
-    ({"seeds": [0, "a"]}, r"seeds must be integers, got \['a'\]"),
+    ({"seeds": [0, "a"]}, r"seeds must be integers >= 0, got \['a'\]"),
+    # numpy's generators take no negative seed: the cell failed at its start with "expected non-negative integer"
+    ({"seeds": [0, -1]}, r"seeds must be integers >= 0, got \[-1\]"),
+    # the default runs_dir is runs/NAME: this one's cells went outside it
+    ({"name": "../elsewhere"}, r"grid: name must be a name, not a path, got '../elsewhere'"),
+    ({"name": ""}, r"grid: name must be a name, not a path, got ''"),
     # a repeat adds no cell (cells are keyed by their values): one seed where two were meant
     ({"seeds": [0, 1, 0, 1, 2]}, r"grid: seeds lists 0, 1 more than once; give each value once"),
     ({"methods": ["deca", "dec_lora", "deca"]}, r"grid: methods lists 'deca' more than once"),

@@ -387,6 +387,8 @@ BAD_INPUTS = {
     # than client 0" (nan != nan), --dirichlet-alpha inf failed writing run_config.json
     "infinite_timeout": (lambda t: ["--timeout", "inf"], "timeout must be a finite number, got inf"),
     "nan_option": (lambda t: ["--method", "dec_lora", "--lora-alpha", "nan"], "lora_alpha must be a finite number"),
+    # numpy's generators take none: the run stopped in its set-up with "expected non-negative integer"
+    "negative_seed": (lambda t: ["--seed", "-1"], "seed must be >= 0, got -1"),
 }
 
 

@@ -338,9 +338,9 @@ def _clients_per_gpu(k, backend: str, cells: list[Cell], where: str) -> int:
 
 def _seeds(values, where: str) -> list[int]:
     seeds = _as_list(values, where)
-    bad = [s for s in seeds if not isinstance(s, int) or isinstance(s, bool)]
+    bad = [s for s in seeds if not isinstance(s, int) or isinstance(s, bool) or s < 0]
     if bad:
-        raise GridError(f"{where} must be integers, got {bad}")
+        raise GridError(f"{where} must be integers >= 0, got {bad}")
     return seeds
 
 
@@ -354,6 +354,9 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     for key in ("tasks", "methods", "seeds"):
         if key not in data:
             raise GridError(f"{where}: `{key}` is missing")
+    grid_name = data.get("name", path_stem(where))
+    if grid_name in ("", ".", "..") or "/" in grid_name or "\\" in grid_name:  # the default runs_dir is runs/NAME
+        raise GridError(f"{where}: name must be a name, not a path, got {grid_name!r}")
     backend = data.get("backend", "simulate")
     if backend not in BACKENDS:
         raise GridError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
@@ -403,7 +406,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
         sweeps.append(Sweep(table, sweep_tasks, sweep_seeds, sweep_methods, **axes, bma_betas=betas))
 
     cells: dict[str, Cell] = {}
-    runs = Path(runs_dir or data.get("runs_dir") or f"runs/{data.get('name', path_stem(where))}").expanduser()
+    runs = Path(runs_dir or data.get("runs_dir") or f"runs/{grid_name}").expanduser()
     # seed by seed: every cell of a sweep's first seed runs before any of its second, so a grid
     # stopped early (a time limit, a lent GPU's budget) has whole tables at one seed
     for sweep in sweeps:
@@ -466,7 +469,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
                                                                        "tables and figures go to")):
         if directory.exists() and not directory.is_dir():
             raise GridError(f"{where}: {name} {directory} is a file: give the directory the grid's {holds}")
-    return Grid(name=data.get("name", path_stem(where)), backend=backend, runs_dir=runs, results_dir=results,
+    return Grid(name=grid_name, backend=backend, runs_dir=runs, results_dir=results,
                 cells=list(cells.values()), budgets=budgets,
                 cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, cpu_kernels=cpu_kernels, jobs=jobs,
                 clients_per_gpu=sharing, deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain,

@@ -113,7 +113,7 @@ class PretrainOptions:
         self.model = {**SMALL_LLAMA, **self.model}
         check_model(self.model)
         # a row's loss predicts each of its tokens from those before it: a row of one token predicts none
-        for name, least in (("vocab_size", 1), ("seq_len", 2), ("batch", 1), ("steps", 1)):
+        for name, least in (("vocab_size", 1), ("seq_len", 2), ("batch", 1), ("steps", 1), ("seed", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if not 0 < self.lr < math.inf:

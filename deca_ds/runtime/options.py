@@ -284,7 +284,8 @@ class RunOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval", "offload_keep",
-                     "offload_budget", "loss_chunk", "gpu_memory_gb", "trace_steps", "trace_start"):
+                     "offload_budget", "loss_chunk", "gpu_memory_gb", "trace_steps", "trace_start", "seed",
+                     "topology_seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("micro_batch", "grad_accum", "clients", "steps"):
