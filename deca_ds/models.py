@@ -251,6 +251,17 @@ def _summed_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -
                            reduction="sum")
 
 
+def check_positions(config, max_seq_len: int) -> None:
+    """Examples of up to `max_seq_len` tokens fit the model's positions: beyond max_position_embeddings
+    a model with learned position embeddings indexes past its table (a device-side assert on a GPU)
+    and a rotary one runs on positions it never saw."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and max_seq_len > positions:
+        raise ValueError(f"--max-seq-len {max_seq_len} is longer than the model's context (max_position_embeddings "
+                         f"{positions}): give --max-seq-len {positions} or less (examples are cut to it from the "
+                         "left; shorter ones are unchanged)")
+
+
 def check_plain_logits(config) -> None:
     """loss_chunk needs logits that are the LM head's output as is."""
     for name in RESCALED_LOGITS:

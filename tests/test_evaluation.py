@@ -375,6 +375,19 @@ def test_deca_eval_writes_over_no_file_but_its_own(tmp_path, monkeypatch, capsys
             evaluate.main(["--model", str(tmp_path / "model"), *argv])
 
 
+def test_deca_eval_refuses_examples_longer_than_the_models_context(tmp_path, monkeypatch, capsys):
+    from deca_ds import models
+    from deca_ds.runtime import evaluate
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: models.tiny_llama(64))  # 128 positions
+    with pytest.raises(SystemExit) as code:
+        evaluate.main(["--model", str(tmp_path / "m"), "--dataset", "synthetic", "--max-seq-len", "129",
+                       "--out", str(tmp_path / "e.json")])
+    assert code.value.code == 1 and "--max-seq-len 129 is longer than the model's context (max_position_embeddings " \
+        "128): give --max-seq-len 128 or less" in capsys.readouterr().err
+    assert not (tmp_path / "e.json").exists()
+
+
 def test_deca_eval_of_a_generation_task_asks_for_questions_before_loading(tmp_path, monkeypatch, capsys):
     from deca_ds import models
     from deca_ds.runtime import evaluate

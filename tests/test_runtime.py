@@ -389,6 +389,10 @@ BAD_INPUTS = {
     "nan_option": (lambda t: ["--method", "dec_lora", "--lora-alpha", "nan"], "lora_alpha must be a finite number"),
     # numpy's generators take none: the run stopped in its set-up with "expected non-negative integer"
     "negative_seed": (lambda t: ["--seed", "-1"], "seed must be >= 0, got -1"),
+    # the built-in tiny Llama's 128 positions: a learned position table would be indexed past its end
+    "beyond_the_context": (lambda t: ["--max-seq-len", "512"],
+                           r"--max-seq-len 512 is longer than the model's context \(max_position_embeddings 128\): "
+                           r"give --max-seq-len 128"),
 }
 
 

@@ -148,7 +148,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from ..config import parse_dtype
     from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
     from ..files import write_json
-    from ..models import load_tokenizer
+    from ..models import check_positions, load_tokenizer
     from .task import evaluator, task_kind
 
     path, dtype, opts = resolve(args)
@@ -182,6 +182,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         model.to(parse_dtype(dtype))
         results = {"model": path, "checkpoint": step, "client": args.client, "working_dtype": dtype}
     if opts is not None:
+        check_positions(model.config, opts.max_seq_len)
         results["options"] = {name: getattr(opts, name) for name in (*TEST_SET, "eval_limit")}
         results["classification"] = evaluator(opts)(model, opts.eval_limit or None)
     if args.questions is not None:

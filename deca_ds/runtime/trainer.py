@@ -34,6 +34,7 @@ from ..methods import Method
 from ..models import (
     causal_lm_loss,
     check_plain_logits,
+    check_positions,
     compile_layers,
     enable_activation_checkpointing,
     load_model,
@@ -92,6 +93,7 @@ def build_model(opts: RunOptions, vocab_size: int):
     model = load_model(opts.model, dtype=parse_dtype(opts.working_dtype), trust_remote_code=opts.trust_remote_code,
                        from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
                        init_device=local_device(opts.device_map), host_memory=opts.offload != "none")
+    check_positions(model.config, opts.max_seq_len)
     if opts.loss_chunk:
         check_plain_logits(model.config)
     return model
