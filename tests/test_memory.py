@@ -442,6 +442,10 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
     with pytest.raises(SystemExit):  # no launcher, no --clients: the graph is unknown
         train_main([*run, "--estimate"])
     assert "--estimate: give --clients N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # Qwen2.5-3B's 32768 positions: a run the trainer refuses has no estimate
+        train_main([*args, "--max-seq-len", "40000", "--estimate"])
+    assert "--max-seq-len 40000 is longer than the model's context (max_position_embeddings 32768)" in \
+        capsys.readouterr().err
     from deca_ds.runtime.split import main as split_main
 
     with pytest.raises(SystemExit) as code:  # deca-split writes a split; it has no --estimate to ignore

@@ -40,6 +40,7 @@ def model_config(opts: RunOptions, vocab_size: int):
 
 def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     """(the estimate of a round's peak block, what it was computed for)."""
+    from ..models import check_positions
     from .task import build_task, own_clients, task_kind
     from .trainer import loss_positions_max
 
@@ -51,7 +52,9 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
                              matrix_file=opts.matrix_file)
     neighbors = max(len(topology.neighbors(i)) for i in range(n_clients))
     task = build_task(opts, n_clients, own_clients(opts))
-    spec = ModelSpec.from_config(model_config(opts, len(task.tokenizer)))
+    config = model_config(opts, len(task.tokenizer))
+    check_positions(config, opts.max_seq_len)  # a run the trainer refuses has no footprint to give
+    spec = ModelSpec.from_config(config)
     options, positions = asdict(opts), loss_positions_max(opts, task)
     if opts.offload_budget:
         options["offload_keep"] = offload_keep_for_budget(options, spec, ds_config, n_neighbors=neighbors,
