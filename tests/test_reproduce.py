@@ -331,6 +331,10 @@ def test_smooth_is_a_trailing_mean():
     ({"cpu_kernels": "AVX2"}, r"cpu_kernels must be one of default, avx2, avx512 .* got 'AVX2'"),
     ({"pretrain": {"output_dir": "x"}}, r"pretrain: unknown key\(s\) \['output_dir'\]"),
     ({"pretrain": {}}, r"pretrain makes the one model every cell fine-tunes.*\['tiny'\]"),
+    # each cell was refused at its start, once the base was pretrained (SMALL_LLAMA: 256 positions)
+    ({"options": {"model": "base", "clients": 3, "max_seq_len": 300}, "pretrain": {}},
+     r"grid: 4 cell\(s\) take examples longer than the context of the model pretrain makes \(max_position_embeddings "
+     r"256\): synthetic/erdos_renyi-n3-lpb2/dec_lora/seed0 \(max_seq_len 300\), .*; lower their max_seq_len"),
     ({"sweeps": [{"table": "bma", "bma_betas": [[0.3, 0.2]]}]}, r"bma_betas: BMA's betas are DECA's; the sweep's "
                                                                 r"methods \['dec_lora'\] have none"),
     ({"sweeps": [{"table": "bma", "methods": ["deca"], "bma_betas": [0.3, 0.2]}]},

@@ -512,9 +512,17 @@ def _pretrain(section, cells: list[Cell], where: str) -> PretrainOptions | None:
     except ValueError as err:
         raise GridError(str(err)) from None
     try:
-        return PretrainOptions(output_dir=models[0], **values)
+        made = PretrainOptions(output_dir=models[0], **values)
     except ValueError as err:
         raise GridError(f"{where}: pretrain: {err}") from None
+    positions, default = made.model["max_position_embeddings"], option_defaults()["max_seq_len"]
+    longer = {c.key: n for c in cells if (n := c.options.get("max_seq_len", default)) > positions}
+    if longer:  # each would be refused at its start, after the pretraining
+        shown = ", ".join(f"{key} (max_seq_len {n})" for key, n in sorted(longer.items())[:3])
+        raise GridError(f"{where}: {len(longer)} cell(s) take examples longer than the context of the model pretrain "
+                        f"makes (max_position_embeddings {positions}): {shown}{', …' if len(longer) > 3 else ''}; "
+                        "lower their max_seq_len or raise pretrain.model.max_position_embeddings")
+    return made
 
 
 def path_stem(where: str) -> str:
