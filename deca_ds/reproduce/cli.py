@@ -123,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs,
                          clients_per_gpu=args.clients_per_gpu, deepspeed_args=args.deepspeed_args,
                          backend=args.backend, ds_config=args.ds_config, options=parse_settings(args.set))
-        if not (args.estimate or args.fetch):  # the modes that write no report
-            check_results_dir(grid)
         if args.tables_from:  # the results.json alone: the runs directory and the base model are not read
             recorded = recorded_results(grid, *args.tables_from)
         else:
@@ -144,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             if judging and grid.generation.judge.key_env and not os.environ.get(grid.generation.judge.key_env):
                 raise GridError(f"generation.judge: the environment variable {grid.generation.judge.key_env} holding "
                                 "the judge's API key is not set (or run with --no-judge and judge later)")
+        if not (args.estimate or args.fetch):  # the modes that write no report; the results read are checked first
+            check_results_dir(grid)
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
