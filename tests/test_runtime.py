@@ -409,6 +409,19 @@ def test_bad_input_is_refused_before_anything_is_written(case, previous_run, tmp
     assert snapshot(previous_run) == before
 
 
+def test_a_context_too_short_is_refused_from_the_config_before_the_weights_load(previous_run, monkeypatch, capsys):
+    from deca_ds.runtime import trainer
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(trainer, "build_model", no_weights)
+    with pytest.raises(SystemExit):
+        train_main(["--ds_config", PRESET, "--output-dir", str(previous_run), "--max-seq-len", "129"])
+    assert "--max-seq-len 129 is longer than the model's context (max_position_embeddings 128)" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("preset, message", [
     ({"train_micro_batch_size_per_gpu": 2, "foo": 1}, "unknown key\\(s\\) \\['foo'\\]"),
     ({"bf16": {"enabled": True}}, "FP32 master copies"),

@@ -33,7 +33,7 @@ def model_config(opts: RunOptions, vocab_size: int):
 
     if opts.model == "tiny":
         return tiny_config(vocab_size)
-    if Path(opts.model).expanduser().exists():
+    if Path(opts.model).exists():  # RunOptions expanded its ~
         return load_config(opts.model)
     return AutoConfig.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
 

@@ -66,6 +66,7 @@ from .dist import (
     to_device,
 )
 from .ds_engine import ClientMPU, initialize
+from .footprint import model_config
 from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize, summary_table
 from .nonfinite import (
     MAX_CONSECUTIVE_SKIPS,
@@ -93,7 +94,6 @@ def build_model(opts: RunOptions, vocab_size: int):
     model = load_model(opts.model, dtype=parse_dtype(opts.working_dtype), trust_remote_code=opts.trust_remote_code,
                        from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
                        init_device=local_device(opts.device_map), host_memory=opts.offload != "none")
-    check_positions(model.config, opts.max_seq_len)
     if opts.loss_chunk:
         check_plain_logits(model.config)
     return model
@@ -277,6 +277,8 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     # per-client files: a process reads its own client's only
     task = build_task(opts, n_clients, own_clients(opts))
     laps("data")
+    # from the config, before the weights load (an 8B model drawn on the CPU takes minutes)
+    check_positions(model_config(opts, len(task.tokenizer)), opts.max_seq_len)
     model = build_model(opts, len(task.tokenizer))
     laps("model")
     # compared across sites once connected; the weights only where nodes load them from their own disks
