@@ -26,6 +26,7 @@ from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_fini
 from deca_ds.reproduce.figures import smooth, write_figures
 from deca_ds.reproduce.grid import Cell, Grid, load_grid
 from deca_ds.reproduce.report import (
+    REPORT_FILE,
     Table,
     build_granularity_paired,
     build_paired,
@@ -140,6 +141,8 @@ def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
     assert status == {c.key: "skipped" if c.seed == 0 else "done" for c in grid.cells}, status
     written = write_report(grid, command=["test"]) + write_figures(grid)
     names = {p.name for p in written}
+    # what check_results_dir guards is every name the report writes
+    assert all(REPORT_FILE.fullmatch(name) for name in names), names
     assert {"main.csv", "ablation.csv", "paired.csv", "tables.md", "results.json", "loss_synthetic.png",
             "consensus_synthetic.png"} <= names
 
