@@ -906,15 +906,17 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
         assert final(cells[name]) == final(cells["simulated"]), name
 
 
-def reference_and_stopped(tmp_path, grid: dict) -> tuple[dict, Grid]:
-    """`grid` as two grid files with runs directories of their own: 'reference' run to its end, and
-    'stopped' (returned loaded, with both files) for a test to stop and resume."""
+def reference_and_stopped(tmp_path, grid: dict, **reference) -> tuple[dict, Grid]:
+    """`grid` as two grid files with runs directories of their own: 'reference' (updated by
+    `reference`, where None removes a key) run to its end, and 'stopped' (returned loaded, with both files) for a test to stop
+    and resume."""
     from deca_ds.reproduce.cli import main
 
     files = {}
-    for name in ("reference", "stopped"):
+    for name, changes in (("reference", reference), ("stopped", {})):
         files[name] = tmp_path / f"{name}.yaml"
-        files[name].write_text(yaml.safe_dump({**grid, "runs_dir": str(tmp_path / name)}))
+        settings = {key: value for key, value in {**grid, **changes}.items() if value is not None}
+        files[name].write_text(yaml.safe_dump({**settings, "runs_dir": str(tmp_path / name)}))
     assert main([str(files["reference"])]) == 0
     return files, load_grid(str(files["stopped"]))
 
@@ -933,7 +935,8 @@ def assert_resumed_as_reference(d: Path, reference: Path, step: int) -> None:
 def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, capsys):
     """A deepspeed cell that writes checkpoints (deca-train's checkpoint_interval), stopped by the
     grid's SIGTERM after its first checkpoint, goes on from it in the next run of the grid instead of
-    starting afresh, and ends with the metrics and scores of an uninterrupted run of the same cell."""
+    starting afresh, and ends with the metrics and scores of an uninterrupted run of the same cell:
+    simulated, whose numbers a deepspeed cell's are (test_a_cell_computes_the_same_simulated_on_ranks...)."""
     import contextlib
     import signal
 
@@ -944,11 +947,11 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     from deca_ds.runtime.cleanup import shm_buffers
 
     grid = tiny_grid("tiny", backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"], seeds=[0],
-                     results_dir=str(tmp_path / "res"), cell_timeout_s=600)
+                     threads=1, results_dir=str(tmp_path / "res"), cell_timeout_s=600)
     # two clients (ranks), 4 blocks x R = 16 x T = 2: 128 steps, of which 120 come after the first checkpoint
     grid["options"].update(clients=2, topology="ring", steps_per_block=16, rounds=2, checkpoint_interval=8,
                            consensus_interval=4, eval_limit=16)
-    files, built = reference_and_stopped(tmp_path, grid)
+    files, built = reference_and_stopped(tmp_path, grid, backend="simulate", ds_config=None)
     cell = built.cells[0]
     d = built.cell_dir(cell)
 

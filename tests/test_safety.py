@@ -14,7 +14,6 @@ import torch
 import test_runtime
 from deca_ds.reporting import commit
 from deca_ds.runtime import nonfinite, outputs, trainer
-from deca_ds.train import STORE_LINGER_S
 from deca_ds.train import main as train_main
 from helpers import free_port
 from ranks import wait_all
@@ -587,10 +586,11 @@ def test_a_failed_replacement_keeps_the_directory_it_would_replace(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["consensus"] and snapshot(model) == {model / "config.json": b"{}"}
 
 
-@pytest.mark.parametrize("how, timeout", [("SIGKILL", 120), ("SIGSTOP", 8)])
-def test_a_dead_or_stopped_rank_under_the_launcher_is_named_and_shm_is_freed(tmp_path, how, timeout):
-    """SIGKILL: the launcher SIGTERMs the survivor long before its --timeout, which names the dead
-    client first. SIGSTOP: the launch ends within --timeout plus the launcher's grace, not never."""
+def test_a_dead_rank_under_the_launcher_is_named_and_shm_is_freed(tmp_path):
+    """A rank SIGKILLed under the deepspeed launcher: the launcher SIGTERMs the survivor long before
+    its --timeout, which names the dead client first, and the job's buffers are gone. (A stopped
+    rank: test_runtime's hung peer, whose neighbours fail within --timeout and exit; the launcher
+    then SIGKILLs the stopped rank after its own 30 s.)"""
     import signal
     import subprocess
     import sys
@@ -600,6 +600,7 @@ def test_a_dead_or_stopped_rank_under_the_launcher_is_named_and_shm_is_freed(tmp
     from helpers import descendants, free_port
     from test_runtime import LAUNCH, ROOT
 
+    timeout = 120
     out, port = tmp_path / "run", str(free_port())
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, LAUNCH,
            *TINY, "--steps-per-block", "200", "--timeout", str(timeout), "--output-dir", str(out)]
@@ -613,7 +614,7 @@ def test_a_dead_or_stopped_rank_under_the_launcher_is_named_and_shm_is_freed(tmp
             assert time.monotonic() < deadline and launcher.poll() is None, (tmp_path / "launcher.log").read_text()
             time.sleep(0.2)
         victim = descendants(launcher.pid, "--local_rank=1")[0]
-        victim.send_signal(getattr(signal, how))
+        victim.send_signal(signal.SIGKILL)
         hit = time.monotonic()
         code = launcher.wait(timeout=timeout + 90)
         took = time.monotonic() - hit
@@ -622,8 +623,7 @@ def test_a_dead_or_stopped_rank_under_the_launcher_is_named_and_shm_is_freed(tmp
             if p is not None and (p.poll() if isinstance(p, subprocess.Popen) else p.is_running()) in (None, True):
                 p.kill()
     text = (tmp_path / "launcher.log").read_text()
-    # --timeout, rank 0's STORE_LINGER_S, the launcher's 30 s before it SIGKILLs a rank that ignores SIGTERM
-    assert code != 0 and took < timeout + STORE_LINGER_S + 30 + 15, (code, took)
+    assert code != 0 and took < timeout, (code, took)
     named = [line for line in text.splitlines() if line.startswith("[rank 0]") and "client 1 (rank 1)" in line]
     assert named, text[-4000:]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
