@@ -908,8 +908,8 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
 
 def reference_and_stopped(tmp_path, grid: dict, **reference) -> tuple[dict, Grid]:
     """`grid` as two grid files with runs directories of their own: 'reference' (updated by
-    `reference`, where None removes a key) run to its end, and 'stopped' (returned loaded, with both files) for a test to stop
-    and resume."""
+    `reference`, where None removes a key) run to its end, and 'stopped' (returned loaded, with both
+    files) for a test to stop and resume."""
     from deca_ds.reproduce.cli import main
 
     files = {}
