@@ -129,8 +129,9 @@ def _size(dtype: torch.dtype) -> int:
 
 # ---- the architecture, on the meta device ---------------------------------------------------------
 
-def load_config(source):
-    """An HF config from a config.json path, a directory holding one, or a config object."""
+def load_config(source, trust_remote_code: bool = False):
+    """An HF config from a config.json path, a directory holding one, or a config object. A
+    directory's own configuration code (its config's auto_map) runs only with `trust_remote_code`."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(source, PretrainedConfig):
@@ -141,7 +142,9 @@ def load_config(source):
     if not path.is_file():
         raise ValueError(f"model config {source!r}: no such file (give a config.json or a directory with one)")
     try:
-        return AutoConfig.from_pretrained(str(path))
+        # a model directory's own code is found beside its config.json, so the directory is what is read
+        return AutoConfig.from_pretrained(str(path.parent if path.name == "config.json" else path),
+                                          trust_remote_code=trust_remote_code)
     except OSError as err:  # transformers' word for a file that is not JSON
         raise ValueError(f"model config {source!r}: {err}") from None
 

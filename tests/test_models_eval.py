@@ -1,6 +1,8 @@
 """Model loading (tiny, local checkpoint, bare config), compiled decoder layers and likelihood-based
 classification."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -105,6 +107,38 @@ def test_a_drawn_model_is_transformers_initialisation_in_one_pass(tmp_path):
     assert _same_weights(resident, load_model(str(tmp_path), dtype=torch.bfloat16, from_config=True, seed=5,
                                               host_memory=True))
     assert resident.lm_head.weight is not resident.model.embed_tokens.weight
+
+
+def test_a_local_models_own_config_code_runs_only_when_trusted(tmp_path):
+    """deca-train and deca-eval read the model's context from its config before its weights load: a
+    local model directory with code of its own (auto_map, a model_type transformers does not know)
+    is read with --trust-remote-code, and without it refused without running the code. In a process
+    of its own, whose Hugging Face module cache (where transformers copies the code) is the test's."""
+    import json
+    import subprocess
+    import sys
+
+    model = tmp_path / "custom"
+    model.mkdir()
+    (model / "configuration_custom.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n    model_type = 'custom'\n")
+    (model / "config.json").write_text(json.dumps({"model_type": "custom", "max_position_embeddings": 96,
+                                                   "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}))
+    read = """if True:  # refused first: once trusted, the class is registered in the process
+        import sys
+        from deca_ds.runtime.footprint import model_config
+        from deca_ds.runtime.options import RunOptions
+        try:
+            model_config(RunOptions(model=sys.argv[1]), 64)
+        except ValueError as refused:
+            print("refused:", refused)
+        print(model_config(RunOptions(model=sys.argv[1], trust_remote_code=True), 64).max_position_embeddings)"""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", read, str(model)], env=env, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=300)
+    assert done.returncode == 0, done.stderr
+    refused, positions = done.stdout.strip().rsplit("\n", 1)
+    assert refused.startswith("refused:") and "trust_remote_code=True" in refused and positions == "96", done.stdout
 
 
 @pytest.mark.parametrize("load", [load_model, load_tokenizer])

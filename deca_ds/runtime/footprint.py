@@ -34,7 +34,7 @@ def model_config(opts: RunOptions, vocab_size: int):
     if opts.model == "tiny":
         return tiny_config(vocab_size)
     if Path(opts.model).exists():  # RunOptions expanded its ~
-        return load_config(opts.model)
+        return load_config(opts.model, trust_remote_code=opts.trust_remote_code)
     return AutoConfig.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
 
 
