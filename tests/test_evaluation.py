@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from deca_ds.data import build_word_tokenizer
+from deca_ds.data import SyntheticTask, build_word_tokenizer
 from deca_ds.datasets import Record, alpaca_prompt, vocabulary
 from deca_ds.evaluation import (
     generate_answers,
@@ -353,6 +353,7 @@ def test_deca_eval_writes_over_no_file_but_its_own(tmp_path, monkeypatch, capsys
     config = tmp_path / "model" / "config.json"
     config.parent.mkdir()
     config.write_text('{"model_type": "llama"}')
+    build_word_tokenizer(SyntheticTask().vocabulary()).save_pretrained(config.parent)  # read before the model
     refused = [(["--dataset", "synthetic", "--out", str(config)], f"--out {config} holds a file that is not "
                 "deca-eval's results: it is left as it is"),
                (["--dataset", "synthetic", "--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
@@ -376,16 +377,27 @@ def test_deca_eval_writes_over_no_file_but_its_own(tmp_path, monkeypatch, capsys
 
 
 def test_deca_eval_refuses_examples_longer_than_the_models_context(tmp_path, monkeypatch, capsys):
+    """From the model's config, before its weights load (minutes for an 8B model): an export's, and
+    a checkpoint's run's model (the built-in tiny Llama's)."""
     from deca_ds import models
     from deca_ds.runtime import evaluate
 
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: models.tiny_llama(64))  # 128 positions
-    with pytest.raises(SystemExit) as code:
-        evaluate.main(["--model", str(tmp_path / "m"), "--dataset", "synthetic", "--max-seq-len", "129",
-                       "--out", str(tmp_path / "e.json")])
-    assert code.value.code == 1 and "--max-seq-len 129 is longer than the model's context (max_position_embeddings " \
-        "128): give --max-seq-len 128 or less" in capsys.readouterr().err
-    assert not (tmp_path / "e.json").exists()
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    monkeypatch.setattr(models, "tiny_llama", no_model)
+    models.tiny_config(64).save_pretrained(tmp_path / "m")  # 128 positions
+    build_word_tokenizer(SyntheticTask().vocabulary()).save_pretrained(tmp_path / "m")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run_config.json").write_text(json.dumps({"options": {"model": "tiny", "dataset": "synthetic"}}))
+    for argv in (["--model", str(tmp_path / "m"), "--dataset", "synthetic"], ["--run", str(run), "--checkpoint", "1"]):
+        with pytest.raises(SystemExit) as code:
+            evaluate.main([*argv, "--max-seq-len", "129", "--out", str(tmp_path / "e.json")])
+        assert code.value.code == 1 and "--max-seq-len 129 is longer than the model's context (max_position_" \
+            "embeddings 128): give --max-seq-len 128 or less" in capsys.readouterr().err
+        assert not (tmp_path / "e.json").exists()
 
 
 def test_deca_eval_of_a_generation_task_asks_for_questions_before_loading(tmp_path, monkeypatch, capsys):

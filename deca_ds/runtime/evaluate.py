@@ -149,6 +149,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from ..evaluation import generate_answers, judge_answers, judge_api_key, judge_url, rouge_l_of_answers
     from ..files import write_json
     from ..models import check_positions, load_tokenizer
+    from .footprint import model_config
     from .task import evaluator, task_kind
 
     path, dtype, opts = resolve(args)
@@ -170,6 +171,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         judge_url(args.judge_url, allow_http=args.judge_allow_http)
         judge_api_key(args.judge_key_env)
     trust = getattr(args, "trust_remote_code", False)
+    if opts is not None:  # the test set, and the model's context from its config, before its weights load
+        tokenizer, score = evaluator(opts)  # (minutes for an 8B model); a checkpoint's model is its run's
+        check_positions(model_config(opts, len(tokenizer)), opts.max_seq_len)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
     if args.checkpoint is None:
@@ -182,9 +186,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         model.to(parse_dtype(dtype))
         results = {"model": path, "checkpoint": step, "client": args.client, "working_dtype": dtype}
     if opts is not None:
-        check_positions(model.config, opts.max_seq_len)
         results["options"] = {name: getattr(opts, name) for name in (*TEST_SET, "eval_limit")}
-        results["classification"] = evaluator(opts)(model, opts.eval_limit or None)
+        results["classification"] = score(model, opts.eval_limit or None)
     if args.questions is not None:
         if args.checkpoint is None:
             tokenizer = load_tokenizer(path, trust_remote_code=trust)

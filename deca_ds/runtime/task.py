@@ -261,14 +261,16 @@ def check_questions(opts: RunOptions) -> None:
             raise ValueError(f"--questions {name}={path}: {err.strerror or err}") from None
 
 
-def evaluator(opts: RunOptions) -> Callable[..., dict]:
-    """The task's evaluate(model, limit) alone: the test set, without encoding or splitting the
-    training data (deca-eval)."""
+def evaluator(opts: RunOptions) -> tuple[object, Callable[..., dict]]:
+    """(the task's tokenizer, its evaluate(model, limit)) alone: the test set, without encoding or
+    splitting the training data (deca-eval)."""
     if opts.dataset == "synthetic":
         task = SyntheticTask(seed=opts.seed, words_per_example=opts.synthetic_words)
-        return _synthetic_evaluator(opts, _tokenizer(opts, task.vocabulary), task, task.generate()[1])
+        tokenizer = _tokenizer(opts, task.vocabulary)
+        return tokenizer, _synthetic_evaluator(opts, tokenizer, task, task.generate()[1])
     loaded = load_records(opts)
-    return _evaluator(opts, loaded, _records_tokenizer(opts, loaded))
+    tokenizer = _records_tokenizer(opts, loaded)
+    return tokenizer, _evaluator(opts, loaded, tokenizer)
 
 
 def own_clients(opts: RunOptions) -> tuple[int, ...] | None:
