@@ -26,6 +26,8 @@ embeddings' output, and under Dec-Adapter its attention keeps nothing (the first
 
 from __future__ import annotations
 
+import copy
+
 from torch import nn
 
 from .blocks import find_decoder_layers
@@ -38,7 +40,6 @@ from .memory import (
     largest_bucket,
     layer_activation_bytes,
     layer_backward_transient_bytes,
-    meta_model,
     setup_terms,
 )
 from .methods import Method
@@ -117,7 +118,8 @@ def estimate_method(spec, method: Method, workload: Workload = Workload()) -> Me
     if method.name == "deca":
         raise ValueError("DECA's estimate is deca_ds.memory.estimate_memory's")
     spec = ModelSpec.from_config(spec)
-    model = method.prepare(meta_model(spec.config).to(workload.working_dtype))  # a model of its own: prepare adds to it
+    # a copy of its own, which prepare adds to (and no second run of a model's own code)
+    model = method.prepare(copy.deepcopy(spec.model).to(workload.working_dtype))
     optimizer = method.optimizer(model)
     trainable = {id(p) for p in optimizer.params}
     n, mb = optimizer.master.numel(), optimizer.master.element_size()

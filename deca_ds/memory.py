@@ -149,8 +149,9 @@ def load_config(source, trust_remote_code: bool = False):
         raise ValueError(f"model config {source!r}: {err}") from None
 
 
-def meta_model(config) -> nn.Module:
-    """The causal LM of `config` with every parameter and buffer on the meta device (no memory).
+def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
+    """The causal LM of `config` with every parameter and buffer on the meta device (no memory); a
+    model of its own code (its config's auto_map) only with `trust_remote_code`.
 
     accelerate's init_empty_weights() with include_buffers=False leaves tie_word_embeddings
     untied in transformers 5 (the LM head gets its own meta matrix, over-counting by V·h); with
@@ -161,7 +162,7 @@ def meta_model(config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=True):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "tie_word_embeddings", False):
         model.tie_weights()
@@ -191,14 +192,16 @@ class ModelSpec:
     largest_param: int  # the largest tensor's elements (setup's transient copy)
 
     @classmethod
-    def from_config(cls, source, name: str | None = None) -> "ModelSpec":
+    def from_config(cls, source, name: str | None = None, trust_remote_code: bool = False) -> "ModelSpec":
+        """The spec of a config (object, config.json or model directory; a model of its own code only
+        with `trust_remote_code`), or `source` itself if it is one."""
         if isinstance(source, ModelSpec):
             return source
-        config = load_config(source)
+        config = load_config(source, trust_remote_code=trust_remote_code)
         if name is None:
             name = Path(str(source)).stem if not hasattr(source, "to_dict") else getattr(
                 config, "name_or_path", "") or config.model_type
-        model = meta_model(config)
+        model = meta_model(config, trust_remote_code=trust_remote_code)
         _, layers = find_decoder_layers(model)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads

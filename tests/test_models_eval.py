@@ -109,36 +109,54 @@ def test_a_drawn_model_is_transformers_initialisation_in_one_pass(tmp_path):
     assert resident.lm_head.weight is not resident.model.embed_tokens.weight
 
 
-def test_a_local_models_own_config_code_runs_only_when_trusted(tmp_path):
-    """deca-train and deca-eval read the model's context from its config before its weights load: a
-    local model directory with code of its own (auto_map, a model_type transformers does not know)
-    is read with --trust-remote-code, and without it refused without running the code. In a process
-    of its own, whose Hugging Face module cache (where transformers copies the code) is the test's."""
+def test_a_local_models_own_code_runs_only_when_trusted(tmp_path):
+    """deca-train, deca-eval and --estimate read a model's config before its weights load: a local
+    model directory with code of its own (auto_map, a model_type transformers does not know) is read
+    with --trust-remote-code, and without it refused without running the code. Its --estimate is
+    that of the same architecture without code of its own. In a process of its own, whose Hugging
+    Face module cache (where transformers copies the code) is the test's."""
     import json
     import subprocess
     import sys
 
-    model = tmp_path / "custom"
-    model.mkdir()
-    (model / "configuration_custom.py").write_text(
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "max_position_embeddings": 96, "vocab_size": 80}
+    custom, plain = tmp_path / "custom", tmp_path / "plain"
+    for d in (custom, plain):
+        d.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "llama", **shape}))
+    (custom / "configuration_custom.py").write_text(
         "from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n    model_type = 'custom'\n")
-    (model / "config.json").write_text(json.dumps({"model_type": "custom", "max_position_embeddings": 96,
-                                                   "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}))
-    read = """if True:  # refused first: once trusted, the class is registered in the process
+    (custom / "modeling_custom.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_custom import CustomConfig\n\n\n"
+        "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n")
+    code = {"AutoConfig": "configuration_custom.CustomConfig",
+            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (custom / "config.json").write_text(json.dumps({"model_type": "custom", **shape, "auto_map": code}))
+    script = """if True:  # refused first: once trusted, the class is registered in the process
         import sys
         from deca_ds.runtime.footprint import model_config
         from deca_ds.runtime.options import RunOptions
+        from deca_ds.train import main
+        custom, plain, out = sys.argv[1:]
         try:
-            model_config(RunOptions(model=sys.argv[1]), 64)
+            model_config(RunOptions(model=custom), 64)
         except ValueError as refused:
-            print("refused:", refused)
-        print(model_config(RunOptions(model=sys.argv[1], trust_remote_code=True), 64).max_position_embeddings)"""
+            print("refused:", "trust_remote_code=True" in str(refused))
+        print("positions:", model_config(RunOptions(model=custom, trust_remote_code=True), 64).max_position_embeddings)
+        for method in ("deca", "dec_lora"):
+            for model in (custom, plain):
+                print("=== estimate", flush=True)
+                main(["--model", model, "--from-config", "--trust-remote-code", "--method", method, "--clients", "2",
+                      "--max-seq-len", "32", "--output-dir", out, "--estimate"])"""
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", read, str(model)], env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script, str(custom), str(plain), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
     assert done.returncode == 0, done.stderr
-    refused, positions = done.stdout.strip().rsplit("\n", 1)
-    assert refused.startswith("refused:") and "trust_remote_code=True" in refused and positions == "96", done.stdout
+    checks, *estimates = done.stdout.split("=== estimate\n")
+    assert checks.splitlines() == ["refused: True", "positions: 96"], done.stdout
+    same = [e.replace(str(custom), "MODEL").replace(str(plain), "MODEL") for e in estimates]
+    assert "peak of the process" in same[0] and same[0] == same[1] and same[2] == same[3] != same[0], estimates
 
 
 @pytest.mark.parametrize("load", [load_model, load_tokenizer])

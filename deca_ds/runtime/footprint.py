@@ -54,7 +54,7 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     task = build_task(opts, n_clients, own_clients(opts))
     config = model_config(opts, len(task.tokenizer))
     check_positions(config, opts.max_seq_len)  # a run the trainer refuses has no footprint to give
-    spec = ModelSpec.from_config(config)
+    spec = ModelSpec.from_config(config, trust_remote_code=opts.trust_remote_code)
     options, positions = asdict(opts), loss_positions_max(opts, task)
     if opts.offload_budget:
         options["offload_keep"] = offload_keep_for_budget(options, spec, ds_config, n_neighbors=neighbors,

@@ -718,15 +718,15 @@ def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: i
                         checkpointing="activation_checkpointing" in ds_config,
                         deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions,
                         loss_chunk=options["loss_chunk"], eval_batch=eval_batch, eval_positions=eval_positions)
+    spec = ModelSpec.from_config(model_config, trust_remote_code=options["trust_remote_code"])
     if options["method"] != "deca":
         from ..baseline_memory import estimate_method
 
-        spec = ModelSpec.from_config(model_config)
         # its default step budget (DECA's T·B·R on this model) does not change its memory
         method = RunOptions(**options).build_method(spec.partition(options["layers_per_block"]))
         return estimate_method(spec, method, workload)
     return estimate_memory(
-        model_config, options["layers_per_block"], workload, master_dtype=options["master_dtype"],
+        spec, options["layers_per_block"], workload, master_dtype=options["master_dtype"],
         offload=options["offload"], offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
         variant=options["variant"], state_bits=options["state_bits"], fused_update=options["fused_update"],
         steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"])
@@ -738,7 +738,7 @@ def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_n
     estimated peak: a binary search, as every layer kept adds to the peak."""
     from ..memory import ModelSpec
 
-    spec = ModelSpec.from_config(model_config)
+    spec = ModelSpec.from_config(model_config, trust_remote_code=options["trust_remote_code"])
     budget = options["offload_budget"] * 1e9
     peak = lambda keep: estimate_run(options, spec, ds_config, n_neighbors=n_neighbors,  # noqa: E731
                                      loss_positions=loss_positions, offload_keep=keep).peak
