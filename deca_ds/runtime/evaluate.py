@@ -172,8 +172,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         judge_api_key(args.judge_key_env)
     trust = getattr(args, "trust_remote_code", False)
     if opts is not None:  # the test set, and the model's context from its config, before its weights load
-        tokenizer, score = evaluator(opts)  # (minutes for an 8B model); a checkpoint's model is its run's
-        check_positions(model_config(opts, len(tokenizer)), opts.max_seq_len)
+        encoder, score = evaluator(opts)  # (minutes for an 8B model); a checkpoint's model is its run's
+        check_positions(model_config(opts, len(encoder)), opts.max_seq_len)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
     if args.checkpoint is None:
