@@ -1097,7 +1097,8 @@ def test_fetch_fills_the_cache_that_cells_read_offline(tmp_path):
     """deca-reproduce --fetch through the real snapshot_download and task loader, offline: a model
     in the hub cache (a tiny Llama the test writes under a hub id) is found, and load_model then
     reads it by its id; a model that is not cached, and a hub task that is not, are named with
-    why. Each command in a process of its own, whose Hugging Face caches are the test's."""
+    why. The commands run one after another in a process of their own, whose Hugging Face caches
+    (read when the hub libraries are imported) are the test's."""
     import subprocess
     import sys
 
@@ -1108,35 +1109,49 @@ def test_fetch_fills_the_cache_that_cells_read_offline(tmp_path):
     tiny_llama(64).save_pretrained(snapshot, safe_serialization=True)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(commit)
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-
-    def fetch(model: str, dataset: str = "synthetic") -> subprocess.CompletedProcess:
+    grids = {}
+    for name, model, dataset in (("cached", "deca-test/tiny", "synthetic"),
+                                 ("missing", "deca-test/absent", "synthetic"), ("task", "deca-test/tiny", "agnews")):
         grid = tiny_grid(model, methods=["deca"], seeds=[0], runs_dir=str(tmp_path / "runs"))
         grid["options"]["dataset"] = dataset
-        path = tmp_path / f"{model.replace('/', '_')}-{dataset}.yaml"
-        path.write_text(yaml.safe_dump(grid))
-        return subprocess.run([sys.executable, str(ROOT / "launch" / "reproduce.py"), str(path), "--fetch"], env=env,
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        grids[name] = str(tmp_path / f"{name}.yaml")
+        Path(grids[name]).write_text(yaml.safe_dump(grid))
+    script = """if True:
+        import contextlib, io, json, sys
+        import torch
+        from deca_ds.models import load_model
+        from deca_ds.reproduce.cli import main as reproduce
+        from deca_ds.train import main as train
 
-    done = fetch("deca-test/tiny")
-    assert done.returncode == 0, done.stderr
-    assert f"model deca-test/tiny: 0.00 GiB in {snapshot}" in done.stdout
-    assert "runs without a network read them with HF_HUB_OFFLINE=1" in done.stdout and not (tmp_path / "runs").exists()
-    loaded = subprocess.run([sys.executable, "-c", "import torch; from deca_ds.models import load_model; "
-                             "print(sum(p.numel() for p in load_model('deca-test/tiny', dtype=torch.float32)"
-                             ".parameters()))"], env=env, capture_output=True, text=True, timeout=300)
-    assert loaded.stdout.split() == [str(sum(p.numel() for p in tiny_llama(64).parameters()))], loaded.stderr
-    # deca-train --fetch: the same for one run
-    train = subprocess.run([sys.executable, "-m", "deca_ds.train", "--model", "deca-test/tiny", "--fetch"], env=env,
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert train.returncode == 0 and f"model deca-test/tiny: 0.00 GiB in {snapshot}" in train.stdout, train.stderr
-    missing = fetch("deca-test/absent")
-    assert missing.returncode == 2
-    assert "error: --fetch: model deca-test/absent: LocalEntryNotFoundError" in missing.stderr, missing.stderr
-    task = fetch("deca-test/tiny", "agnews")
-    assert task.returncode == 2
+        def run(command, argv):  # the command's exit status and output
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = command(argv)
+                except SystemExit as done:
+                    code = done.code
+            return {"code": code or 0, "out": out.getvalue(), "err": err.getvalue()}
+
+        done = {name: run(reproduce, [grid, "--fetch"]) for name, grid in json.loads(sys.argv[1]).items()}
+        done["train"] = run(train, ["--model", "deca-test/tiny", "--fetch"])  # deca-train --fetch: one run's
+        done["params"] = sum(p.numel() for p in load_model("deca-test/tiny", dtype=torch.float32).parameters())
+        print(json.dumps(done))"""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    ran = subprocess.run([sys.executable, "-c", script, json.dumps(grids)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    done = json.loads(ran.stdout.splitlines()[-1])
+    for name in ("cached", "train"):
+        assert done[name]["code"] == 0, done[name]
+        assert f"model deca-test/tiny: 0.00 GiB in {snapshot}" in done[name]["out"], done[name]
+    assert "runs without a network read them with HF_HUB_OFFLINE=1" in done["cached"]["out"]
+    assert done["params"] == sum(p.numel() for p in tiny_llama(64).parameters())
+    assert done["missing"]["code"] == 2
+    assert "error: --fetch: model deca-test/absent: LocalEntryNotFoundError" in done["missing"]["err"], done["missing"]
+    assert done["task"]["code"] == 2
     assert "error: --fetch: task agnews: could not load fancyzhx/ag_news split 'train' (offline mode is on and it " \
-           "is not in the local cache" in task.stderr, task.stderr
+           "is not in the local cache" in done["task"]["err"], done["task"]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path, capsys):
