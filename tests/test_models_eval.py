@@ -113,8 +113,10 @@ def test_a_local_models_own_code_runs_only_when_trusted(tmp_path):
     """deca-train, deca-eval and --estimate read a model's config before its weights load: a local
     model directory with code of its own (auto_map, a model_type transformers does not know) is read
     with --trust-remote-code, and without it refused without running the code. Its --estimate is
-    that of the same architecture without code of its own. In a process of its own, whose Hugging
-    Face module cache (where transformers copies the code) is the test's."""
+    that of the same architecture without code of its own. It trains: the consensus export carries
+    the model's code, and deca-eval runs it only when asked to, scoring what the run scored. In a
+    process of its own, whose Hugging Face module cache (where transformers copies the code) is the
+    test's."""
     import json
     import subprocess
     import sys
@@ -133,8 +135,10 @@ def test_a_local_models_own_code_runs_only_when_trusted(tmp_path):
     code = {"AutoConfig": "configuration_custom.CustomConfig",
             "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     (custom / "config.json").write_text(json.dumps({"model_type": "custom", **shape, "auto_map": code}))
+    build_word_tokenizer(SyntheticTask().vocabulary()).save_pretrained(custom)
     script = """if True:  # refused first: once trusted, the class is registered in the process
         import sys
+        from deca_ds.eval import main as evaluate
         from deca_ds.runtime.footprint import model_config
         from deca_ds.runtime.options import RunOptions
         from deca_ds.train import main
@@ -148,15 +152,30 @@ def test_a_local_models_own_code_runs_only_when_trusted(tmp_path):
             for model in (custom, plain):
                 print("=== estimate", flush=True)
                 main(["--model", model, "--from-config", "--trust-remote-code", "--method", method, "--clients", "2",
-                      "--max-seq-len", "32", "--output-dir", out, "--estimate"])"""
+                      "--max-seq-len", "32", "--output-dir", out, "--estimate"])
+        print("=== train", flush=True)
+        main(["--model", custom, "--from-config", "--trust-remote-code", "--layers-per-block", "1",
+              "--steps-per-block", "1", "--rounds", "1", "--micro-batch", "2", "--max-seq-len", "32",
+              "--eval-limit", "8", "--output-dir", out])
+        for trust in ([], ["--trust-remote-code"]):
+            try:
+                evaluate(["--run", out, *trust, "--eval-limit", "8", "--out", out + "/eval.json"])
+            except SystemExit as refused:
+                print("eval refused:", refused.code, flush=True)"""
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", script, str(custom), str(plain), str(tmp_path / "out")], env=env,
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
     assert done.returncode == 0, done.stderr
-    checks, *estimates = done.stdout.split("=== estimate\n")
+    estimated, trained = done.stdout.split("=== train\n")
+    checks, *estimates = estimated.split("=== estimate\n")
     assert checks.splitlines() == ["refused: True", "positions: 96"], done.stdout
     same = [e.replace(str(custom), "MODEL").replace(str(plain), "MODEL") for e in estimates]
     assert "peak of the process" in same[0] and same[0] == same[1] and same[2] == same[3] != same[0], estimates
+    out = tmp_path / "out"
+    assert {"modeling_custom.py", "configuration_custom.py"} <= {p.name for p in (out / "consensus").iterdir()}
+    assert "eval refused: 1" in trained and "trust_remote_code=True" in done.stderr, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert json.loads((out / "eval.json").read_text())["classification"] == summary["consensus_eval"]
 
 
 @pytest.mark.parametrize("load", [load_model, load_tokenizer])
