@@ -13,7 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from deca_ds.runtime.cleanup import remove_shm_buffers
 from deca_ds.runtime.dist import free_port, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +96,6 @@ def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> 
                              + "\n".join(f"rank {rank}:\n{tail(log[rank])}" for rank in range(len(procs)))) from None
         finally:
             stop(procs)
-            remove_shm_buffers(torchrun_env(0, ranks, port))  # those of ranks stop() had to SIGKILL
             signal.signal(signal.SIGTERM, previous)
         failed = [f"rank {rank} exited {code}:\n{tail(log[rank])}" for rank, code in enumerate(codes) if code]
         if failed:  # every failed rank's own error: the first to fail is often not rank 0

@@ -19,20 +19,6 @@ def token_cache_in_tmp(tmp_path_factory):
         yield
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_shm_left_behind():
-    """Every job a test started removed its DeepSpeed shared-memory buffers (issue 20): checked
-    once at the end, for the ports this session handed out."""
-    yield
-    from deca_ds.runtime.cleanup import shm_buffers
-    from helpers import PORTS
-
-    left = [p for port in PORTS for p in shm_buffers({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})]
-    for path in left:
-        path.unlink(missing_ok=True)
-    assert not left, f"jobs left {len(left)} shared-memory buffers: {[p.name for p in left]}"
-
-
 @pytest.fixture
 def profiling_runs(monkeypatch):
     """profiling/runs.py, its ranks started as forks of the test's rank server (tests/ranks.py)

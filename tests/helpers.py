@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds.data import token_range_batches
 from deca_ds.files import current_umask
-from deca_ds.runtime.dist import free_port as dist_free_port
+from deca_ds.runtime.dist import free_port  # noqa: F401 (the tests' port, from here)
 from deca_ds.runtime.outputs import RUN_OUTPUTS
 
 # 8-bit moments (state_bits 8) need the optional bnb extra; CI installs it, a plain install does not
@@ -94,9 +94,6 @@ def client_batches(n_clients: int, steps: int, batch: int = 2, seq: int = 8, see
     return token_range_batches(n_clients, steps, VOCAB, batch=batch, seq=seq, seed=seed)
 
 
-PORTS: list[int] = []  # every port handed to a job in this session (conftest checks /dev/shm for them)
-
-
 def assert_resume_mid_block_is_bit_identical(base, cfg, checkpoint) -> None:
     """12 steps of a DecaOptimizer straight, against 6 steps, a checkpoint (`checkpoint` takes and
     returns the model's and the optimizer's state dicts), a rebuilt model and optimizer that load
@@ -125,12 +122,6 @@ def assert_resume_mid_block_is_bit_identical(base, cfg, checkpoint) -> None:
     run(resumed, opt2, batches[6:])
     for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), n
-
-
-def free_port() -> int:
-    """deca_ds.runtime.dist.free_port, remembered for conftest's check of /dev/shm."""
-    PORTS.append(dist_free_port())
-    return PORTS[-1]
 
 
 def exit_status(done: SystemExit) -> int:

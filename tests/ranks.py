@@ -66,7 +66,7 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: st
     except BaseException:
         traceback.print_exc()
         code = 1
-    atexit._run_exitfuncs()  # what the interpreter's exit runs (the rank's /dev/shm cleanup); a fork skips it
+    atexit._run_exitfuncs()  # what the interpreter's exit runs where main() returns (--estimate); a fork skips it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -944,7 +944,6 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
 
     from deca_ds.reproduce.cells import resume_step
     from deca_ds.reproduce.cli import main
-    from deca_ds.runtime.cleanup import shm_buffers
 
     grid = tiny_grid("tiny", backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"], seeds=[0],
                      threads=1, results_dir=str(tmp_path / "res"), cell_timeout_s=600)
@@ -973,9 +972,6 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     # a rank its launcher's death left behind would be init's child by now: look at every process
     left = [q.pid for q in cell_processes()]
     assert not left, f"the stopped cell left processes running: {left}"
-    # nor the DeepSpeed shared-memory buffers of its ranks, killed (frozen) before they could remove them
-    port = re.search(r"--master_port=(\d+)", (d / "log.txt").read_text()).group(1)
-    assert not shm_buffers({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
     step = resume_step(built, cell, d, None)
     assert step is not None and step < 128, out
     assert re.search(rf": stopped with the grid at step \d+ of 128 \(its checkpoint at step {step} goes on next time\)",

@@ -95,6 +95,35 @@ def test_deepspeed_is_given_the_ranks_own_gpu_not_local_rank(monkeypatch):
     assert seen[1] is None  # CPU ranks: DeepSpeed's own choice
 
 
+def engine_on_a_cpu_rank(rank: int, port: int, extensions: str) -> dict:
+    """A real DeepSpeed engine set up as a CPU rank's (ds_engine.initialize, in a gloo job of one):
+    what DeepSpeed's communication backend loaded, and what it built into `extensions`."""
+    import deepspeed.comm.comm as ds_comm
+
+    from deca_ds.runtime.ds_engine import ClientMPU, initialize
+    from ranks import gloo_group
+
+    os.environ.update(TORCH_EXTENSIONS_DIR=extensions, LOCAL_RANK="0")
+    with gloo_group(rank, port, 1):
+        model = torch.nn.Linear(2, 2)
+        group = dist.new_group([0])
+        initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"train_micro_batch_size_per_gpu": 1},
+                   ClientMPU(group, [0], group), torch.device("cpu"))
+        return {"shm_comm_op": ds_comm.cdb.shm_comm_op is not None, "built": sorted(os.listdir(extensions))}
+
+
+def test_deepspeed_builds_and_maps_nothing_of_its_own_on_cpu_ranks(tmp_path):
+    """DeepSpeed's CPU backend would build its shared-memory all-reduce op at a machine's first run
+    (some 40 s, with a compiler) and map 66 MB of /dev/shm per rank, for an inference all-reduce
+    deca-ds never calls. The engine is set up without it: nothing is built or loaded."""
+    from ranks import run_on_ranks
+
+    extensions = tmp_path / "torch_extensions"
+    extensions.mkdir()
+    [seen] = run_on_ranks(engine_on_a_cpu_rank, 1, free_port(), str(extensions))
+    assert seen == {"shm_comm_op": False, "built": []}
+
+
 def test_the_engine_clears_gradients_through_the_optimizer(monkeypatch):
     """DeepSpeed's step ends with engine.zero_grad(), a walk over every module's parameters; the
     engine calls the optimizer's instead, which clears every gradient a step can have made."""

@@ -40,7 +40,6 @@ from pathlib import Path
 
 from ..files import leftovers, remove, sha256, vacant, write_json, write_text
 from ..reporting import REPO
-from ..runtime.cleanup import remove_shm_buffers
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
 from .generation import ANSWERS
@@ -453,8 +452,6 @@ def _run_one(grid: Grid, cell: Cell, d: Path, running: Running, launch: Launch, 
         if proc is None:
             return STOPPED
         in_time = running.wait(proc, grid.cell_timeout_s)
-    if proc.returncode != 0 and launch.rendezvous:
-        remove_shm_buffers(launch.rendezvous)  # ranks killed with their session (a time limit, a stopped grid)
     if not in_time:
         return f"failed: over the cell time limit of {grid.cell_timeout_s:g} s (see {d / LOG})"
     if proc.returncode != 0 and running.stopped:  # killed by stop_all, not failed: say how far it came

@@ -55,9 +55,6 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
     launcher: str = "deepspeed"  # or "torchrun": ranks that share a GPU
     train_args: list[str] = field(default_factory=list)  # deca-train's, besides the cell's options
-    # a launch on this machine: its rendezvous, which names its ranks' DeepSpeed shared-memory buffers
-    # (deca_ds.runtime.cleanup), for the grid to remove when it has to kill the ranks
-    rendezvous: dict[str, str] | None = None
 
 
 @dataclass
@@ -129,24 +126,20 @@ class Placement:
             args += ["--num_gpus", str(ranks)]
         if taken:
             args += ["--include", "@".join(f"{host}:{','.join(slots)}" for host, slots in taken.items())]
-        rendezvous = None
         if self.port == "free":  # no hostfile: the launcher meets at 127.0.0.1
-            rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-            args += ["--master_port", rendezvous["MASTER_PORT"]]
+            args += ["--master_port", str(free_port())]
         elif self.port == "slot":
             args += ["--master_port", str(PORT + int(next(iter(taken.values()))[0]))]
-        return Launch(args=args, rendezvous=rendezvous)
+        return Launch(args=args)
 
 
 def _torchrun(gpus: list[str]) -> Launch:
     """One rank per entry of `gpus` (a GPU's name once for each rank it holds), on this machine."""
     visible = list(dict.fromkeys(gpus))
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    return Launch(args=["--nproc-per-node", str(len(gpus)), "--master-addr", rendezvous["MASTER_ADDR"],
-                        "--master-port", rendezvous["MASTER_PORT"]],
+    return Launch(args=["--nproc-per-node", str(len(gpus)), "--master-addr", "127.0.0.1",
+                        "--master-port", str(free_port())],
                   env={"CUDA_VISIBLE_DEVICES": ",".join(visible)}, launcher="torchrun",
-                  train_args=["--device-map", ",".join(str(visible.index(g)) for g in gpus), "--transport", "gloo"],
-                  rendezvous=rendezvous)
+                  train_args=["--device-map", ",".join(str(visible.index(g)) for g in gpus), "--transport", "gloo"])
 
 
 def placement(grid: Grid, cells: Iterable[Cell], env: Mapping[str, str] | None = None) -> Placement:

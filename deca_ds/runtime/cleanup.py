@@ -1,9 +1,4 @@
-"""What a rank leaves behind when it exits, normally, on an error or when the launcher stops it.
-
-DeepSpeed's CPU all-reduce maps one shared-memory file per rank
-(/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, about 66 MB each)
-and never removes them. Every rank removes its job's files at exit: once a rank exits the job's
-collectives are over, and a rank that still has a file mapped keeps its memory until it exits.
+"""How a rank exits, normally, on an error or when the launcher stops it.
 
 When one rank fails, the deepspeed launcher SIGTERMs the others. A Python handler would run only
 when the main thread returns from the collective it is blocked in, so SIGTERM is blocked in every
@@ -14,52 +9,31 @@ stops the survivors first, and a rank stopped for taking too long says what it w
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Callable
 
-SHM = Path("/dev/shm")
 # what the SIGTERM line says, and how rank 0 waits for the others to read the heartbeat board
 # before its exit takes the store down: set once the board exists; and where a new run would go on
 _SIGTERM: dict = {"describe": None, "linger": None, "resume": None}
 
 
-def shm_buffers(env: dict | None = None) -> list[Path]:
-    """This job's DeepSpeed shared-memory buffers (all its local ranks)."""
-    env = os.environ if env is None else env
-    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env or not SHM.is_dir():
-        return []
-    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_{env['MASTER_ADDR']}_{env['MASTER_PORT']}_"
-    return sorted(p for p in SHM.glob(prefix + "*") if p.name[len(prefix):].isdigit())
-
-
-def remove_shm_buffers(env: dict | None = None) -> None:
-    """This job's buffers (`env`: its MASTER_ADDR and MASTER_PORT, default this process's); also
-    what a launcher calls for ranks it had to kill, which removed nothing."""
-    for path in shm_buffers(env):
-        path.unlink(missing_ok=True)
-
-
 def exit_now(code: int) -> None:
-    """Leave at once, buffers removed and output flushed: a failed rank must not wait in a process
-    group's destructor for a peer that is stopped (the launcher would wait with it)."""
+    """Leave at once, output flushed: a failed rank must not wait in a process group's destructor
+    for a peer that is stopped (the launcher would wait with it)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    remove_shm_buffers()
     os._exit(code)
 
 
 def install(describe: Callable[[], str] | None = None) -> None:
-    """Remove the shared-memory buffers at exit; on SIGTERM print `describe()` (who went silent),
-    remove them and exit 143. Called once by a rank's entry point (launch/train.py), from the main
-    thread before any other thread starts, so that every thread inherits the blocked SIGTERM."""
-    atexit.register(remove_shm_buffers)
+    """On SIGTERM print `describe()` (who went silent) and exit 143. Called once by a rank's entry
+    point (launch/train.py), from the main thread before any other thread starts, so that every
+    thread inherits the blocked SIGTERM."""
     _SIGTERM["installed"] = True
     if threading.current_thread() is not threading.main_thread():
         return
@@ -79,7 +53,6 @@ def install(describe: Callable[[], str] | None = None) -> None:
         why = " (the launcher stops every rank once one fails; so does a time limit)" if launched else ""
         print(f"\n[rank {rank}] stopped by SIGTERM{why}{': ' if said else ''}{said}\n[rank {rank}] it was at:\n"
               f"{main_thread_at()}" + (f"[rank {rank}] {resume}\n" if resume else ""), file=sys.stderr, flush=True)
-        remove_shm_buffers()
         os._exit(143)
 
     threading.Thread(target=on_sigterm, name="deca-sigterm", daemon=True).start()

@@ -46,6 +46,14 @@ def initialize(model, optimizer, ds_config: dict, mpu: ClientMPU, device: torch.
     optimizer is not wrapped)."""
     import deepspeed
 
+    if device.type == "cpu":
+        from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+        # DeepSpeed's CPU communication backend builds a C++ op of its own at its first use on a
+        # machine (some 40 s, with a compiler) and maps a 66 MB /dev/shm buffer per rank, for an
+        # inference all-reduce deca-ds never calls (every collective of ours is torch.distributed's).
+        # Marked incompatible (DeepSpeed keeps this dict for such edits), it builds and maps nothing.
+        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     # DeepSpeed selects GPU LOCAL_RANK unless told the device: with several ranks per GPU
     # (transport.gpu_of) local rank 1 is not GPU 1.
     args = SimpleNamespace(device_rank=device.index) if device.type == "cuda" else None
