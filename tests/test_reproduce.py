@@ -890,7 +890,10 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(grid))
         built = load_grid(str(tmp_path / f"{name}.yaml"))
         place = Placement("GPU 0", {"localhost": ["0"]}, per_gpu=2) if sharing > 1 else None
-        assert run_grid(built, place=place, log=lambda *_: None) == {built.cells[0].key: "done"}
+        if backend == "simulate":
+            run_simulated_here(built)
+        else:
+            assert run_grid(built, place=place, log=lambda *_: None) == {built.cells[0].key: "done"}
         cells[name] = built.cell_dir(built.cells[0])
     assert json.loads((cells["simulated"] / "run_config.json").read_text())["options"]["lora_dropout"] == 0.05
     placed = {name: json.loads((cells[name] / "train" / "run_config.json").read_text())["options"]
@@ -908,17 +911,31 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
 
 def reference_and_stopped(tmp_path, grid: dict, **reference) -> tuple[dict, Grid]:
     """`grid` as two grid files with runs directories of their own: 'reference' (updated by
-    `reference`, where None removes a key) run to its end, and 'stopped' (returned loaded, with both
-    files) for a test to stop and resume."""
-    from deca_ds.reproduce.cli import main
-
+    `reference`, where None removes a key; simulated) run to its end (run_simulated_here), and
+    'stopped' (returned loaded, with both files) for a test to stop and resume."""
     files = {}
     for name, changes in (("reference", reference), ("stopped", {})):
         files[name] = tmp_path / f"{name}.yaml"
         settings = {key: value for key, value in {**grid, **changes}.items() if value is not None}
         files[name].write_text(yaml.safe_dump({**settings, "runs_dir": str(tmp_path / name)}))
-    assert main([str(files["reference"])]) == 0
+    run_simulated_here(load_grid(str(files["reference"])))
     return files, load_grid(str(files["stopped"]))
+
+
+def run_simulated_here(built: Grid) -> None:
+    """Every cell of the simulated grid `built` run to its end in this process, at one thread, as
+    the grid's cell processes run them at `threads: 1` (a cell process's imports were most of its
+    time); the grid's own way of running cells is tested with the grid runs above."""
+    from deca_ds.reproduce import cells, simulated
+    from helpers import torch_threads
+
+    assert built.backend == "simulate"
+    with pytest.MonkeyPatch.context() as env, torch_threads():
+        env.setenv("OMP_NUM_THREADS", "1")
+        for cell in built.cells:
+            d = built.cell_dir(cell)
+            cells._prepare(built, cell, d, None)
+            simulated.run_simulated(d)
 
 
 def assert_resumed_as_reference(d: Path, reference: Path, step: int) -> None:

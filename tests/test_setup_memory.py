@@ -96,8 +96,8 @@ EVAL_SETUP = """
     from deca_ds.models import labelled_logits
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=16,
-                                         num_attention_heads=8, num_key_value_heads=4, vocab_size=64)).eval()
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=16,
+                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=64)).eval()
     ids = torch.randint(0, 64, (16, 512))
     labels = torch.full_like(ids, -100)
     labels[:, -1] = ids[:, -1]
