@@ -1196,7 +1196,7 @@ def test_a_cell_another_grid_run_holds_is_left_to_it(tmp_path, capsys):
 
 def test_two_grid_runs_on_one_runs_dir_run_each_cell_once(tmp_path):
     """However the two runs interleave, each cell is started by exactly one of them and finishes."""
-    grid = tiny_grid("tiny", runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
+    grid = tiny_grid("tiny", seeds=[0], runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
     grid["options"].update(steps_per_block=1, eval_limit=8)
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
     logs = [tmp_path / f"run{i}.log" for i in range(2)]
