@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from deca_ds.data import token_range_batches
 from deca_ds.files import current_umask
-from deca_ds.runtime.dist import free_port  # noqa: F401 (the tests' port, from here)
 from deca_ds.runtime.outputs import RUN_OUTPUTS
 
 # 8-bit moments (state_bits 8) need the optional bnb extra; CI installs it, a plain install does not

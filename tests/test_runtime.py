@@ -30,10 +30,18 @@ from deca_ds.memory import offload_block_stream
 from deca_ds.models import tiny_llama
 from deca_ds.reporting import commit
 from deca_ds.runtime import trainer
-from deca_ds.runtime.dist import LAUNCH_VARS, ClientLayout, Heartbeat, cap_gpu_memory, init_process_group, torchrun_env
+from deca_ds.runtime.dist import (
+    LAUNCH_VARS,
+    ClientLayout,
+    Heartbeat,
+    cap_gpu_memory,
+    free_port,
+    init_process_group,
+    torchrun_env,
+)
 from deca_ds.runtime.options import parse_args
 from deca_ds.train import main as train_main
-from helpers import RANK_THREADS, assert_only_run_outputs, free_port, run_script, torch_threads
+from helpers import RANK_THREADS, assert_only_run_outputs, run_script, torch_threads
 from ranks import Rank, start_rank, wait_all
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -575,15 +575,16 @@ def test_a_failed_replacement_keeps_the_directory_it_would_replace(tmp_path):
 
 def test_a_dead_rank_under_the_launcher_is_named(tmp_path):
     """A rank SIGKILLed under the deepspeed launcher: the launcher SIGTERMs the survivor long before
-    its --timeout, which names the dead client first. (A stopped
-    rank: test_runtime's hung peer, whose neighbours fail within --timeout and exit; the launcher
-    then SIGKILLs the stopped rank after its own 30 s.)"""
+    its --timeout, which names the dead client first. (A stopped rank: test_runtime's hung peer,
+    whose neighbours fail within --timeout and exit; the launcher then SIGKILLs the stopped rank
+    after its own 30 s.)"""
     import signal
     import subprocess
     import sys
     import time
 
-    from helpers import descendants, free_port
+    from deca_ds.runtime.dist import free_port
+    from helpers import descendants
     from test_runtime import LAUNCH, ROOT
 
     timeout = 120

@@ -23,8 +23,8 @@ from deca_ds.mixing import mixing_order
 from deca_ds.models import causal_lm_loss, draw_from_config
 from deca_ds.runtime.allocated import TensorBytes
 from deca_ds.runtime.consensus import consensus_distance, to_consensus_
-from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
-from helpers import free_port, needs_bnb
+from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer, free_port
+from helpers import needs_bnb
 from ranks import gloo_group, run_on_ranks
 
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from deca_ds import make_topology
 from deca_ds.mixing import InProcessMixer, mixing_order
-from deca_ds.runtime.dist import torchrun_env
+from deca_ds.runtime.dist import free_port, torchrun_env
 from deca_ds.runtime.options import RunOptions
 from deca_ds.runtime.transport import (
     HostStaging,
@@ -27,7 +27,7 @@ from deca_ds.runtime.transport import (
     parse_device_map,
     resolve_transport,
 )
-from helpers import free_port, run_script, torch_threads
+from helpers import run_script, torch_threads
 from test_dist_mixer import SIZE, N, payload, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
