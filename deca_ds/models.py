@@ -60,6 +60,7 @@ def load_model(
     seed: int = 0,
     init_device: torch.device | str = "cpu",
     host_memory: bool = False,
+    attention: str | None = None,
 ) -> PreTrainedModel:
     """The causal LM named by `name_or_path`.
 
@@ -69,7 +70,8 @@ def load_model(
     measuring memory and speed without downloading weights: `draw_from_config` on `init_device`
     (the same seed gives different weights on different devices), the model left there or, with
     `host_memory=True`, in host memory (each module drawn on the device in turn). `vocab_size`
-    is used by "tiny" only; a checkpoint or config fixes its own vocabulary.
+    is used by "tiny" only; a checkpoint or config fixes its own vocabulary. `attention`: a
+    checkpoint's attn_implementation (None: transformers' default; "tiny" computes eager).
     """
     if name_or_path == "tiny":
         if vocab_size is None:
@@ -84,7 +86,7 @@ def load_model(
                                         trust_remote_code=trust_remote_code)
         return AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
-            use_safetensors=_has_safetensors(name_or_path),
+            use_safetensors=_has_safetensors(name_or_path), attn_implementation=attention,
         )
     except (OSError, ValueError) as e:  # transformers raises either, depending on what is missing
         raise ValueError(f"could not load model {name_or_path!r}. {_ALTERNATIVES}\n{e}") from e

@@ -417,9 +417,9 @@ def test_deca_eval_of_a_generation_task_asks_for_questions_before_loading(tmp_pa
 
 
 def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_path):
-    """--run: deca-train's data options and working dtype from run_config.json, converted and checked
-    as a run file's; the command line over them; the whole test split unless told; never the run's
-    trust_remote_code."""
+    """--run: deca-train's data options, working dtype and attention from run_config.json, converted
+    and checked as a run file's; the command line over them; the whole test split unless told; never
+    the run's trust_remote_code."""
     from deca_ds.runtime import evaluate
 
     run = tmp_path / "run"
@@ -427,22 +427,22 @@ def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_pat
     saved = {"dataset": "files", "data_files": ["train=a.jsonl", "test=b.jsonl"], "max_seq_len": 48,
              "label_names": ["no", "yes"], "seed": 3, "eval_limit": 100, "trust_remote_code": True, "lr": 1e-3,
              "working_dtype": "bf16"}
-    (run / "run_config.json").write_text(json.dumps({"options": saved}))
+    (run / "run_config.json").write_text(json.dumps({"options": saved, "attn_implementation": "eager"}))
 
     def resolve(*argv):
         return evaluate.resolve(evaluate.build_parser().parse_args([*argv, "--out", "e.json"]))
 
-    model, dtype, opts = resolve("--run", str(run))
-    assert (model, dtype) == (str(run / "consensus"), "bf16")
+    model, dtype, opts, attention = resolve("--run", str(run))
+    assert (model, dtype, attention) == (str(run / "consensus"), "bf16", "eager")
     assert (opts.dataset, opts.data_files, opts.max_seq_len, opts.label_names, opts.seed) == (
         "files", ["train=a.jsonl", "test=b.jsonl"], 48, ["no", "yes"], 3)
     assert opts.eval_limit == 0 and opts.trust_remote_code is False
-    model, dtype, opts = resolve("--run", str(run), "--model", "other", "--max-seq-len", "16", "--eval-limit", "8",
-                                 "--working-dtype", "fp32")
-    assert (model, dtype, opts.model, opts.max_seq_len, opts.eval_limit, opts.seed) == (
-        "other", "fp32", "other", 16, 8, 3)
+    model, dtype, opts, attention = resolve("--run", str(run), "--model", "other", "--max-seq-len", "16",
+                                            "--eval-limit", "8", "--working-dtype", "fp32")
+    assert (model, dtype, attention, opts.model, opts.max_seq_len, opts.eval_limit, opts.seed) == (
+        "other", "fp32", None, "other", 16, 8, 3)  # another model: its own (the default) attention
     # no task named: generation only, in the device's dtype
-    assert resolve("--model", "m", "--questions", "q.jsonl") == ("m", None, None)
+    assert resolve("--model", "m", "--questions", "q.jsonl") == ("m", None, None, None)
     assert resolve("--model", "m", "--dataset", "synthetic")[2].max_seq_len == 64  # deca-train's default
 
     for problem, message in (({"max_seq_len": "long"}, r"run_config.json: max_seq_len: expected an integer"),
@@ -452,8 +452,9 @@ def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_pat
             resolve("--run", str(run))
     # a synthetic run saved with data options it did not read (before they were refused): left out
     (run / "run_config.json").write_text(json.dumps({"options": {**saved, "dataset": "synthetic"}}))
-    opts = resolve("--run", str(run))[2]
+    _, _, opts, attention = resolve("--run", str(run))
     assert (opts.dataset, opts.data_files, opts.label_names, opts.max_seq_len) == ("synthetic", None, None, 48)
+    assert attention is None  # a run that recorded none: transformers' default
     (run / "consensus").rmdir()
     with pytest.raises(ValueError, match="exported no consensus/"):
         resolve("--run", str(run))
@@ -463,7 +464,7 @@ def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_pat
         resolve("--dataset", "synthetic")
     # --checkpoint: x̄ of the run's checkpoints, its test set encoded by the run's model's tokenizer
     (run / "run_config.json").write_text(json.dumps({"options": {**saved, "model": "base"}}))
-    model, _, opts = resolve("--run", str(run), "--checkpoint", "latest")
+    model, _, opts, _ = resolve("--run", str(run), "--checkpoint", "latest")
     assert (model, opts.model) == (str(run / "checkpoints"), "base")
     with pytest.raises(ValueError, match="give --model or --checkpoint, not both"):
         resolve("--run", str(run), "--checkpoint", "3", "--model", "m")

@@ -53,6 +53,12 @@ def test_local_checkpoint_round_trips(tmp_path, tokenizer):
     assert (tmp_path / "model.safetensors").exists()
     loaded = load_model(str(tmp_path), dtype=torch.float32)
     assert isinstance(loaded, LlamaForCausalLM) and _same_weights(model, loaded)
+    # in the attention it was saved with (a config.json does not record it), it computes as the saved model
+    eager = load_model(str(tmp_path), dtype=torch.float32, attention="eager").eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 2], [4, 6, 8, 2, 2, 2]])
+    with torch.no_grad():
+        logits = [m(input_ids=ids, attention_mask=(ids != 2).long()).logits for m in (model.eval(), eager)]
+    assert torch.equal(*logits)
     assert load_tokenizer(str(tmp_path)).pad_token_id == tokenizer.pad_token_id
 
 

@@ -121,6 +121,7 @@ def test_reference_run_file_is_the_command_line_and_is_written_back(reference_ru
     assert run["n_clients"] == N
     assert run["commit"] == commit() != "unknown"  # the checkout's (the tests run in one)
     assert run["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert run["attn_implementation"] == "eager"  # the tiny Llama's; deca-eval --run loads the export with it
     assert parse_args(["--config", str(out / "config.yaml")]) == parse_args(given)
 
 
@@ -599,7 +600,8 @@ def test_bf16_working_weights_with_working_dtype_mixing(tmp_path):
     for c in range(2):
         assert list((out / "tensorboard" / f"client_{c:03d}").glob("events.out.tfevents.*"))
     assert_only_run_outputs(out)
-    # deca-eval --run scores the bf16 export in the run's dtype (on a CPU it would default to fp32)
+    # deca-eval --run scores the bf16 export in the run's dtype (on a CPU it would default to fp32) and
+    # attention (with the default, sdpa, it scored another macro-F1 on a CPU with AMX's bf16 matmuls)
     from deca_ds.runtime import evaluate
 
     result = evaluate.evaluate(evaluate.build_parser().parse_args(

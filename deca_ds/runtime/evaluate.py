@@ -89,21 +89,22 @@ def checkpoint_arg(value: str) -> int | str:
     return step
 
 
-def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | None]:
+def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | None, str | None]:
     """(the model to score, the dtype it computes in (None: the device's), the options of its test
-    set (None: no classification)) of parsed arguments: deca-eval's defaults < the run's (--run) <
-    the command line."""
+    set (None: no classification), its attention (None: transformers' default)) of parsed arguments:
+    deca-eval's defaults < the run's (--run) < the command line."""
     given = {name: value for name, value in vars(args).items() if name in FLAGS}
     if args.client is not None and args.checkpoint is None:
         raise ValueError("--client N takes client N's model of a checkpoint: give --run and --checkpoint")
-    values, model, dtype, tokenizer_of = dict(DEFAULTS), args.model, args.working_dtype, None
+    values, model, dtype, tokenizer_of, attention = dict(DEFAULTS), args.model, args.working_dtype, None, None
     if args.run is not None:
         run = Path(args.run)
         config = run / "run_config.json"
         if not config.is_file():
             raise ValueError(f"--run {run}: no run_config.json there (not a deca-train output directory)")
         try:
-            saved = json.loads(config.read_text())["options"]
+            recorded = json.loads(config.read_text())
+            saved = recorded["options"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"--run {run}: {config} is not a deca-train run's record ({err!r})") from None
         ran = convert_options({k: v for k, v in read_options(saved).items() if k in (*TEST_SET, "working_dtype")},
@@ -120,7 +121,8 @@ def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | Non
             if not (run / "consensus").is_dir():
                 raise ValueError(f"--run {run}: the run exported no consensus/ (run with --no-export, or not "
                                  "finished); give --model")
-            model = str(run / "consensus")
+            # the attention the run scored x̄ with (its export's config.json does not say; older runs: the default)
+            model, attention = str(run / "consensus"), recorded.get("attn_implementation")
     elif args.checkpoint is not None:
         raise ValueError("--checkpoint takes the checkpoints of a run: give --run (its output directory)")
     if model is None:
@@ -128,16 +130,18 @@ def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | Non
                          "directory)")
     values.update(given)
     # the model's tokenizer encodes the test set; a checkpoint's is its run's model's
-    return model, dtype, None if values["dataset"] is None else RunOptions(model=tokenizer_of or model, **values)
+    options = None if values["dataset"] is None else RunOptions(model=tokenizer_of or model, **values)
+    return model, dtype, options, attention
 
 
-def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False):
+def load_export(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False, attention: str | None = None):
     """An exported model (consensus/ or clients/client_NNN/) as it computes: a Dec-Adapter
-    export is its base plus the adapters in its adapter/ folder; every other export is complete."""
+    export is its base plus the adapters in its adapter/ folder; every other export is complete.
+    `attention`: its attn_implementation (None: transformers' default)."""
     from ..methods import load_adapters, saved_adapters
     from ..models import load_model
 
-    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, attention=attention)
     adapters = saved_adapters(path)
     return model if adapters is None else load_adapters(model, adapters)
 
@@ -152,7 +156,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from .footprint import model_config
     from .task import evaluator, task_kind
 
-    path, dtype, opts = resolve(args)
+    path, dtype, opts, attention = resolve(args)
     answers = Path(args.answers or Path(args.out).with_suffix(".answers.jsonl"))
     check_replaceable(Path(args.out), _is_result, "--out", "results")
     if args.questions is not None:
@@ -177,7 +181,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
     if args.checkpoint is None:
-        model = load_export(path, dtype=parse_dtype(dtype), trust_remote_code=trust).to(device)
+        model = load_export(path, dtype=parse_dtype(dtype), trust_remote_code=trust, attention=attention).to(device)
         results: dict = {"model": path, "working_dtype": dtype}
     else:
         from .checkpoint_consensus import checkpoint_model

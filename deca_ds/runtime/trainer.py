@@ -209,7 +209,7 @@ def loss_positions_max(opts: RunOptions, task: Task) -> int:
 
 
 def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Topology, partition: Partition,
-                     layout: ClientLayout, task: Task, trainable: int, placement: dict) -> None:
+                     layout: ClientLayout, task: Task, trainable: int, placement: dict, attention: str) -> None:
     resolved = {
         "options": asdict(opts), "ds_config": ds_config, "topology": topology.to_dict(),
         "method": opts.method, "trainable_params": trainable,
@@ -223,6 +223,9 @@ def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Top
         "versions": {"deca_ds": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
         "commit": commit(),  # the checkout's ("+dirty": changed files), "unknown" outside one
         "cpu_kernels": cpu_kernels(),  # ATen's on CPU (AVX2, AVX512, …): a CPU run's bits depend on them
+        # the model's attention: an export's config.json does not say, and its loader takes transformers'
+        # default (sdpa), while the tiny Llama computes eager; deca-eval --run loads the export with it
+        "attn_implementation": attention,
     }
     write_json(out / "run_config.json", resolved)
     # the same run as a run file: deca-train --config <out>/config.yaml (with --resume or --overwrite)
@@ -390,7 +393,8 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
         if opts.resume:
             outputs.record_resume(out, plan.resume_changes)
         else:
-            write_run_config(out, opts, ds_config, plan.topology, partition, layout, task, plan.trainable, placement)
+            write_run_config(out, opts, ds_config, plan.topology, partition, layout, task, plan.trainable, placement,
+                             model.config._attn_implementation)
     if rank == 0:  # stopped by SIGTERM (a time limit, a scheduler): where a new run would go on from
         cleanup.set_resume(partial(ckpt.resume_note, out, layout.client, layout.ranks_per_client,
                                    opts.checkpoint_interval))
