@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh
-# The README's numbers are ATen's AVX2 kernels' bits: a CPU with AVX-512 runs those too, so that it
-# prints them to the last digit (docs/training.md); a value already set wins.
+# The README's numbers are an AMD EPYC's with ATen's AVX2 kernels: another EPYC with AVX-512 runs those
+# too, so that it prints them to the last digit (an Intel Xeon lands close: docs/training.md); a value
+# already set wins.
 if [[ -z "${ATEN_CPU_CAPABILITY:-}" ]] && grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
     export ATEN_CPU_CAPABILITY=avx2
 fi
