@@ -147,9 +147,9 @@ def test_readme_demo_installs_with_this_script():
 
 @pytest.mark.parametrize("given", [None, "default"])
 def test_the_demo_runs_avx2_kernels_where_the_cpu_has_them_unless_told_otherwise(tmp_path, given):
-    """The README's numbers are an AMD EPYC's AVX2 kernels' bits: the demo asks ATen for those where the CPU has
-    AVX2 (an AVX-512 CPU would run its own, which round otherwise), never for kernels the CPU lacks,
-    and leaves a value the user set. A scratch checkout whose install and launcher are stubs."""
+    """The README's numbers are an AMD EPYC's AVX2 kernels' bits: the demo asks ATen for those where
+    the CPU has AVX2 (an AVX-512 CPU would run its own, which round otherwise), never for kernels the
+    CPU lacks, and leaves a value the user set. A scratch checkout whose install and launcher are stubs."""
     (tmp_path / "launch").mkdir()
     (tmp_path / "launch" / "demo.sh").write_text((ROOT / "launch" / "demo.sh").read_text())
     (tmp_path / "launch" / "install.sh").write_text("exit 0\n")
