@@ -346,7 +346,53 @@ def _seeds(values, where: str) -> list[int]:
 
 def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, clients_per_gpu=None, deepspeed_args=None,
                where: str = "grid") -> Grid:
+    """Check a grid file's contents whole and expand them into cells; the keyword arguments
+    override the file's (load_grid)."""
     _check_keys(where, data, _TOP)
+    grid_name, backend, ds_config = _header(data, where)
+    base = _options(f"{where}: options", data.get("options") or {})
+    methods = _check_methods(f"{where}: methods", data["methods"])
+    method_options = data.get("method_options") or {}
+    _check_keys(f"{where}: method_options", method_options, set(METHODS))
+    method_options = {m: _options(f"{where}: method_options.{m}", opts) for m, opts in method_options.items()}
+    tasks = _tasks(data["tasks"], where)
+    seeds = _seeds(data["seeds"], f"{where}: seeds")
+    preset = _ds_batch(ds_config)  # whichever the backend: a grid run on the other one has the same cells
+    axis_defaults = {a: base.get(a, preset.get(a, option_defaults()[a])) for a in AXES}
+    sweeps = [_sweep(raw, f"{where}: sweeps[{i}]", tasks, methods, seeds, axis_defaults)
+              for i, raw in enumerate(data.get("sweeps") or [{"table": "main"}])]
+    runs = Path(runs_dir or data.get("runs_dir") or f"runs/{grid_name}").expanduser()
+    cells = _expand(sweeps, lambda task, method, topo, n, lpb, seed, betas: _cell(
+        task, method, topo, n, lpb, seed, preset, base, tasks[task], method_options.get(method) or {}, runs, where,
+        betas))
+    pretrain = _pretrain(data.get("pretrain"), cells, where)
+    generation, generation_tasks = _generation(data.get("generation"), cells, where)
+    # a generation cell's x̄ answers the question sets (deca-train --questions)
+    cells = [dataclasses.replace(c, options={**c.options, **generation.options()}) if c.task in generation_tasks
+             else c for c in cells]
+    depth = pretrain.model["num_hidden_layers"] if pretrain else None
+    budgets = {c.key: step_budget(c.options, c.method, depth) for c in cells}
+    _check_budgets(cells, budgets, where)
+    if backend == "simulate":
+        for c in cells:
+            if (c.options.get("grad_accum") or 1) != 1 or c.ranks_per_client != 1:
+                raise GridError(f"{where}: cell {c.key}: the simulate backend takes one micro-batch per client step "
+                                "(grad_accum 1, ranks_per_client 1); use the deepspeed backend")
+    running = _running(data, backend, cells, where, jobs=jobs, clients_per_gpu=clients_per_gpu,
+                       deepspeed_args=deepspeed_args)
+    paper_model = _paper_model(data.get("paper"), cells, where)
+    results = Path(results_dir or data.get("results_dir") or runs / "results").expanduser()
+    for name, directory, holds in (("runs_dir", runs, "cells run in"), ("results_dir", results,
+                                                                       "tables and figures go to")):
+        if directory.exists() and not directory.is_dir():
+            raise GridError(f"{where}: {name} {directory} is a file: give the directory the grid's {holds}")
+    return Grid(name=grid_name, backend=backend, runs_dir=runs, results_dir=results, cells=cells, budgets=budgets,
+                ds_config=ds_config, **running, pretrain=pretrain, paper=paper_model, generation=generation,
+                source=data)
+
+
+def _header(data: dict, where: str) -> tuple[str, str, str | None]:
+    """The grid's name, backend and ds_config, checked, and its required sections present."""
     text = [k for k in ("name", "backend", "runs_dir", "results_dir", "ds_config")
             if k in data and not isinstance(data[k], str)]
     if text:
@@ -364,12 +410,11 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     if backend == "deepspeed" and not ds_config:
         raise GridError(f"{where}: the deepspeed backend needs `ds_config` (a shipped preset's name, or a "
                         "DeepSpeed JSON file)")
-    base = _options(f"{where}: options", data.get("options") or {})
-    methods = _check_methods(f"{where}: methods", data["methods"])
-    method_options = data.get("method_options") or {}
-    _check_keys(f"{where}: method_options", method_options, set(METHODS))
-    method_options = {m: _options(f"{where}: method_options.{m}", opts) for m, opts in method_options.items()}
-    tasks = data["tasks"]
+    return grid_name, backend, ds_config
+
+
+def _tasks(tasks, where: str) -> dict[str, dict]:
+    """The `tasks` section: task name -> its options, each naming a dataset deca-train has."""
     if not isinstance(tasks, dict) or not tasks:
         raise GridError(f"{where}: tasks must be a non-empty mapping of task name -> options")
     tasks = {name: _options(f"{where}: tasks.{name}", opts or {}) for name, opts in tasks.items()}
@@ -378,62 +423,55 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
         if dataset not in DATASETS:
             raise GridError(f"{where}: unknown task {name!r} (dataset {dataset!r}); a task is one of {list(DATASETS)} "
                             "or names one with `dataset:`")
-    seeds = _seeds(data["seeds"], f"{where}: seeds")
-    preset = _ds_batch(ds_config)  # whichever the backend: a grid run on the other one has the same cells
-    defaults = option_defaults()
-    sweeps = []
-    for i, raw in enumerate(data.get("sweeps") or [{"table": "main"}]):
-        at = f"{where}: sweeps[{i}]"
-        _check_keys(at, raw, _SWEEP)
-        table = raw.get("table", "main")
-        if table not in TABLES:
-            raise GridError(f"{at}: table must be one of {TABLES}, got {table!r}")
-        sweep_tasks = tuple(_as_list(raw.get("tasks", list(tasks)), f"{at}.tasks"))
-        stray = sorted(set(sweep_tasks) - set(tasks))
-        if stray:
-            raise GridError(f"{at}: tasks {stray} are not in the grid's `tasks`")
-        sweep_seeds = tuple(_seeds(raw.get("seeds", seeds), f"{at}.seeds"))
-        sweep_methods = _check_methods(f"{at}.methods", raw.get("methods", methods))
-        outside = sorted(set(sweep_methods) - set(methods))
-        if outside:
-            raise GridError(f"{at}: methods {outside} are not in the grid's `methods`")
-        axes = {a: tuple(_as_list(raw.get(a, base.get(a, preset.get(a, defaults[a]))), f"{at}.{a}")) for a in AXES}
-        for axis in ("clients", "layers_per_block"):
-            bad = [v for v in axes[axis] if not _count(v)]
-            if bad:
-                raise GridError(f"{at}: {axis} must be integers >= 1, got {bad}; set `{axis}` in options or the sweep")
-        betas = _bma_betas(raw["bma_betas"], sweep_methods, at) if "bma_betas" in raw else (None,)
-        sweeps.append(Sweep(table, sweep_tasks, sweep_seeds, sweep_methods, **axes, bma_betas=betas))
+    return tasks
 
+
+def _sweep(raw, at: str, tasks: dict, methods: tuple[str, ...], seeds: list[int], axis_defaults: dict) -> Sweep:
+    """One entry of `sweeps`: its own subsets of the grid's tasks, seeds and methods, and its axes
+    (an axis it leaves out takes `axis_defaults`: the options', else the preset's, else deca-train's)."""
+    _check_keys(at, raw, _SWEEP)
+    table = raw.get("table", "main")
+    if table not in TABLES:
+        raise GridError(f"{at}: table must be one of {TABLES}, got {table!r}")
+    sweep_tasks = tuple(_as_list(raw.get("tasks", list(tasks)), f"{at}.tasks"))
+    stray = sorted(set(sweep_tasks) - set(tasks))
+    if stray:
+        raise GridError(f"{at}: tasks {stray} are not in the grid's `tasks`")
+    sweep_seeds = tuple(_seeds(raw.get("seeds", seeds), f"{at}.seeds"))
+    sweep_methods = _check_methods(f"{at}.methods", raw.get("methods", methods))
+    outside = sorted(set(sweep_methods) - set(methods))
+    if outside:
+        raise GridError(f"{at}: methods {outside} are not in the grid's `methods`")
+    axes = {a: tuple(_as_list(raw.get(a, axis_defaults[a]), f"{at}.{a}")) for a in AXES}
+    for axis in ("clients", "layers_per_block"):
+        bad = [v for v in axes[axis] if not _count(v)]
+        if bad:
+            raise GridError(f"{at}: {axis} must be integers >= 1, got {bad}; set `{axis}` in options or the sweep")
+    betas = _bma_betas(raw["bma_betas"], sweep_methods, at) if "bma_betas" in raw else (None,)
+    return Sweep(table, sweep_tasks, sweep_seeds, sweep_methods, **axes, bma_betas=betas)
+
+
+def _expand(sweeps: list[Sweep], make: Callable[..., Cell]) -> list[Cell]:
+    """The cells of every sweep, made by `make(task, method, topology, clients, layers_per_block,
+    seed, betas)`; a cell two sweeps share runs once and feeds both tables."""
     cells: dict[str, Cell] = {}
-    runs = Path(runs_dir or data.get("runs_dir") or f"runs/{grid_name}").expanduser()
     # seed by seed: every cell of a sweep's first seed runs before any of its second, so a grid
     # stopped early (a time limit, a lent GPU's budget) has whole tables at one seed
     for sweep in sweeps:
-        for seed in sweep.seeds:
-            for task in sweep.tasks:
-                for topo in sweep.topology:
-                    for n in sweep.clients:
-                        for lpb in sweep.layers_per_block:
-                            for method, betas in itertools.product(sweep.methods, sweep.bma_betas):
-                                cell = _cell(task, method, topo, n, lpb, seed, preset, base, tasks[task] or {},
-                                             method_options.get(method) or {}, runs, where, betas)
-                                old = cells.get(cell.key)
-                                tables = (old.tables if old else ()) + (sweep.table,)
-                                cells[cell.key] = dataclasses.replace(cell, tables=tuple(dict.fromkeys(tables)))
-    pretrain = _pretrain(data.get("pretrain"), list(cells.values()), where)
-    generation, generation_tasks = _generation(data.get("generation"), list(cells.values()), where)
-    for key, c in cells.items():  # a generation cell's x̄ answers the question sets (deca-train --questions)
-        if c.task in generation_tasks:
-            cells[key] = dataclasses.replace(c, options={**c.options, **generation.options()})
-    depth = pretrain.model["num_hidden_layers"] if pretrain else None
-    budgets = {key: step_budget(c.options, c.method, depth) for key, c in cells.items()}
-    _check_budgets(list(cells.values()), budgets, where)
-    if backend == "simulate":
-        for c in cells.values():
-            if (c.options.get("grad_accum") or 1) != 1 or c.ranks_per_client != 1:
-                raise GridError(f"{where}: cell {c.key}: the simulate backend takes one micro-batch per client step "
-                                "(grad_accum 1, ranks_per_client 1); use the deepspeed backend")
+        for seed, task, topo, n, lpb, method, betas in itertools.product(
+                sweep.seeds, sweep.tasks, sweep.topology, sweep.clients, sweep.layers_per_block, sweep.methods,
+                sweep.bma_betas):
+            cell = make(task, method, topo, n, lpb, seed, betas)
+            old = cells.get(cell.key)
+            tables = (old.tables if old else ()) + (sweep.table,)
+            cells[cell.key] = dataclasses.replace(cell, tables=tuple(dict.fromkeys(tables)))
+    return list(cells.values())
+
+
+def _running(data: dict, backend: str, cells: list[Cell], where: str, *, jobs, clients_per_gpu,
+             deepspeed_args) -> dict:
+    """How the cells run, as Grid's fields: threads, CPU kernels, cells at once, GPU sharing, the
+    launcher's arguments and each cell's time limit (the keyword arguments override the file's)."""
     # One thread per cell by default: on a shared CPU, torch's threads spinning against other processes
     # cost several times the work (measured here: 21 s with one thread, minutes with two under load).
     threads = data.get("threads", 1 if backend == "simulate" else None)
@@ -447,33 +485,31 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     if not _count(jobs):
         raise GridError(f"{where}: jobs must be an integer >= 1, got {jobs!r}")
     sharing = _clients_per_gpu(data.get("clients_per_gpu", 1) if clients_per_gpu is None else clients_per_gpu,
-                               backend, list(cells.values()), where)
+                               backend, cells, where)
     deepspeed_args = data.get("deepspeed_args") if deepspeed_args is None else deepspeed_args
     if deepspeed_args is not None and not isinstance(deepspeed_args, list):
         raise GridError(f"{where}: deepspeed_args must be a list of the launcher's arguments, e.g. [--hostfile, "
                         f"hosts], got {deepspeed_args!r}")
     if deepspeed_args and backend != "deepspeed":
         raise GridError(f"{where}: deepspeed_args {deepspeed_args}: the {backend} backend starts no deepspeed launcher")
-    paper_model = data.get("paper")
-    if paper_model is not None and paper_model not in paper.models():
-        raise GridError(f"{where}: paper must name one of the paper's models, {paper.models()}, got {paper_model!r}")
-    if paper_model is not None and not paper.published_cells(cells.values(), paper_model):
-        tasks = sorted({k[2] for table in paper.reference(paper_model).values() for k in table} - {paper.AVERAGE})
-        raise GridError(f"{where}: paper {paper_model}: no cell of the grid is in the paper's tables, whose tasks "
-                        f"are {', '.join(tasks)} (a task by its dataset)")
     timeout = data.get("cell_timeout_s", 3600)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise GridError(f"{where}: cell_timeout_s must be a finite number > 0, got {timeout!r}")
-    results = Path(results_dir or data.get("results_dir") or runs / "results").expanduser()
-    for name, directory, holds in (("runs_dir", runs, "cells run in"), ("results_dir", results,
-                                                                       "tables and figures go to")):
-        if directory.exists() and not directory.is_dir():
-            raise GridError(f"{where}: {name} {directory} is a file: give the directory the grid's {holds}")
-    return Grid(name=grid_name, backend=backend, runs_dir=runs, results_dir=results,
-                cells=list(cells.values()), budgets=budgets,
-                cell_timeout_s=float(timeout), ds_config=ds_config, threads=threads, cpu_kernels=cpu_kernels, jobs=jobs,
-                clients_per_gpu=sharing, deepspeed_args=[str(a) for a in deepspeed_args or []], pretrain=pretrain,
-                paper=paper_model, generation=generation, source=data)
+    return {"threads": threads, "cpu_kernels": cpu_kernels, "jobs": jobs, "clients_per_gpu": sharing,
+            "deepspeed_args": [str(a) for a in deepspeed_args or []], "cell_timeout_s": float(timeout)}
+
+
+def _paper_model(paper_model, cells: list[Cell], where: str) -> str | None:
+    """The grid's `paper`: one of the paper's models, with at least one of the grid's cells in its tables."""
+    if paper_model is None:
+        return None
+    if paper_model not in paper.models():
+        raise GridError(f"{where}: paper must name one of the paper's models, {paper.models()}, got {paper_model!r}")
+    if not paper.published_cells(cells, paper_model):
+        tasks = sorted({k[2] for table in paper.reference(paper_model).values() for k in table} - {paper.AVERAGE})
+        raise GridError(f"{where}: paper {paper_model}: no cell of the grid is in the paper's tables, whose tasks "
+                        f"are {', '.join(tasks)} (a task by its dataset)")
+    return paper_model
 
 
 def _generation(section, cells: list[Cell], where: str) -> tuple[Generation | None, frozenset[str]]:
