@@ -591,22 +591,25 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
     generated = {c: r for c, r in results.items() if "answered" in r}
     classified = {c: r for c, r in results.items() if c not in generated}
     written = []
+
+    def put(name: str, text: str) -> None:
+        written.append(out / name)
+        write_text(written[-1], text)
+
     markdown = [f"# {grid.name}: reproduced tables", "",
                 f"{len(results)} of {len(grid.cells)} cells finished. "
                 + ("Accuracy and macro-F1 of the consensus model x̄ on the test split, in %, "
                    if classified or not generated else "")
                 + "mean ± std over seeds (ddof 1); **best**, <u>second</u> per group.", ""]
-    def add(table: Table | None, file: str) -> None:  # into tables.md and its own CSV
+    main_methods = tuple(m for m in (*BASELINES, *ABLATION[1:]) if m in METHODS)
+    tables = [(build_table(name, title, classified, tuple(m for m in methods if m in METHODS)), name)
+              for name, title, methods in TABLES]
+    tables += [(build_generation_table(name, title, generated, main_methods), file)
+               for name, file, title in GENERATION_TABLES]
+    for table, file in tables:  # into tables.md and its own CSV
         if table is not None:
             markdown.append(to_markdown(table))
-            written.append(out / f"{file}.csv")
-            write_text(written[-1], to_csv(table))
-
-    for name, title, methods in TABLES:
-        add(build_table(name, title, classified, tuple(m for m in methods if m in METHODS)), name)
-    main_methods = tuple(m for m in (*BASELINES, *ABLATION[1:]) if m in METHODS)
-    for name, file, title in GENERATION_TABLES:
-        add(build_generation_table(name, title, generated, main_methods), file)
+            put(f"{file}.csv", to_csv(table))
     seeds = per_seed_markdown(classified, main_methods)
     if seeds is not None:
         markdown.append(seeds)
@@ -615,67 +618,65 @@ def write_report(grid: Grid, *, command: list[str] | None = None, recorded: dict
                             for name in PAIRED_TABLES), build_granularity_paired(classified)) if p is not None]
     markdown += [paired_markdown(p) for p in paired]
     if paired:
-        path = out / "paired.csv"
-        write_text(path, paired_csv(paired))
-        written.append(path)
-    comparisons = []
+        put("paired.csv", paired_csv(paired))
+    comparisons = paper_comparisons(grid.paper, classified, generated, main_methods) if grid.paper else []
+    if comparisons:
+        generation = any(c.scale != 100 for c in comparisons)
+        markdown += [paper.NOTE + (" " + paper.GENERATION_NOTE if generation else ""), ""]
+        markdown += [paper.to_markdown(c, grid.paper) for c in comparisons]
     if grid.paper:
-        reference = paper.reference(grid.paper)
-        comparisons = [c for c in (build_comparison(name, title, classified, tuple(m for m in methods if m in METHODS),
-                                                    reference[name])
-                                   for name, title, methods in TABLES if name in reference) if c is not None]
-        for name, _, title in GENERATION_TABLES:
-            table = "generation" if name == "main" else name
-            found = build_generation_comparison(name, title, generated, main_methods,
-                                                reference[table]) if table in reference else None
-            comparisons += [found] if found else []
-        if comparisons:
-            generation = any(c.scale != 100 for c in comparisons)
-            markdown += [paper.NOTE + (" " + paper.GENERATION_NOTE if generation else ""), ""]
-            markdown += [paper.to_markdown(c, grid.paper) for c in comparisons]
-        path = out / "paper.csv"
-        write_text(path, paper.to_csv(comparisons))
-        written.append(path)
-    path = out / "tables.md"
-    write_text(path, "\n".join(markdown))
-    written.append(path)
-    cells = []
-    for c in grid.cells:
-        d = grid.cell_dir(c)
-        entry = {"key": c.key, "task": c.task, "method": c.method, "topology": c.topology, "clients": c.clients,
-                 "layers_per_block": c.layers_per_block, "seed": c.seed, "tables": list(c.tables),
-                 "budget": {"steps": grid.budgets[c.key][0], "examples_per_client_step": grid.budgets[c.key][1]},
-                 "finished": c in results}
-        if recorded:
-            entry |= {k: v for k, v in entries.get(c.key, {}).items() if k in RECORDED}
-        else:
-            if base := (saved_settings(d) or {}).get(BASE):  # the weights of the base the cell was fine-tuned from
-                entry[BASE] = base
-            if (d / RUN_CONFIG).is_file():
-                config = read_json(d / RUN_CONFIG)
-                # each block by name and size; its parameters' names are the model's, in the cell's run_config.json
-                config["blocks"] = [{k: b[k] for k in ("index", "name", "numel")} for b in config.get("blocks", [])]
-                entry["run_config"] = config
-            if c in results and "main" in c.tables:
-                entry["curves"] = curves(losses(grid, c))
-        if c in results:
-            entry["final"] = results[c]
-        cells.append(entry)
+        put("paper.csv", paper.to_csv(comparisons))
+    put("tables.md", "\n".join(markdown))
+    cells = [cell_entry(grid, c, results.get(c), entries.get(c.key, {}) if recorded else None) for c in grid.cells]
     for model in dict.fromkeys(c.options.get("model", "") for c in grid.cells if not recorded):
         made = Path(model) / "pretrain.json"  # the scaled protocol's checkpoint: how it was trained
         if made.is_file():
-            path = out / f"pretrain_{Path(model).name}.json"
-            write_text(path, made.read_text())
-            written.append(path)
-    path = out / "results.json"
+            put(f"pretrain_{Path(model).name}.json", made.read_text())
     now = provenance(command, outputs=out)
     record = {"grid": grid.name, "source": grid.source, "provenance": recorded["provenance"] if recorded else now,
               **({"tabulated": now} if recorded else {}), "cells": cells}
     if grid.paper:
         record["paper"] = {"model": grid.paper, "tables": {c.name: c.order() for c in comparisons}}
-    write_text(path, dumps(record))
-    written.append(path)
+    put("results.json", dumps(record))
     return written
+
+
+def paper_comparisons(model: str, classified: dict, generated: dict, main_methods: tuple[str, ...]) -> list:
+    """The tables of the paper's `model` beside the grid's: each one the grid has cells of."""
+    reference = paper.reference(model)
+    found = [build_comparison(name, title, classified, tuple(m for m in methods if m in METHODS), reference[name])
+             for name, title, methods in TABLES if name in reference]
+    for name, _, title in GENERATION_TABLES:
+        table = "generation" if name == "main" else name
+        if table in reference:
+            found.append(build_generation_comparison(name, title, generated, main_methods, reference[table]))
+    return [c for c in found if c is not None]
+
+
+def cell_entry(grid: Grid, c: Cell, final: dict | None, recorded: dict | None) -> dict:
+    """A cell as results.json holds it: its place in the grid, budget and final metrics (None: not
+    finished), with what `recorded` (its entry of an earlier record) kept, or else what its
+    directory holds: the base's sha256, its run_config, the main table's curves."""
+    entry = {"key": c.key, "task": c.task, "method": c.method, "topology": c.topology, "clients": c.clients,
+             "layers_per_block": c.layers_per_block, "seed": c.seed, "tables": list(c.tables),
+             "budget": {"steps": grid.budgets[c.key][0], "examples_per_client_step": grid.budgets[c.key][1]},
+             "finished": final is not None}
+    if recorded is not None:
+        entry |= {k: v for k, v in recorded.items() if k in RECORDED}
+    else:
+        d = grid.cell_dir(c)
+        if base := (saved_settings(d) or {}).get(BASE):  # the weights of the base the cell was fine-tuned from
+            entry[BASE] = base
+        if (d / RUN_CONFIG).is_file():
+            config = read_json(d / RUN_CONFIG)
+            # each block by name and size; its parameters' names are the model's, in the cell's run_config.json
+            config["blocks"] = [{k: b[k] for k in ("index", "name", "numel")} for b in config.get("blocks", [])]
+            entry["run_config"] = config
+        if final is not None and "main" in c.tables:
+            entry["curves"] = curves(losses(grid, c))
+    if final is not None:
+        entry["final"] = final
+    return entry
 
 
 def curves(metrics: list[dict]) -> dict[str, dict[str, list]]:
