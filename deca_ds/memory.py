@@ -661,35 +661,11 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
 
     first = block * layers_per_block  # the default partition: block k = layers [k·lpb, (k+1)·lpb)
     in_block = min(layers_per_block, spec.num_layers - first)
-    above = spec.num_layers - first - in_block
-    below = first if inputs_require_grad else 0  # layers below the active block that build a graph
-    b, s, h, attn = workload.micro_batch, workload.seq_len, spec.hidden, workload.attn_implementation
-    full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn)
-    flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn)
-    transient = layer_backward_transient_bytes(spec, b, s, w)
-    final_norm = b * s * h * 4
-    if workload.checkpointing:
-        act_saved = (below + in_block + above) * b * s * h * w + final_norm
-        act_recompute = full + transient
-    else:
-        act_saved = in_block * full + (above + below) * flow + final_norm
-        act_recompute = transient
-
-    stream_block = prefix_cache = host_weights = offload_buffers = 0
-    weights = spec.total_params * w
-    if offload == "frozen":
-        resident = set(range(first, first + in_block)) | set(range(spec.num_layers - offload_keep, spec.num_layers))
-        streamed = [k for k in range(spec.num_layers) if k not in resident]
-        weights = (spec.non_layer_params + sum(spec.layer_params[k] for k in resident)) * w
-        # the layer in use and the one prefetched; one when a single layer streams
-        offload_buffers = min(2, len(streamed)) * max(spec.layer_params[k] for k in streamed) * w if streamed else 0
-        host_weights = spec.decoder_params * w
-        prefix = not inputs_require_grad  # the runtime's FrozenPrefix caches what enters the block
-        stream_block = offload_block_stream([spec.layer_params[k] * w for k in streamed if k < first],
-                                            [spec.layer_params[k] * w for k in streamed if k > first],
-                                            steps_per_block, prefix)
-        if prefix and first:
-            prefix_cache = steps_per_block * grad_accum * b * s * h * w
+    activations = _activation_terms(spec, workload, first, in_block, inputs_require_grad)
+    offloaded = (_offload_terms(spec, workload, first, in_block, offload_keep, steps_per_block, grad_accum,
+                                inputs_require_grad) if offload == "frozen"
+                 else {"weights": spec.total_params * w, "offload_buffers": 0, "host_weights": 0,
+                       "offload_stream_block": 0, "prefix_cache": 0})
 
     grad_allreduce = 0
     if workload.deepspeed_allreduce:
@@ -703,16 +679,14 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
         **workload.recorded(), master_dtype=dtype_name(master), offload=offload, variant=variant,
         state_bits=state_bits, fused_update=fused_update, inputs_require_grad=inputs_require_grad,
         steps_per_block=steps_per_block,
-        weights=weights, master=n * mb, m=moment, v=moment, grad=n * w, grad_allreduce=grad_allreduce,
+        master=n * mb, m=moment, v=moment, grad=n * w, grad_allreduce=grad_allreduce,
         x_half=0 if in_place else n * mb, send_copy=chunk * tb if cast and n_neighbors else 0,
         recv=n_neighbors * chunk * tb, x_plus=chunk * mb if cast and n_neighbors else 0,
         grad_kept=n * w if in_place else 0,
         trivial_bma_extra=2 * moment if variant == "trivial_bma" and not in_place else 0,
         quant_transient=3 * max(numels) * mb if state_bits == 8 else 0,
-        offload_buffers=offload_buffers, host_weights=host_weights, offload_keep=offload_keep,
-        offload_stream_block=stream_block, offload_stream=round(stream_block / steps_per_block),
-        prefix_cache=prefix_cache,
-        act_saved=act_saved, act_recompute=act_recompute,
+        **offloaded, offload_keep=offload_keep,
+        offload_stream=round(offloaded["offload_stream_block"] / steps_per_block), **activations,
         act_logits=workload.logits_bytes(spec),
         comm_per_step=n_neighbors * n * tb,
         comm_per_round=sum(steps_per_block * n_neighbors * blk.numel * tb for blk in partition.blocks),
@@ -721,6 +695,45 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
         dadam_runtime=d * w + spec.decoder_params * (3 * mb + w),
         **setup_terms(spec, workload, offload=offload, eval_kv_cache=eval_kv_cache),
     )
+
+
+def _activation_terms(spec: ModelSpec, workload: Workload, first: int, in_block: int,
+                      inputs_require_grad: bool) -> dict[str, int]:
+    """act_saved and act_recompute while layers [first, first + in_block) train (estimate_block)."""
+    above = spec.num_layers - first - in_block
+    below = first if inputs_require_grad else 0  # layers below the active block that build a graph
+    b, s, h, w, attn = (workload.micro_batch, workload.seq_len, spec.hidden, workload.working_bytes,
+                        workload.attn_implementation)
+    full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn)
+    flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn)
+    transient = layer_backward_transient_bytes(spec, b, s, w)
+    final_norm = b * s * h * 4
+    if workload.checkpointing:
+        return {"act_saved": (below + in_block + above) * b * s * h * w + final_norm,
+                "act_recompute": full + transient}
+    return {"act_saved": in_block * full + (above + below) * flow + final_norm, "act_recompute": transient}
+
+
+def _offload_terms(spec: ModelSpec, workload: Workload, first: int, in_block: int, keep: int, steps_per_block: int,
+                   grad_accum: int, inputs_require_grad: bool) -> dict[str, int]:
+    """With frozen layers offloaded (--offload frozen): the device's weights (the active block's
+    layers, the top `keep` and everything outside the layers), the stream buffers, the host's copy,
+    the bytes streamed per block and FrozenPrefix's cache (estimate_block)."""
+    w = workload.working_bytes
+    resident = set(range(first, first + in_block)) | set(range(spec.num_layers - keep, spec.num_layers))
+    streamed = [k for k in range(spec.num_layers) if k not in resident]
+    prefix = not inputs_require_grad  # the runtime's FrozenPrefix caches what enters the block
+    return {
+        "weights": (spec.non_layer_params + sum(spec.layer_params[k] for k in resident)) * w,
+        # the layer in use and the one prefetched; one when a single layer streams
+        "offload_buffers": min(2, len(streamed)) * max(spec.layer_params[k] for k in streamed) * w if streamed else 0,
+        "host_weights": spec.decoder_params * w,
+        "offload_stream_block": offload_block_stream([spec.layer_params[k] * w for k in streamed if k < first],
+                                                     [spec.layer_params[k] * w for k in streamed if k > first],
+                                                     steps_per_block, prefix),
+        "prefix_cache": (steps_per_block * grad_accum * workload.micro_batch * workload.seq_len * spec.hidden * w
+                         if prefix and first else 0),
+    }
 
 
 def estimate_blocks(spec, layers_per_block: int = 1, workload: Workload = Workload(),
