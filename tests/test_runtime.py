@@ -205,6 +205,12 @@ def test_export_is_the_mean_of_clients_and_loads_with_transformers(reference_run
         assert [r["step"] for r in evaluated] == [6, 13]
         assert all(r["eval_consensus_n"] == 64 and "eval_client_accuracy" in r for r in evaluated)
     assert "consensus model: accuracy" in stdout and "bytes sent" in stdout
+    # in a file, progress is a line after the first step and each block (runtime/progress.py), not a bar
+    losses = [json.loads(line)["loss"] for line in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
+    progress = [line for line in stdout.splitlines() if line.startswith("deca: step ")]
+    assert [line.split(",")[0] for line in progress] == [f"deca: step {n}/20 ({5 * n}%)" for n in (1, 5, 10, 15, 20)]
+    assert [f"loss {losses[n - 1]:.4f}," in line for n, line in zip((1, 5, 10, 15, 20), progress)] == [True] * 5
+    assert "\r" not in stdout
     before = summary["initial_eval"]  # what the run printed before its first step, kept in client 0's metrics
     assert before["n"] == 64 and f"accuracy before training: {before['accuracy']:.3f}" in stdout
     first = json.loads((out / "metrics" / "client_000.jsonl").read_text().splitlines()[0])

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from .. import __version__
 from ..blocks import Partition, find_decoder_layers
@@ -80,6 +79,7 @@ from .nonfinite import (
     update_finite,
 )
 from .options import RunOptions, dump_config, offload_keep_for_budget
+from .progress import Progress
 from .same_start import check_same_start, start_fingerprint
 from .task import Task, build_task, check_questions, own_clients, share_counts
 from .timing import DeviceTime, Timer
@@ -412,10 +412,9 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
         print(laps, flush=True)
     timer = Timer(memory, opts.phase_timing)
     optimizer.clock = mixer.clock = timer.now
-    bar = tqdm(total=optimizer.total_steps, initial=optimizer.global_step, disable=rank != 0,
-               dynamic_ncols=True, desc=opts.method)
+    progress = Progress(optimizer.total_steps, optimizer.global_step, opts.method, show=rank == 0)
     return Job(opts, layout, device, groups, heartbeat, mixer, offload, prefix, optimizer, engine, stream, task,
-               plan.method, out, placement, metrics, timer, bar, start=start, before=before,
+               plan.method, out, placement, metrics, timer, progress, start=start, before=before,
                setup_peak=setup.get("mem_peak", setup.get("mem_rss")),
                trace=StepTrace(out, rank, opts.trace_start, opts.trace_steps, device.type == "cuda"),
                skipped=state["rank"].get("nonfinite_skipped", 0) if state else 0)
@@ -442,7 +441,7 @@ class Job:
     placement: dict
     metrics: MetricsWriter | None  # a client's first rank writes its records
     timer: Timer
-    bar: tqdm
+    progress: Progress
     start: int  # the step the run started (or resumed) at
     before: dict | None  # x̄ scored before training (rank 0, a new run)
     setup_peak: int | None  # bytes the setup peaked at, logged with the first step
@@ -509,8 +508,7 @@ class Job:
         record["t_step"] = time.perf_counter() - start  # the step's wall time here: phases, checks, record
         if self.metrics:
             self.metrics.write(record)
-        self.bar.set_postfix(**where, loss=f"{record['loss']:.4f}")
-        self.bar.update(1)
+        self.progress.update(where, loss, None if optimizer.done else optimizer.where())
         # the last step's too: a run whose end fails (x̄, its export, its evaluation) resumes straight to it
         if opts.checkpoint_interval and ((step + 1) % opts.checkpoint_interval == 0 or optimizer.done):
             with offload.host_weights():
@@ -582,7 +580,7 @@ class Job:
         the summary of every client's metrics (returned; None on other ranks)."""
         layout, offload, engine, memory = self.layout, self.offload, self.engine, self.timer.device_memory
         self.trace.close()  # a trace to the last step ends here
-        self.bar.close()
+        self.progress.close()
         if self.metrics:
             self.metrics.close()
         memory.reset_peak()  # the whole process's peak is the setup's, the steps' or this phase's
