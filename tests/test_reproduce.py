@@ -160,6 +160,12 @@ def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
         steps = [json.loads(line) for line in metrics.splitlines()]
         clock = [s["wall_s"] for s in steps]  # each step's end, from the cell's start
         assert len(steps) == 4 and 0 < clock[0] and clock == sorted(clock) and clock[-1] < cell["final"]["wall_s"]
+        # its log.txt shows progress as deca-train's does in a file: after the first step, each block
+        # (DECA's 2), the last step (and each minute), with the clients' mean loss
+        log = (tmp_path / "runs" / cell["key"] / "log.txt").read_text()
+        shown = dict(re.findall(rf"{cell['method']}: step (\d)/4 \(\d+%\).*, loss (\d\.\d{{4}})", log))
+        assert {"1", "4", *(["2"] if cell["method"] == "deca" else [])} <= set(shown), log
+        assert shown == {n: f"{steps[int(n) - 1]['loss']:.4f}" for n in shown}
     # the table holds the cells' own numbers: DECA's accuracy is the mean of its two seeds
     deca = [c["final"]["accuracy"] for c in data["cells"] if c["method"] == "deca"]
     rows = list(csv.DictReader(io.StringIO((tmp_path / "results" / "main.csv").read_text())))

@@ -29,6 +29,7 @@ from ..reporting import commit, cpu_kernels
 from ..rng import ClientGenerators
 from ..runtime.dist import local_device, to_device
 from ..runtime.options import RunOptions
+from ..runtime.progress import Progress
 from ..runtime.task import build_task
 from ..runtime.trainer import build_model
 from ..simulate import simulate
@@ -169,23 +170,28 @@ def run_simulated(d: Path) -> dict:
         "commit": commit(), "cpu_kernels": cpu_kernels()})
     del probe
     metrics = (d / METRICS).open("a" if saved else "w", buffering=1)  # line by line: progress is visible
+    # and in log.txt as deca-train prints it, with the mean of the clients' losses
+    progress = Progress(opts.total_steps(partition), saved["step"] if saved else 0, opts.method, show=True)
 
     def on_step(info) -> None:
         # wall_s: seconds since the cell started, at the end of the step (beside other cells on one
         # GPU, how fast a step went depends on how many ran with it)
         rec = {"step": info.step, "round": info.round, "block": info.block, "r": info.step_in_block,
                "loss": sum(info.losses) / len(info.losses), "wall_s": round(time.perf_counter() - start, 3)}
+        lead = recording.optimizers[0]  # after the last step DECA holds no active block
         if opts.consensus_interval and info.step % opts.consensus_interval == 0:
-            lead = recording.optimizers[0]  # after the last step DECA holds no active block
             vectors = _final_vectors(recording) if lead.done else [o.consensus_vector() for o in recording.optimizers]
             rec["consensus_distance"] = sum(_distances(vectors)) / n
         metrics.write(json.dumps(rec, allow_nan=False) + "\n")
+        progress.update({"round": info.round, "block": info.block, "r": info.step_in_block}, rec["loss"],
+                        None if lead.done else lead.where())
         done = info.step + 1
-        if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not recording.optimizers[0].done:
+        if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not lead.done:
             save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start)
 
     simulate(model, streams, topology.W, recording, on_step=on_step, generators=generators)
     metrics.close()
+    progress.close()
     final_distance = sum(_distances(_final_vectors(recording))) / n
     consensus = consensus_model(recording)
     if opts.questions:  # a generation task: x̄ answers the grid's question sets (judged after the cells)
