@@ -99,6 +99,9 @@ class AdamSettings:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.lr * self.weight_decay < 1:  # AdamW scales the weights by 1 − γλ each step
+            raise ValueError(f"lr × weight_decay must be < 1 (each step scales the weights by 1 − lr·weight_decay), "
+                             f"got {self.lr} × {self.weight_decay}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
         self.master_dtype = check_master_dtype(self.master_dtype)

@@ -290,7 +290,7 @@ def test_algorithm_options_default_to_deca_configs_defaults():
 
     config = DecaConfig()
     shared = set(RunOptions.__dataclass_fields__) & set(DecaConfig.__dataclass_fields__)
-    assert len(shared) == 13
+    assert len(shared) == 14
     defaults = options_module.option_defaults()
     for name in shared:
         expected = getattr(config, name)
@@ -524,13 +524,25 @@ def test_a_baseline_runs_decas_local_adam():
     from deca_ds.blocks import partition_model
     from deca_ds.models import tiny_llama
 
-    opts = RunOptions(method="dadam", lr=3e-3, adam_betas=(0.8, 0.99), eps=1e-6, master_dtype="fp64",
-                      fused_update=True, steps=5, mix_every=2)
+    opts = RunOptions(method="dadam", lr=3e-3, adam_betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
+                      master_dtype="fp64", fused_update=True, steps=5, mix_every=2)
     adam = opts.build_method(partition_model(tiny_llama(64), 1)).config
     assert adam.adam_settings() == opts.deca_config().adam_settings() == {
-        "lr": 3e-3, "adam_betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0, "grad_clip": None,
+        "lr": 3e-3, "adam_betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1, "grad_clip": None,
         "master_dtype": torch.float64, "fused_update": True}
     assert (adam.steps, adam.mix_every) == (5, 2)
+
+
+@pytest.mark.parametrize("lr, weight_decay, message", [
+    (1e-3, -0.1, "weight_decay must be >= 0, got -0.1"),
+    (0.01, 100.0, r"lr × weight_decay must be < 1 \(each step scales the weights by 1 − lr·weight_decay\), "
+                  r"got 0.01 × 100.0"),
+])
+def test_a_weight_decay_that_cannot_shrink_the_weights_is_refused(lr, weight_decay, message):
+    """--weight-decay λ scales the weights by 1 − γλ each step: a negative λ, or one with γλ >= 1
+    (the weights zeroed or flipped in sign), is refused before anything runs."""
+    with pytest.raises(ValueError, match=message):
+        parse_args(["--lr", str(lr), "--weight-decay", str(weight_decay)])
 
 
 @needs_bnb  # DecaConfig checks that 8-bit moments can run

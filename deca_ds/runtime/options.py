@@ -223,6 +223,8 @@ class RunOptions:
     lr: float = _opt(5e-5, "learning rate γ")
     adam_betas: tuple[float, float] = _opt((0.9, 0.999), "Adam α1 α2")
     eps: float = _opt(1e-8, "Adam ε")
+    weight_decay: float = _opt(0.0, "decoupled weight decay λ (AdamW): each step scales the trained weights by "
+                               "1−γλ, every trained tensor alike, norms and biases too (0 = off, the paper's)")
     bma_betas: tuple[float, float] = _opt((0.9, 0.999), "BMA β1 β2")
     variant: str = _opt("deca", "moment correction", choices=VARIANTS)
     block_order: str = _opt("ascending", "block order per round", choices=BLOCK_ORDERS)
@@ -410,6 +412,7 @@ class RunOptions:
 
         return DecaConfig(
             lr=self.lr, adam_betas=self.adam_betas, bma_betas=self.bma_betas, eps=self.eps,
+            weight_decay=self.weight_decay,
             steps_per_block=self.steps_per_block, rounds=self.rounds,
             layers_per_block=self.layers_per_block, variant=self.variant, block_order=self.block_order,
             seed=self.seed, master_dtype=parse_dtype(self.master_dtype), state_bits=self.state_bits,

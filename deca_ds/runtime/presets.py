@@ -35,7 +35,7 @@ _REFUSED = {
             "set \"deca\": {\"working_dtype\": ...} instead",
     "zero_optimization": "ZeRO stages above 0 shard optimizer state across ranks and wrap the optimizer; "
                          "DECA keeps state for the active block only and must not shard across clients",
-    "optimizer": "DECA supplies the optimizer; set lr, betas and eps with deca-ds options",
+    "optimizer": "DECA supplies the optimizer; set lr, betas, eps and weight decay with deca-ds options",
 }
 
 
