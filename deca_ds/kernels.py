@@ -29,12 +29,18 @@ def flat_segments(params: Sequence[nn.Parameter], flat: torch.Tensor) -> list[to
 
 
 def clip_scale(params: Iterable[nn.Parameter], max_norm: float | None, dtype: torch.dtype) -> float:
-    """Factor that clips the gradients of `params` to global norm `max_norm` (1.0 when None)."""
+    """Factor that clips the gradients of `params` to global norm `max_norm` (1.0 when None):
+    min(1, max_norm / (‖g‖ + 1e-6)), in `dtype`, by the operations of DeepSpeed's clip_grad_norm_
+    (each tensor's norm, their squares summed, the root; a tensor divided by a tensor). In fp32 it
+    is then, to the bit, the factor DeepSpeed's engine applies in a deca-train run with
+    `gradient_clipping`: a run moves with the factor's last bit (tests/test_runtime.py)."""
     if max_norm is None:
         return 1.0
-    norms = [p.grad.detach().to(dtype).norm() for p in params if p.grad is not None]
-    total = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
-    return min(1.0, max_norm / (total + 1e-6))
+    norms = [p.grad.detach().to(dtype).norm(2) for p in params if p.grad is not None]
+    if not norms:
+        return 1.0
+    total = torch.stack(norms).pow(2.0).sum().pow(0.5)
+    return torch.clamp(torch.tensor(max_norm, dtype=dtype) / (total + 1e-6), max=1.0).item()
 
 
 @functools.cache

@@ -357,6 +357,25 @@ def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     assert not any(tmp_path.iterdir())  # nothing was written
 
 
+def test_a_ds_config_that_clips_or_schedules_is_refused_on_the_simulate_backend(tmp_path):
+    """gradient_clipping and a scheduler change a deepspeed cell's steps (DeepSpeed's engine applies
+    them), but a simulated cell's options carry neither: such a grid is refused on the simulate
+    backend, before any run, rather than run there without them; the deepspeed backend takes it."""
+    preset = json.loads((ROOT / "ds_configs" / "cpu_demo.json").read_text())
+    runs = tmp_path / "runs"
+    for name, keys, says in (
+            ("clipped", {"gradient_clipping": 1.0}, "gradient_clipping 1.0"),
+            ("both", {"gradient_clipping": 0.5, "scheduler": {"type": "WarmupLR"}},
+             "gradient_clipping 0.5 and scheduler {'type': 'WarmupLR'}")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**preset, **keys}))
+        with pytest.raises(GridError, match=rf"ds_config {re.escape(str(path))} sets {re.escape(says)}, which the "
+                                            "simulate backend does not apply; use the deepspeed backend"):
+            build_grid(tiny_grid("tiny", backend="simulate", ds_config=str(path)), runs_dir=runs)
+        assert build_grid(tiny_grid("tiny", backend="deepspeed", ds_config=str(path)), runs_dir=runs).cells
+    assert not runs.exists()
+
+
 def test_a_grids_directory_that_is_a_file_is_refused(tmp_path):
     """runs_dir or results_dir naming a file: refused when the grid is read (it was a traceback when
     the first cell or the first table was written), and the file left as it was."""

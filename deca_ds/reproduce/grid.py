@@ -374,6 +374,12 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     budgets = {c.key: step_budget(c.options, c.method, depth) for c in cells}
     _check_budgets(cells, budgets, where)
     if backend == "simulate":
+        # DeepSpeed's engine applies these on ranks; a simulated cell's options carry neither
+        ds = load_ds_config(ds_config)[0] if ds_config else {}
+        on_ranks = [f"{k} {ds[k]}" for k in ("gradient_clipping", "scheduler") if ds.get(k)]
+        if on_ranks:
+            raise GridError(f"{where}: ds_config {ds_config} sets {' and '.join(on_ranks)}, which the simulate "
+                            "backend does not apply; use the deepspeed backend, or a ds_config without it")
         for c in cells:
             if (c.options.get("grad_accum") or 1) != 1 or c.ranks_per_client != 1:
                 raise GridError(f"{where}: cell {c.key}: the simulate backend takes one micro-batch per client step "

@@ -16,8 +16,8 @@ HONORED = {
     "train_micro_batch_size_per_gpu": "micro-batch per rank",
     "gradient_accumulation_steps": "micro-batches per optimizer step (g is their mean)",
     "train_batch_size": "must equal micro-batch × accumulation × ranks per client",
-    "gradient_clipping": "global-norm clipping of the active block's gradient "
-                         "(default 0 = off, unlike DeepSpeed's 1.0)",
+    "gradient_clipping": "global-norm clipping of the trained gradient (DECA's: the active block's), as the "
+                         "simulator's grad_clip computes it (default 0 = off, unlike DeepSpeed's 1.0)",
     "activation_checkpointing": "turns on non-reentrant activation checkpointing of the decoder layers",
     "scheduler": "DeepSpeed LR schedule, applied to the active block's lr",
     "steps_per_print": "DeepSpeed's own log interval",
