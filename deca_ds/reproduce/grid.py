@@ -241,15 +241,16 @@ def num_layers(model: str) -> int | None:
     return None
 
 
-def _ds_batch(ds_config: str | None) -> dict:
+def _preset(ds_config: str | None) -> tuple[dict, dict]:
+    """(the grid's DeepSpeed keys, the cell options its batch and `deca` section give), read once."""
     if not ds_config:
-        return {}
+        return {}, {}
     try:
         data, deca = load_ds_config(ds_config)
     except ValueError as err:
         raise GridError(f"ds_config: {err}") from None
-    return {"micro_batch": data.get("train_micro_batch_size_per_gpu"),
-            "grad_accum": data.get("gradient_accumulation_steps"), **deca}
+    return data, {"micro_batch": data.get("train_micro_batch_size_per_gpu"),
+                  "grad_accum": data.get("gradient_accumulation_steps"), **deca}
 
 
 def step_budget(options: dict, method: str, layers: int | None = None) -> tuple[int | str, int]:
@@ -357,7 +358,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     method_options = {m: _options(f"{where}: method_options.{m}", opts) for m, opts in method_options.items()}
     tasks = _tasks(data["tasks"], where)
     seeds = _seeds(data["seeds"], f"{where}: seeds")
-    preset = _ds_batch(ds_config)  # whichever the backend: a grid run on the other one has the same cells
+    ds_keys, preset = _preset(ds_config)  # whichever the backend: a grid run on the other one has the same cells
     axis_defaults = {a: base.get(a, preset.get(a, option_defaults()[a])) for a in AXES}
     sweeps = [_sweep(raw, f"{where}: sweeps[{i}]", tasks, methods, seeds, axis_defaults)
               for i, raw in enumerate(data.get("sweeps") or [{"table": "main"}])]
@@ -375,8 +376,7 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     _check_budgets(cells, budgets, where)
     if backend == "simulate":
         # DeepSpeed's engine applies these on ranks; a simulated cell's options carry neither
-        ds = load_ds_config(ds_config)[0] if ds_config else {}
-        on_ranks = [f"{k} {ds[k]}" for k in ("gradient_clipping", "scheduler") if ds.get(k)]
+        on_ranks = [f"{k} {ds_keys[k]}" for k in ("gradient_clipping", "scheduler") if ds_keys.get(k)]
         if on_ranks:
             raise GridError(f"{where}: ds_config {ds_config} sets {' and '.join(on_ranks)}, which the simulate "
                             "backend does not apply; use the deepspeed backend, or a ds_config without it")
