@@ -9,6 +9,9 @@ from typing import Sequence
 import torch
 
 VARIANTS = ("deca", "trivial_bma", "no_bma")
+# Which trained tensors weight decay scales (deca_ds.kernels.decays): all, or those of two or more
+# dimensions (not the norms' weights nor biases).
+WEIGHT_DECAY_ON = ("all", "matrices")
 
 # The dtype names every option, config and the estimator accept: the first name of each is its short one.
 DTYPES = {
@@ -80,6 +83,7 @@ def check_bool(name: str, value) -> None:
 class AdamSettings:
     """The local Adam's hyperparameters, declared and checked once: DECA's block-wise Adam
     (DecaConfig) and the baselines' (methods.AdamConfig) extend them. lr is γ, adam_betas (α1, α2);
+    weight_decay λ is decoupled (AdamW), on the tensors weight_decay_on names (WEIGHT_DECAY_ON);
     master_dtype holds the trained weights' master, m and v. fused_update: the update as
     torch.compile'd kernels (deca_ds.kernels.fused), compiled at the first step."""
 
@@ -87,6 +91,7 @@ class AdamSettings:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    weight_decay_on: str = "all"
     grad_clip: float | None = None
     master_dtype: torch.dtype = torch.float32
     fused_update: bool = False
@@ -102,6 +107,8 @@ class AdamSettings:
         if not self.lr * self.weight_decay < 1:  # AdamW scales the weights by 1 − γλ each step
             raise ValueError(f"lr × weight_decay must be < 1 (each step scales the weights by 1 − lr·weight_decay), "
                              f"got {self.lr} × {self.weight_decay}")
+        if self.weight_decay_on not in WEIGHT_DECAY_ON:
+            raise ValueError(f"weight_decay_on must be one of {WEIGHT_DECAY_ON}, got {self.weight_decay_on!r}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
         self.master_dtype = check_master_dtype(self.master_dtype)

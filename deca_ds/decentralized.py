@@ -11,6 +11,7 @@ first half on every client, then the second with each client's view of the other
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from typing import Callable
@@ -23,9 +24,13 @@ from .mixing import IdentityMixer, Mixer
 EXECUTION_ONLY = ("fused_update",)
 
 
-def check_saved_config(saved: dict, current: dict, what: str) -> None:
-    """Refuse optimizer state saved under other hyperparameters, naming each that differs."""
-    saved, current = ({k: v for k, v in d.items() if k not in EXECUTION_ONLY} for d in (saved, current))
+def check_saved_config(saved: dict, config, what: str) -> None:
+    """Refuse optimizer state saved under other hyperparameters than the dataclass `config`'s,
+    naming each that differs. A field the saved state predates counts as its default: the step
+    it took then, before the field existed."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
+    saved, current = ({k: v for k, v in d.items() if k not in EXECUTION_ONLY} for d in (saved, config.to_dict()))
     if saved != current:
         diff = {k: (saved.get(k), current.get(k)) for k in saved.keys() | current.keys()
                 if saved.get(k) != current.get(k)}

@@ -79,12 +79,37 @@ def moments(m: torch.Tensor, v: torch.Tensor, u: torch.Tensor, c1: float, c2: fl
 
 def _adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
                eps: float, keep: torch.Tensor | None, out: torch.Tensor) -> None:
+    _adam_direction(m, v, bc2, eps, out)
+    _add_step(x, neg_step, keep, out)
+
+
+def _adam_direction(m: torch.Tensor, v: torch.Tensor, bc2: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     torch.div(v, bc2, out=out).sqrt_().add_(eps)  # √v̂ + ε, in the x½ buffer
     torch.div(m, out, out=out)
+
+
+def _add_step(x: torch.Tensor, neg_step: torch.Tensor, keep: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = keep·x + neg_step·out (x + neg_step·out where keep is None)."""
     if keep is None:  # no weight decay: one pass less for the eager ops
         torch.addcmul(x, out, neg_step, out=out)
     else:
         out.mul_(neg_step).addcmul_(x, keep)
+
+
+def _stretches(x: torch.Tensor, out: torch.Tensor, sizes: list[int], keeps: list[torch.Tensor | None]):
+    """(piece of x, piece of out, keep) for each run of consecutive tensors (of `sizes`, flattened
+    into x and out) with the same keep: x and out themselves where every tensor decays alike, so
+    the common case makes no views."""
+    runs: list[list] = []  # [elements, keep]
+    for size, keep in zip(sizes, keeps):
+        if runs and runs[-1][1] is keep:
+            runs[-1][0] += size
+        else:
+            runs.append([size, keep])
+    if len(runs) == 1:
+        return [(x, out, runs[0][1])]
+    lengths = [n for n, _ in runs]
+    return list(zip(x.split(lengths), out.split(lengths), (keep for _, keep in runs)))
 
 
 def adam_step(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, neg_step: torch.Tensor, bc2: torch.Tensor,
@@ -109,49 +134,58 @@ def _fold(ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor]
 
 def _fold_and_step(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
                    outs: list[torch.Tensor], a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor,
-                   eps: float, keep: torch.Tensor | None) -> None:
-    for x, m, v, g, out in zip(xs, ms, vs, gs, outs):
+                   eps: float, keeps: list[torch.Tensor | None]) -> None:
+    for x, m, v, g, out, keep in zip(xs, ms, vs, gs, outs, keeps):
         moments_(m, v, g, a1, a2)
         _adam_step(x, m, v, neg_step, bc2, eps, keep, out)
 
 
+def decays(p: nn.Parameter, weight_decay_on: str) -> bool:
+    """Whether weight decay applies to `p`: every tensor ('all'), or tensors of two or more
+    dimensions only ('matrices': linear weights, embeddings, LoRA factors; not the norms' weights
+    nor biases, as nanoGPT and Hugging Face's Trainer decay)."""
+    return weight_decay_on == "all" or p.ndim >= 2
+
+
 def step_inputs(params: Sequence[nn.Parameter], x: torch.Tensor, *, lr: float, betas: tuple[float, float], t: int,
-                weight_decay: float, scale: float):
+                weight_decay: float, weight_decay_on: str, scale: float):
     """What Adam's step at t on `params` (master vector x) reads besides x, m, v: the flat
     gradients, scaled in place first when clipped (a lower-precision one is widened inside the
     ops that read it; a zero of x's dtype where a tensor got none), and the step's scalars as 0-d
-    tensors (compiled kernels take them without recompiling): −γ/(1−α1^t), 1−α2^t and 1−γλ
-    (None without weight decay)."""
+    tensors (compiled kernels take them without recompiling): −γ/(1−α1^t), 1−α2^t, and each
+    tensor's 1−γλ (None where it does not decay: without weight decay, or not `decays`)."""
     scalar = lambda value: torch.full((), value, dtype=x.dtype, device=x.device)  # noqa: E731
     neg_step, bc2 = scalar(-lr / (1 - betas[0] ** t)), scalar(1 - betas[1] ** t)
     keep = scalar(1 - lr * weight_decay) if weight_decay else None
+    keeps = [keep if decays(p, weight_decay_on) else None for p in params]
     zero = scalar(0.0)
     grads = [zero if p.grad is None else (p.grad if scale == 1.0 else p.grad.mul_(scale)).reshape(-1) for p in params]
-    return grads, neg_step, bc2, keep
+    return grads, neg_step, bc2, keeps
 
 
 @torch.no_grad()
 def half_step(params: Sequence[nn.Parameter], x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
-              betas: tuple[float, float], eps: float, t: int, weight_decay: float = 0.0, scale: float = 1.0,
-              use_fused: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+              betas: tuple[float, float], eps: float, t: int, weight_decay: float = 0.0, weight_decay_on: str = "all",
+              scale: float = 1.0, use_fused: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Adam's local step on `params`, whose master vector is x: fold each gradient into the moments
     in place (m½ = α1·m + (1−α1)·g, v½ = α2·v + (1−α2)·g⊙g), drop the gradients, and return
 
         x½ = (1 − γ·λ)·x − γ/(1−α1^t) · m½/(√(v½/(1−α2^t)) + ε)
 
-    in `out` (default: a new buffer). Each gradient is widened inside the adds (scaled in place
-    first, when clipped): no master-dtype copy of it is ever held; a tensor without a gradient
-    folds a zero. Eager, the fold runs tensor by tensor (four foreach calls, _fold) and the step as
-    a few large ops over the flat vectors. Fused, one compiled call does both tensor by tensor,
-    reading and writing m and v once; it holds the gradients and x½ together, where the eager path
-    frees the gradients first."""
+    in `out` (default: a new buffer), with λ = 0 on a tensor weight_decay_on leaves out (`decays`).
+    Each gradient is widened inside the adds (scaled in place first, when clipped): no master-dtype
+    copy of it is ever held; a tensor without a gradient folds a zero. Eager, the fold runs tensor
+    by tensor (four foreach calls, _fold) and the step as a few large ops over the flat vectors (its
+    last once per stretch of tensors that decay alike). Fused, one compiled call does both tensor by
+    tensor, reading and writing m and v once; it holds the gradients and x½ together, where the
+    eager path frees the gradients first."""
     a1, a2 = betas
-    grads, neg_step, bc2, keep = step_inputs(params, x, lr=lr, betas=betas, t=t, weight_decay=weight_decay,
-                                             scale=scale)
+    grads, neg_step, bc2, keeps = step_inputs(params, x, lr=lr, betas=betas, t=t, weight_decay=weight_decay,
+                                              weight_decay_on=weight_decay_on, scale=scale)
     if use_fused:
         out = torch.empty_like(x) if out is None else out
         fused(_fold_and_step)(*(flat_segments(params, t) for t in (x, m, v)), grads, flat_segments(params, out),
-                              a1, a2, neg_step, bc2, eps, keep)
+                              a1, a2, neg_step, bc2, eps, keeps)
     else:  # a function of its own: a loop variable here would hold the last gradient beside x½
         _fold(flat_segments(params, m), flat_segments(params, v), grads, a1, a2)
     del grads
@@ -160,7 +194,9 @@ def half_step(params: Sequence[nn.Parameter], x: torch.Tensor, m: torch.Tensor, 
     if use_fused:
         return out
     out = torch.empty_like(x) if out is None else out  # allocated once the gradients are gone
-    _adam_step(x, m, v, neg_step, bc2, eps, keep, out)
+    _adam_direction(m, v, bc2, eps, out)  # over the flat vectors, then the step by stretches that decay alike
+    for x_part, out_part, keep in _stretches(x, out, [p.numel() for p in params], keeps):
+        _add_step(x_part, neg_step, keep, out_part)
     return out
 
 
@@ -194,28 +230,28 @@ def carry_and_write(xs: list[torch.Tensor], x_pluses: list[torch.Tensor], ms: li
 
 def distance_alone(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
                    a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor, eps: float,
-                   keep: torch.Tensor | None) -> torch.Tensor:
+                   keeps: list[torch.Tensor | None]) -> torch.Tensor:
     """‖x − x½‖ over the block, x½ formed tensor by tensor in registers and never stored: for a
     client without neighbors this is step 6's ‖x − x⁺‖ before any x⁺ exists."""
     norms = [torch.linalg.vector_norm(x - adam_step(x, *moments(m, v, g, a1, a2), neg_step, bc2, eps, keep))
-             for x, m, v, g in zip(xs, ms, vs, gs)]
+             for x, m, v, g, keep in zip(xs, ms, vs, gs, keeps)]
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def step_alone(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
                weights: list[torch.Tensor], a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor,
-               eps: float, keep: torch.Tensor | None, variant: str, c1: float, c2: float) -> None:
+               eps: float, keeps: list[torch.Tensor | None], variant: str, c1: float, c2: float) -> None:
     """Steps 2–8 of a client without neighbors: ‖x − x½‖ (distance_alone; no_bma needs none), then
     update_alone. One compiled call for both passes, not one each: a call costs the host Dynamo's
     guards and the compiled code's wrappers (about 0.3 ms), and where the device waits for the host
     those are the step's time."""
-    distance = None if variant == "no_bma" else distance_alone(xs, ms, vs, gs, a1, a2, neg_step, bc2, eps, keep)
-    update_alone(xs, ms, vs, gs, weights, a1, a2, neg_step, bc2, eps, keep, distance, variant, c1, c2)
+    distance = None if variant == "no_bma" else distance_alone(xs, ms, vs, gs, a1, a2, neg_step, bc2, eps, keeps)
+    update_alone(xs, ms, vs, gs, weights, a1, a2, neg_step, bc2, eps, keeps, distance, variant, c1, c2)
 
 
 def update_alone(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], gs: list[torch.Tensor],
                  weights: list[torch.Tensor], a1: float, a2: float, neg_step: torch.Tensor, bc2: torch.Tensor,
-                 eps: float, keep: torch.Tensor | None, distance: torch.Tensor | None, variant: str, c1: float,
+                 eps: float, keeps: list[torch.Tensor | None], distance: torch.Tensor | None, variant: str, c1: float,
                  c2: float) -> None:
     """Steps 2–8 of a client without neighbors in one compiled call, tensor by tensor and in
     place: m½, v½ and x½ = x⁺ again (the same ops as distance_alone), h = (x − x½)/distance,
@@ -223,7 +259,7 @@ def update_alone(xs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.
     x, m, v and the weights once."""
     if distance is not None:
         distance = distance.clamp_min(torch.finfo(distance.dtype).tiny)
-    for x, m, v, g, w in zip(xs, ms, vs, gs, weights):
+    for x, m, v, g, w, keep in zip(xs, ms, vs, gs, weights, keeps):
         m_half, v_half = moments(m, v, g, a1, a2)
         x_half = adam_step(x, m_half, v_half, neg_step, bc2, eps, keep)
         if variant == "no_bma":

@@ -163,7 +163,7 @@ class DecaOptimizer(DecentralizedOptimizer):
         group = self.param_groups[blk.index]
         # the bias corrections restart with every block (r + 1 steps)
         return self.update.half_step(blk, lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps, t=self.step_in_block + 1,
-                                     weight_decay=group["weight_decay"],
+                                     weight_decay=group["weight_decay"], weight_decay_on=cfg.weight_decay_on,
                                      scale=clip_scale(blk.params, cfg.grad_clip, cfg.master_dtype))
 
     @torch.no_grad()
@@ -198,7 +198,7 @@ class DecaOptimizer(DecentralizedOptimizer):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        check_saved_config(state["config"], self.config.to_dict(), "DecaConfig")
+        check_saved_config(state["config"], self.config, "DecaConfig")
         if self.active is not None:
             self._deactivate()
         self.round, self.position, self.step_in_block = (

@@ -124,8 +124,8 @@ class InPlaceUpdate(EagerUpdate):
     def half_step(self, blk: ActiveBlock, *, eps: float, **step) -> torch.Tensor:
         """The step's inputs, kept for correct(), which runs the whole step; returns x as the
         payload, which the mixer hands back untouched."""
-        grads, neg_step, bc2, keep = step_inputs(blk.params, blk.master, **step)
-        self._pending = grads, (*self.config.adam_betas, neg_step, bc2, eps, keep)
+        grads, neg_step, bc2, keeps = step_inputs(blk.params, blk.master, **step)
+        self._pending = grads, (*self.config.adam_betas, neg_step, bc2, eps, keeps)
         return blk.master
 
     def correct(self, blk: ActiveBlock, x_plus: torch.Tensor) -> None:

@@ -266,7 +266,7 @@ def test_dump_config_keeps_every_option():
 
 def test_choice_lists_agree_with_the_algorithm_modules():
     from deca_ds.blocks import BLOCK_ORDERS
-    from deca_ds.config import VARIANTS
+    from deca_ds.config import VARIANTS, WEIGHT_DECAY_ON
     from deca_ds.datasets import TASKS
     from deca_ds.methods import METHODS
     from deca_ds.offload import OFFLOAD_MODES
@@ -274,6 +274,7 @@ def test_choice_lists_agree_with_the_algorithm_modules():
     from deca_ds.topology import TOPOLOGIES, WEIGHT_SCHEMES
 
     assert set(options_module.VARIANTS) == set(VARIANTS)
+    assert set(options_module.WEIGHT_DECAY_ON) == set(WEIGHT_DECAY_ON)
     assert set(options_module.TASK_NAMES) == set(TASKS)
     assert set(options_module.METHOD_NAMES) == set(METHODS)
     assert set(options_module.OFFLOAD_MODES) == set(OFFLOAD_MODES)
@@ -290,7 +291,7 @@ def test_algorithm_options_default_to_deca_configs_defaults():
 
     config = DecaConfig()
     shared = set(RunOptions.__dataclass_fields__) & set(DecaConfig.__dataclass_fields__)
-    assert len(shared) == 14
+    assert len(shared) == 15
     defaults = options_module.option_defaults()
     for name in shared:
         expected = getattr(config, name)
@@ -525,11 +526,11 @@ def test_a_baseline_runs_decas_local_adam():
     from deca_ds.models import tiny_llama
 
     opts = RunOptions(method="dadam", lr=3e-3, adam_betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
-                      master_dtype="fp64", fused_update=True, steps=5, mix_every=2)
+                      weight_decay_on="matrices", master_dtype="fp64", fused_update=True, steps=5, mix_every=2)
     adam = opts.build_method(partition_model(tiny_llama(64), 1)).config
     assert adam.adam_settings() == opts.deca_config().adam_settings() == {
-        "lr": 3e-3, "adam_betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1, "grad_clip": None,
-        "master_dtype": torch.float64, "fused_update": True}
+        "lr": 3e-3, "adam_betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1, "weight_decay_on": "matrices",
+        "grad_clip": None, "master_dtype": torch.float64, "fused_update": True}
     assert (adam.steps, adam.mix_every) == (5, 2)
 
 

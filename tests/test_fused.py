@@ -122,7 +122,9 @@ def test_the_in_place_step_is_one_compiled_call_that_stores_nothing_block_sized(
     codes = []
     with (mock.patch.object(GraphLowering, "save_output_code", codes.append),
           torch._inductor.config.patch(force_disable_caches=True)):
-        fused(fresh)(xs, ms, vs, gs, ws, 0.9, 0.999, scalar(-1e-3), scalar(0.5), 1e-8, scalar(0.99), "deca", 0.9, 0.99)
+        keep = scalar(0.99)  # the 1-D tensor not decayed, as weight_decay_on 'matrices' leaves it
+        fused(fresh)(xs, ms, vs, gs, ws, 0.9, 0.999, scalar(-1e-3), scalar(0.5), 1e-8, [keep, None, keep], "deca",
+                     0.9, 0.99)
     assert len(codes) == 1  # one graph
     shapes = re.findall(r"empty_strided_\w+\(\(([^)]*)\)", codes[0])
     assert shapes, "no buffer found in the compiled code: has its form changed?"

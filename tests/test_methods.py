@@ -256,6 +256,29 @@ def test_bad_method_options_are_named():
         DecLoRA(adam, targets=["no_such_proj"]).prepare(base_model(2))
 
 
+def test_a_baselines_weight_decay_on_matrices_leaves_its_biases():
+    """Dec-Adapter trains 2-D projections and 1-D biases: with weight_decay_on 'matrices' its first
+    local step (m̂ = g, v̂ = g⊙g) is x½ = (1 − γλ)·x − γ·g/(|g| + ε) on the projections and
+    x − γ·g/(|g| + ε) on the biases."""
+    lr, decay = 1e-2, 0.5
+    method = DecAdapter(AdamConfig(steps=1, lr=lr, weight_decay=decay, weight_decay_on="matrices",
+                                   master_dtype=torch.float64), size=SIZE)
+    model = method.prepare(base_model()).train()
+    params = method.trainable(model)
+    assert {p.ndim for p in params} == {1, 2}
+    with torch.no_grad():  # the adapters start at zero: a decay of zero would show nothing
+        for p in params:
+            p.normal_(std=0.1)
+    opt = method.optimizer(model)
+    flat = lambda ts: torch.cat([t.detach().double().reshape(-1) for t in ts])  # noqa: E731
+    x0 = flat(params)
+    model(**client_batches(1, 1)[0][0]).loss.backward()
+    g = flat([p.grad for p in params])
+    keep = torch.cat([torch.full((p.numel(),), 1 - lr * decay if p.ndim == 2 else 1.0, dtype=torch.float64)
+                      for p in params])
+    torch.testing.assert_close(opt.local_step(), keep * x0 - lr * g / (g.abs() + 1e-8), rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("name", ["dadam", "decaf"])
 def test_state_dict_round_trip_continues_identically(name):
     method = make(name, steps=4)

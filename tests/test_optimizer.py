@@ -178,6 +178,17 @@ def test_resume_with_another_config_is_refused():
         DecaOptimizer(model, config(lr=2e-3)).load_state_dict(state)
 
 
+def test_state_saved_before_a_setting_existed_resumes_as_its_default():
+    """A checkpoint's config without weight_decay_on (saved before it existed, when every tensor
+    decayed) resumes under its default 'all', and is refused under 'matrices'."""
+    model = tiny_llama(layers=2)
+    state = DecaOptimizer(model, config(weight_decay=0.1)).state_dict()
+    del state["config"]["weight_decay_on"]
+    DecaOptimizer(model, config(weight_decay=0.1)).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"different DecaConfig .*'weight_decay_on': \('all', 'matrices'\)"):
+        DecaOptimizer(model, config(weight_decay=0.1, weight_decay_on="matrices")).load_state_dict(state)
+
+
 def test_grad_clip_bounds_the_first_update():
     """With clipping at c, Adam's first step is unchanged in direction (sign) but g is scaled; with
     a tiny clip, m̂/√v̂ is still ±1, so compare m directly."""
@@ -191,16 +202,21 @@ def test_grad_clip_bounds_the_first_update():
     torch.testing.assert_close(opt.active.m, (1 - a1) * g * (1e-3 / (g.norm() + 1e-6)))
 
 
-def test_weight_decay_is_decoupled():
+@pytest.mark.parametrize("on", ["all", "matrices"])
+def test_weight_decay_is_decoupled(on):
+    """x½ = (1 − γλ)·x − γ·m̂/(√v̂ + ε) on every tensor weight_decay_on decays; on the others (with
+    'matrices' the layer's two RMSNorm weights, its only 1-D tensors) x½ = x − γ·m̂/(√v̂ + ε)."""
     model = tiny_llama(layers=2)
-    cfg = config(weight_decay=0.1, variant="no_bma")
+    cfg = config(weight_decay=0.1, weight_decay_on=on, variant="no_bma")
     opt = DecaOptimizer(model, cfg)
     x0 = opt.active.master.clone()
     model(**client_batches(1, steps=1)[0][0]).loss.backward()
     x_half = opt.adam_half_step()
     m_hat = opt.active.m / (1 - cfg.adam_betas[0])
     v_hat = opt.active.v / (1 - cfg.adam_betas[1])
-    want = x0 - cfg.lr * m_hat / (v_hat.sqrt() + cfg.eps) - cfg.lr * 0.1 * x0
+    decayed = torch.cat([torch.full((p.numel(),), on == "all" or p.ndim == 2) for p in opt.active.params])
+    assert 0 < decayed.sum() and (on == "all") == bool(decayed.all())
+    want = x0 - cfg.lr * m_hat / (v_hat.sqrt() + cfg.eps) - cfg.lr * 0.1 * x0 * decayed
     torch.testing.assert_close(x_half, want, rtol=1e-13, atol=1e-15)
 
 
@@ -217,6 +233,7 @@ ADAM_REFUSALS = [
     (dict(master_dtype="fp128"), "master_dtype must be one of"),
     (dict(grad_clip=0.0), "grad_clip must be > 0"),
     (dict(weight_decay=-1.0), "weight_decay must be >= 0"),
+    (dict(weight_decay_on="norms"), r"weight_decay_on must be one of \('all', 'matrices'\), got 'norms'"),
     (dict(fused_update="yes"), "fused_update must be True or False"),
 ]
 

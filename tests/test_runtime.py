@@ -400,6 +400,9 @@ BAD_INPUTS = {
                                                          r"client at the steps that one scores x̄ at\)"),
     "max_new_tokens_alone": (lambda t: ["--max-new-tokens", "64"], r"--max-new-tokens needs --questions \(it bounds "
                                                                    r"the answers to that one's question sets\)"),
+    # which tensors decay, without a decay: it did nothing, silently
+    "weight_decay_on_alone": (lambda t: ["--weight-decay-on", "matrices"],
+                              r"--weight-decay-on needs --weight-decay \(it chooses the tensors that one decays\)"),
     "gpu_memory_without_gpu": (lambda t: ["--gpu-memory-gb", "31"],
                                "--gpu-memory-gb 31 caps the CUDA allocator, but this rank runs on the CPU"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),

@@ -34,6 +34,10 @@ def reference_deca(model, batches, W, cfg: DecaConfig):
         for prefixes in blocks:
             names = [n for n in init if any(n.startswith(p) for p in prefixes)]
             flat = lambda x: torch.cat([x[n].reshape(-1) for n in names])  # noqa: E731
+            # 1 − γλ for each weight weight_decay_on decays ('matrices': not the 1-D norm weights), else 1
+            keep = torch.cat([torch.full((init[n].numel(),), 1 - cfg.lr * cfg.weight_decay
+                                         if cfg.weight_decay_on == "all" or init[n].ndim >= 2 else 1.0,
+                                         dtype=torch.float64) for n in names])
             m = [torch.zeros_like(flat(x)) for x in xs]
             v = [torch.zeros_like(flat(x)) for x in xs]
             for r in range(cfg.steps_per_block):
@@ -48,7 +52,7 @@ def reference_deca(model, batches, W, cfg: DecaConfig):
                     m_hat = m_half / (1 - a1 ** (r + 1))
                     v_hat = v_half / (1 - a2 ** (r + 1))
                     x_old.append(flat(x))
-                    x_half.append(x_old[i] - cfg.lr * m_hat / (torch.sqrt(v_hat) + cfg.eps))
+                    x_half.append(keep * x_old[i] - cfg.lr * m_hat / (torch.sqrt(v_hat) + cfg.eps))
                     halves.append((m_half, v_half))
                 stacked = torch.stack(x_half)
                 x_plus = torch.tensor(W, dtype=torch.float64) @ stacked
@@ -87,11 +91,14 @@ def test_simulator_matches_float64_reference(topology, variant, fused_update):
     """One client (W = [1]) takes the fused update's in-place path, the others the general one.
     The fused cases cut 2 layers into 2 blocks: a compiled kernel is specialised to the number of
     tensors it is given, so uneven blocks (3 layers by 2) would compile each one twice; a last,
-    shorter block is the partition's, which the eager cases cover."""
+    shorter block is the partition's, which the eager cases cover. The ring and the one client decay
+    the matrices (weight_decay_on 'matrices': each block holds tensors that decay and tensors that
+    do not), Erdős–Rényi nothing."""
     layers, lpb = (2, 1) if fused_update else (LAYERS, LPB)
     W = np.ones((1, 1)) if topology == "one client" else make_topology(topology, N, p=0.5, seed=3).W
+    decay = {} if topology == "erdos_renyi" else dict(weight_decay=0.5, weight_decay_on="matrices")
     cfg = DecaConfig(lr=1e-3, bma_betas=(0.3, 0.333), steps_per_block=R, rounds=T, layers_per_block=lpb,
-                     variant=variant, master_dtype=torch.float64, fused_update=fused_update)
+                     variant=variant, master_dtype=torch.float64, fused_update=fused_update, **decay)
     model = tiny_llama(layers)
     batches = client_batches(len(W), steps=T * 2 * R)
     got = simulate(model, batches, W, cfg)

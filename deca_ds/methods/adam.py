@@ -88,7 +88,7 @@ class MixedAdam(DecentralizedOptimizer):
             raise RuntimeError(f"all {self.total_steps} steps are done")
         cfg, group = self.config, self.param_groups[0]
         return half_step(self.params, self.master, self.m, self.v, lr=group["lr"], betas=cfg.adam_betas, eps=cfg.eps,
-                         t=self.t + 1, weight_decay=group["weight_decay"],
+                         t=self.t + 1, weight_decay=group["weight_decay"], weight_decay_on=cfg.weight_decay_on,
                          scale=clip_scale(self.params, cfg.grad_clip, cfg.master_dtype), use_fused=cfg.fused_update)
 
     @torch.no_grad()
@@ -114,7 +114,7 @@ class MixedAdam(DecentralizedOptimizer):
                 "lr": self.param_groups[0]["lr"], "config": self.config.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        check_saved_config(state["config"], self.config.to_dict(), "config")
+        check_saved_config(state["config"], self.config, "config")
         self.t = state["t"]
         self.param_groups[0]["lr"] = state["lr"]
         for name in ("master", "m", "v"):

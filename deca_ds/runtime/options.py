@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ..methods import Method
 
 VARIANTS = ("deca", "trivial_bma", "no_bma")  # deca_ds.config.VARIANTS
+WEIGHT_DECAY_ON = ("all", "matrices")  # deca_ds.config.WEIGHT_DECAY_ON
 TASK_NAMES = ("nwgi", "agnews", "tfns", "mnli", "alpaca")  # deca_ds.datasets.TASKS
 METHOD_NAMES = ("deca", "dadam", "dec_lora", "dec_adapter", "decaf")  # deca_ds.methods.METHODS
 OFFLOAD_MODES = ("none", "frozen")  # deca_ds.offload.OFFLOAD_MODES
@@ -90,7 +91,8 @@ def unread_in(options: dict) -> set[str]:
 # Options that act only with another (given alone, they did nothing, silently), and why
 NEEDS = {"trace_start": ("trace_steps", "it is the first of the steps that one traces"),
          "eval_clients": ("eval_interval", "it scores each client at the steps that one scores x̄ at"),
-         "max_new_tokens": ("questions", "it bounds the answers to that one's question sets")}
+         "max_new_tokens": ("questions", "it bounds the answers to that one's question sets"),
+         "weight_decay_on": ("weight_decay", "it chooses the tensors that one decays")}
 
 
 def read_options(saved: dict) -> dict:
@@ -223,8 +225,11 @@ class RunOptions:
     lr: float = _opt(5e-5, "learning rate γ")
     adam_betas: tuple[float, float] = _opt((0.9, 0.999), "Adam α1 α2")
     eps: float = _opt(1e-8, "Adam ε")
-    weight_decay: float = _opt(0.0, "decoupled weight decay λ (AdamW): each step scales the trained weights by "
-                               "1−γλ, every trained tensor alike, norms and biases too (0 = off, the paper's)")
+    weight_decay: float = _opt(0.0, "decoupled weight decay λ (AdamW): each step scales the trained tensors "
+                               "--weight-decay-on names by 1−γλ (0 = off, the paper's)")
+    weight_decay_on: str = _opt("all", "what --weight-decay scales: 'all' trained tensors (torch's AdamW), or "
+                                "'matrices', those of 2+ dimensions: not norm weights nor biases (HF Trainer's)",
+                                choices=WEIGHT_DECAY_ON)
     bma_betas: tuple[float, float] = _opt((0.9, 0.999), "BMA β1 β2")
     variant: str = _opt("deca", "moment correction", choices=VARIANTS)
     block_order: str = _opt("ascending", "block order per round", choices=BLOCK_ORDERS)
@@ -412,7 +417,7 @@ class RunOptions:
 
         return DecaConfig(
             lr=self.lr, adam_betas=self.adam_betas, bma_betas=self.bma_betas, eps=self.eps,
-            weight_decay=self.weight_decay,
+            weight_decay=self.weight_decay, weight_decay_on=self.weight_decay_on,
             steps_per_block=self.steps_per_block, rounds=self.rounds,
             layers_per_block=self.layers_per_block, variant=self.variant, block_order=self.block_order,
             seed=self.seed, master_dtype=parse_dtype(self.master_dtype), state_bits=self.state_bits,
