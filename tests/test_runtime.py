@@ -179,6 +179,46 @@ def test_without_a_launcher_one_rank_trains_one_client_as_the_simulator_does(tmp
     assert any((want - init[name]).abs().max() > 1e-3 for name, want in simulated[0].items())
 
 
+def test_a_resumed_run_goes_on_along_its_presets_lr_schedule(tmp_path):
+    """A preset's DeepSpeed `scheduler` (a linear warm-up longer than the run: every step's lr
+    differs): the run resumed from its checkpoint at step 2 of 6 ends with the bits of the run that
+    went through. Before, the schedule started over at the resume (from the second step after it,
+    the warm-up's first lr again)."""
+    preset = tmp_path / "warmup.json"
+    preset.write_text(json.dumps({**json.loads(Path(PRESET).read_text()), "scheduler": {
+        "type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_num_steps": 10, "warmup_type": "linear"}}}))
+    args = ["--ds_config", str(preset), "--layers-per-block", "2", "--steps-per-block", "3", "--rounds", "1",
+            "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16",
+            "--consensus-interval", "0", "--checkpoint-interval", "2", "--keep-checkpoints", "3"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+
+    def run(out: Path, *extra: str) -> str:
+        rank = start_rank([*args, "--output-dir", str(out), *extra], unlaunched_env(), ROOT, out.with_suffix(".out"),
+                          out.with_suffix(".err"))
+        assert wait_all([rank], timeout=300) == [0], out.with_suffix(".err").read_text()[-3000:]
+        return out.with_suffix(".out").read_text()
+
+    run(whole)
+    shutil.copytree(whole, resumed)
+    for step in (4, 6):  # as if stopped after its checkpoint at step 2
+        shutil.rmtree(resumed / "checkpoints" / f"step_{step:08d}")
+    assert "resumed from step 2 of 6" in run(resumed, "--resume")
+    got, want = (load_file(out / "consensus" / "model.safetensors") for out in (resumed, whole))
+    assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_a_checkpoint_from_before_the_schedule_was_kept_resumes_where_deepspeed_had_stepped_it():
+    """A checkpoint without the schedule's state: DeepSpeed stepped it once per step, skipped ones
+    included, so at step 5 after 2 skips it stands where 7 steps of a real schedule leave it."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    schedule = WarmupLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), warmup_num_steps=10)
+    for _ in range(7):
+        schedule.step()
+    assert trainer.schedule_state({"step": 5, "nonfinite_skipped": 2}, 5) == schedule.state_dict()
+    assert trainer.schedule_state({"lr_scheduler": {"last_batch_iteration": 3}}, 5) == {"last_batch_iteration": 3}
+
+
 def test_a_launch_with_some_of_its_variables_is_refused(monkeypatch):
     for var in LAUNCH_VARS[1:]:
         monkeypatch.delenv(var, raising=False)
