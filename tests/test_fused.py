@@ -72,10 +72,11 @@ def test_fused_step_equals_eager_in_fp32_with_bf16_weights(variant):
 def test_a_client_without_neighbors_updates_in_place(variant):
     """N = 1, fused: the local step stores no x½ (its payload is x itself, the gradients stay),
     and the correction writes x⁺ = x½ over x. Against the eager path from identical state each
-    step: x, m, v agree to rounding. (Exactness in float64: test_simulator_exact, N = 1.)"""
+    step (the matrices decayed, the norms not): x, m, v agree to rounding. (Exactness in float64:
+    test_simulator_exact, N = 1.)"""
     base = tiny_llama(layers=2, dtype=torch.bfloat16)
     cfg = dict(lr=1e-3, steps_per_block=3, rounds=1, layers_per_block=1, variant=variant,
-               weight_decay=0.01, grad_clip=0.5)
+               weight_decay=0.01, weight_decay_on="matrices", grad_clip=0.5)
     eager, fused = copy.deepcopy(base), copy.deepcopy(base)
     opts = DecaOptimizer(eager, DecaConfig(**cfg)), DecaOptimizer(fused, DecaConfig(**cfg, fused_update=True))
     state = lambda opt: [getattr(opt.active, k) for k in ("master", "m", "v")]  # noqa: E731

@@ -91,12 +91,12 @@ def test_simulator_matches_float64_reference(topology, variant, fused_update):
     """One client (W = [1]) takes the fused update's in-place path, the others the general one.
     The fused cases cut 2 layers into 2 blocks: a compiled kernel is specialised to the number of
     tensors it is given, so uneven blocks (3 layers by 2) would compile each one twice; a last,
-    shorter block is the partition's, which the eager cases cover. The ring and the one client decay
-    the matrices (weight_decay_on 'matrices': each block holds tensors that decay and tensors that
-    do not), Erdős–Rényi nothing."""
+    shorter block is the partition's, which the eager cases cover. The ring decays the matrices
+    (weight_decay_on 'matrices': each block holds tensors that decay and tensors that do not), the
+    others nothing (the in-place path's decay: test_fused, against the eager path this holds)."""
     layers, lpb = (2, 1) if fused_update else (LAYERS, LPB)
     W = np.ones((1, 1)) if topology == "one client" else make_topology(topology, N, p=0.5, seed=3).W
-    decay = {} if topology == "erdos_renyi" else dict(weight_decay=0.5, weight_decay_on="matrices")
+    decay = dict(weight_decay=0.5, weight_decay_on="matrices") if topology == "ring" else {}
     cfg = DecaConfig(lr=1e-3, bma_betas=(0.3, 0.333), steps_per_block=R, rounds=T, layers_per_block=lpb,
                      variant=variant, master_dtype=torch.float64, fused_update=fused_update, **decay)
     model = tiny_llama(layers)
