@@ -383,7 +383,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     if opts.resume:
         optimizer.load_state_dict(state["optimizer"])
         if engine.lr_scheduler is not None:  # where the preset's schedule was, or it would start over
-            engine.lr_scheduler.load_state_dict(schedule_state(state["rank"], start))
+            engine.lr_scheduler.load_state_dict(schedule_state(start, state["rank"].get("nonfinite_skipped", 0)))
         stream.load_state_dict(state["rank"]["stream"])
         restore_random_state(state["rank"])
         if rank == 0:
@@ -514,7 +514,7 @@ class Job:
         # the last step's too: a run whose end fails (x̄, its export, its evaluation) resumes straight to it
         if opts.checkpoint_interval and ((step + 1) % opts.checkpoint_interval == 0 or optimizer.done):
             with offload.host_weights():
-                save_checkpoint(self.out, step + 1, layout, self.engine, optimizer, self.stream,
+                save_checkpoint(self.out, step + 1, layout, self.engine.module, optimizer, self.stream,
                                 opts.keep_checkpoints, self.skipped)
         return True
 
@@ -623,14 +623,13 @@ def evaluate_during_training(model, optimizer: DecentralizedOptimizer, task: Tas
     return record
 
 
-def save_checkpoint(out: Path, step: int, layout: ClientLayout, engine, optimizer: DecentralizedOptimizer,
+def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer: DecentralizedOptimizer,
                     stream: ClientStream, keep: int, nonfinite_skipped: int = 0) -> None:
     lead = layout.local_rank == 0
-    schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     ckpt.save_client(out, step, layout.client, layout.local_rank,
-                     model=engine.module if lead else None, optimizer_state=optimizer.state_dict() if lead else None,
+                     model=model if lead else None, optimizer_state=optimizer.state_dict() if lead else None,
                      rank_state={"step": step, "stream": stream.state_dict(), "nonfinite_skipped": nonfinite_skipped,
-                                 "lr_scheduler": schedule, **random_state()})
+                                 **random_state()})
     dist.barrier()  # every client has `step` before anyone drops an older one
     if lead:
         done = ckpt.complete_steps(out, layout.client, layout.ranks_per_client, hashes=False)  # sizes only: cheap
@@ -639,12 +638,11 @@ def save_checkpoint(out: Path, step: int, layout: ClientLayout, engine, optimize
         ckpt.prune_rank(out, layout.client, layout.local_rank, keep)
 
 
-def schedule_state(rank_state: dict, step: int) -> dict:
-    """The state of a preset's DeepSpeed LR schedule at checkpoint `step`: as the checkpoint saved
-    it, or for one saved before it was kept, as far as DeepSpeed's engine had stepped it: once a
-    step, a step --skip-nonfinite skipped too (the rank's count of those is saved)."""
-    return rank_state.get("lr_scheduler") or {
-        "last_batch_iteration": step + rank_state.get("nonfinite_skipped", 0) - 1}
+def schedule_state(step: int, skipped: int) -> dict:
+    """The state of a preset's DeepSpeed LR schedule at checkpoint `step`, derived from what every
+    checkpoint holds: DeepSpeed's engine steps it once a step, each of the `skipped` steps
+    --skip-nonfinite skipped too."""
+    return {"last_batch_iteration": step + skipped - 1}
 
 
 def node_lead() -> bool:
