@@ -207,17 +207,6 @@ def test_a_resumed_run_goes_on_along_its_presets_lr_schedule(tmp_path):
     assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
 
 
-def test_a_resumed_schedule_counts_the_steps_deepspeed_stepped_it():
-    """DeepSpeed steps the schedule once per step, skipped ones included, so at checkpoint step 5
-    after 2 skips it stands where 7 steps of a real schedule leave it."""
-    from deepspeed.runtime.lr_schedules import WarmupLR
-
-    schedule = WarmupLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), warmup_num_steps=10)
-    for _ in range(7):
-        schedule.step()
-    assert trainer.schedule_state(5, 2) == schedule.state_dict()
-
-
 def test_a_launch_with_some_of_its_variables_is_refused(monkeypatch):
     for var in LAUNCH_VARS[1:]:
         monkeypatch.delenv(var, raising=False)

@@ -617,22 +617,51 @@ def test_a_dead_rank_under_the_launcher_is_named(tmp_path):
 
 # ---- 2b. --skip-nonfinite skips on every rank, counts, and gives up on a diverged run -------------
 
-def test_skipped_update_runs_engine_step_without_the_optimizer_step():
-    import torch
+def steps_of_an_engine(rank: int, init: str, extensions: str) -> dict:
+    """Three steps of a real DeepSpeed engine with a preset's LR schedule (a CPU rank in a gloo job
+    of one), the second skipped: what each did to the weights and gradients, and where the schedule
+    and the engine's count of skipped steps end."""
+    import os
 
-    class Counting(torch.optim.SGD):
-        steps = 0
+    import torch.distributed as dist
 
-        def step(self, closure=None):
-            Counting.steps += 1
+    from deca_ds.runtime.ds_engine import ClientMPU, initialize
 
-    opt = Counting([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    with nonfinite.skipped_update(opt, True):
-        opt.step()
-    with nonfinite.skipped_update(opt, False):
-        opt.step()
-    opt.step()
-    assert Counting.steps == 2 and "step" not in vars(opt)
+    os.environ.update(TORCH_EXTENSIONS_DIR=extensions, LOCAL_RANK="0")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        group = dist.new_group([0])
+        config = {"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10, "warmup_type": "linear"}}}
+        engine = initialize(model, optimizer, config, ClientMPU(group, [0], group), torch.device("cpu"))
+        moved, cleared = [], []
+        for skip in (False, True, False):
+            engine.backward(engine(torch.ones(1, 2)).sum())
+            before = model.weight.detach().clone()
+            with nonfinite.skipped_update(optimizer, skip):
+                engine.step()
+            moved.append(not torch.equal(before, model.weight))
+            cleared.append(model.weight.grad is None or not model.weight.grad.any().item())
+        return {"moved": moved, "cleared": cleared, "schedule": engine.lr_scheduler.state_dict(),
+                "skipped": engine.skipped_steps, "left": sorted({"step", "overflow"} & set(vars(optimizer)))}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_skipped_step_leaves_the_weights_and_the_lr_schedule_where_they_were(tmp_path):
+    """DeepSpeed's engine.step() runs without the optimizer's step and, like a step it skips for an
+    fp16 overflow, without stepping a preset's LR schedule: after 2 steps taken and 1 skipped the
+    schedule stands where --resume puts it at step 2. Before, it advanced on skipped steps too, so
+    each skip moved a warm-up a step ahead of the steps taken."""
+    from ranks import run_on_ranks
+
+    (tmp_path / "extensions").mkdir()
+    [seen] = run_on_ranks(steps_of_an_engine, 1, f"file://{tmp_path / 'store'}", str(tmp_path / "extensions"))
+    assert seen["moved"] == [True, False, True] and all(seen["cleared"])
+    assert seen["schedule"] == trainer.schedule_state(2) and seen["skipped"] == 1
+    assert seen["left"] == []  # the class's step again, and no overflow flag
 
 
 def test_nonfinite_problem_sees_losses_and_gradients():

@@ -72,15 +72,19 @@ def nonfinite_problem(losses: list[float], model: torch.nn.Module) -> int:
 @contextmanager
 def skipped_update(optimizer: DecentralizedOptimizer, skip: bool):
     """DeepSpeed's engine.step() on the accumulation boundary without the optimizer's step (no
-    update, no mixing, the schedule does not advance); the gradients are still cleared."""
+    update, no mixing, DECA's schedule does not advance); the gradients are still cleared. The
+    engine takes the step for an fp16 overflow (its `overflow` flag): it counts it in
+    `skipped_steps` and leaves a preset's LR schedule where it was, so the schedule follows the
+    steps taken, as DECA's blocks do."""
     if not skip:
         yield
         return
     optimizer.step = lambda closure=None: None
+    optimizer.overflow = True
     try:
         yield
     finally:
-        del optimizer.step  # the class's step again
+        del optimizer.step, optimizer.overflow  # the class's step again, and no flag
 
 
 # Consecutive skipped steps after which --skip-nonfinite gives up (the run has diverged).

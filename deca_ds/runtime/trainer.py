@@ -383,7 +383,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     if opts.resume:
         optimizer.load_state_dict(state["optimizer"])
         if engine.lr_scheduler is not None:  # where the preset's schedule was, or it would start over
-            engine.lr_scheduler.load_state_dict(schedule_state(start, state["rank"].get("nonfinite_skipped", 0)))
+            engine.lr_scheduler.load_state_dict(schedule_state(start))
         stream.load_state_dict(state["rank"]["stream"])
         restore_random_state(state["rank"])
         if rank == 0:
@@ -638,11 +638,10 @@ def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer
         ckpt.prune_rank(out, layout.client, layout.local_rank, keep)
 
 
-def schedule_state(step: int, skipped: int) -> dict:
-    """The state of a preset's DeepSpeed LR schedule at checkpoint `step`, derived from what every
-    checkpoint holds: DeepSpeed's engine steps it once a step, each of the `skipped` steps
-    --skip-nonfinite skipped too."""
-    return {"last_batch_iteration": step + skipped - 1}
+def schedule_state(step: int) -> dict:
+    """The state of a preset's DeepSpeed LR schedule at checkpoint `step`: DeepSpeed's engine steps
+    it once for each step taken (not for those --skip-nonfinite skipped: nonfinite.skipped_update)."""
+    return {"last_batch_iteration": step - 1}
 
 
 def node_lead() -> bool:
