@@ -180,14 +180,12 @@ def test_without_a_launcher_one_rank_trains_one_client_as_the_simulator_does(tmp
 
 
 def test_a_resumed_run_goes_on_along_its_presets_lr_schedule(tmp_path):
-    """A preset's DeepSpeed `scheduler` (a linear warm-up longer than the run: every step's lr
-    differs): the run resumed from its checkpoint at step 2 of 6 ends with the bits of the run that
-    went through. Before, the schedule started over at the resume (from the second step after it,
-    the warm-up's first lr again)."""
-    preset = tmp_path / "warmup.json"
-    preset.write_text(json.dumps({**json.loads(Path(PRESET).read_text()), "scheduler": {
-        "type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_num_steps": 10, "warmup_type": "linear"}}}))
-    args = ["--ds_config", str(preset), "--layers-per-block", "2", "--steps-per-block", "3", "--rounds", "1",
+    """A preset's `scheduler` (torch's cosine annealing, which computes each step's lr from the one
+    before; every step's lr differs): the run resumed from its checkpoint at step 2 of 6 ends with
+    the bits of the run that went through. Before, the schedule started over at the resume, and a
+    torch schedule was given a DeepSpeed schedule's state, which it kept beside its own."""
+    preset = write_preset(tmp_path, scheduler={"type": "CosineAnnealingLR", "params": {"T_max": 7}})
+    args = ["--ds_config", preset, "--layers-per-block", "2", "--steps-per-block", "3", "--rounds", "1",
             "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16",
             "--consensus-interval", "0", "--checkpoint-interval", "2", "--keep-checkpoints", "3"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -205,6 +203,35 @@ def test_a_resumed_run_goes_on_along_its_presets_lr_schedule(tmp_path):
     assert "resumed from step 2 of 6" in run(resumed, "--resume")
     got, want = (load_file(out / "consensus" / "model.safetensors") for out in (resumed, whole))
     assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+
+
+@pytest.mark.parametrize("spec", [
+    {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}},
+    {"type": "CosineAnnealingLR", "params": {"T_max": 7}}], ids=["deepspeed", "torch"])
+def test_a_schedule_stepped_to_a_checkpoint_goes_on_as_one_that_went_through(spec):
+    """lr_schedule.go_to: a new schedule stepped 4 times, then given the optimizer's saved lr (as a
+    checkpoint's state loads it), takes the next 3 steps' lr of a schedule stepped 7 times, to the bit."""
+    from deca_ds.runtime import lr_schedule
+
+    def lrs(optimizer, schedule, steps: int) -> list[float]:
+        seen = []
+        for _ in range(steps):
+            optimizer.step()
+            schedule.step()
+            seen.append(optimizer.param_groups[0]["lr"])
+        return seen
+
+    def sgd():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    optimizer = sgd()
+    whole = lrs(optimizer, lr_schedule.build(optimizer, spec), 7)
+    assert len(set(whole)) == 7
+    optimizer = sgd()
+    schedule = lr_schedule.build(optimizer, spec)
+    lr_schedule.go_to(schedule, 4)
+    optimizer.param_groups[0]["lr"] = whole[3]
+    assert lrs(optimizer, schedule, 3) == whole[4:]
 
 
 def test_a_launch_with_some_of_its_variables_is_refused(monkeypatch):
@@ -388,6 +415,13 @@ def snapshot(out: Path) -> dict:
     return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*")) if p.is_file()}
 
 
+def write_preset(tmp_path: Path, **keys) -> str:
+    """The test preset with `keys` added, as a file."""
+    path = tmp_path / "preset.json"
+    path.write_text(json.dumps({**json.loads(Path(PRESET).read_text()), **keys}))
+    return str(path)
+
+
 def write_matrix(tmp_path: Path, W) -> str:
     path = tmp_path / "W.json"
     path.write_text(json.dumps(np.asarray(W).tolist()))
@@ -444,6 +478,12 @@ BAD_INPUTS = {
     # numpy's generators take none: the run stopped in its set-up with "expected non-negative integer"
     "negative_seed": (lambda t: ["--seed", "-1"], "seed must be >= 0, got -1"),
     # the built-in tiny Llama's 128 positions: a learned position table would be indexed past its end
+    # a preset's schedule DeepSpeed has no class of, or params its class does not take: it stopped the
+    # run in deepspeed.initialize, once the model had loaded
+    "unknown_schedule": (lambda t: ["--ds_config", write_preset(t, scheduler={"type": "WarmupCosine"})],
+                         r"scheduler type 'WarmupCosine' is not one deca-ds can run: DeepSpeed's .*WarmupCosineLR"),
+    "schedule_params": (lambda t: ["--ds_config", write_preset(t, scheduler={
+        "type": "WarmupLR", "params": {"warmup_steps": 10}})], "got an unexpected keyword argument 'warmup_steps'"),
     "beyond_the_context": (lambda t: ["--max-seq-len", "512"],
                            r"--max-seq-len 512 is longer than the model's context \(max_position_embeddings 128\): "
                            r"give --max-seq-len 128"),

@@ -653,15 +653,28 @@ def steps_of_an_engine(rank: int, init: str, extensions: str) -> dict:
 def test_a_skipped_step_leaves_the_weights_and_the_lr_schedule_where_they_were(tmp_path):
     """DeepSpeed's engine.step() runs without the optimizer's step and, like a step it skips for an
     fp16 overflow, without stepping a preset's LR schedule: after 2 steps taken and 1 skipped the
-    schedule stands where --resume puts it at step 2. Before, it advanced on skipped steps too, so
+    schedule stands where --resume puts it at step 2 (lr_schedule.go_to). Before, it advanced on skipped steps too, so
     each skip moved a warm-up a step ahead of the steps taken."""
     from ranks import run_on_ranks
 
     (tmp_path / "extensions").mkdir()
     [seen] = run_on_ranks(steps_of_an_engine, 1, f"file://{tmp_path / 'store'}", str(tmp_path / "extensions"))
     assert seen["moved"] == [True, False, True] and all(seen["cleared"])
-    assert seen["schedule"] == trainer.schedule_state(2) and seen["skipped"] == 1
+    assert seen["schedule"] == {"last_batch_iteration": 1} and seen["skipped"] == 1  # -1 as built, +1 a step taken
     assert seen["left"] == []  # the class's step again, and no overflow flag
+
+
+def test_a_skipped_step_gives_back_a_torch_schedules_wrapper_of_the_step():
+    """torch's LR schedules wrap their optimizer's step on the instance (to count its calls); a
+    skipped step puts that wrapper back, not the class's step."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=3)
+    wrapped = vars(optimizer)["step"]
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(1)
+    with nonfinite.skipped_update(optimizer, True):
+        optimizer.step()
+    assert vars(optimizer)["step"] is wrapped and "overflow" not in vars(optimizer)
+    assert optimizer.param_groups[0]["params"][0].item() == 1.0
 
 
 def test_nonfinite_problem_sees_losses_and_gradients():

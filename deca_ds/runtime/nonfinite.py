@@ -79,12 +79,17 @@ def skipped_update(optimizer: DecentralizedOptimizer, skip: bool):
     if not skip:
         yield
         return
+    own = vars(optimizer).get("step")  # a torch LR schedule wraps the step (it counts the calls)
     optimizer.step = lambda closure=None: None
     optimizer.overflow = True
     try:
         yield
     finally:
-        del optimizer.step, optimizer.overflow  # the class's step again, and no flag
+        del optimizer.overflow
+        if own is None:
+            del optimizer.step  # the class's step again
+        else:
+            optimizer.step = own
 
 
 # Consecutive skipped steps after which --skip-nonfinite gives up (the run has diverged).

@@ -681,6 +681,10 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, dict]:
     file_preset = file_values.pop("deepspeed", NO_PRESET)
     spec, source = (cli_preset, "--preset") if cli_preset is not None else (file_preset, f"{run_file}: deepspeed")
     ds_config, preset = _preset(spec, source)
+    if "scheduler" in ds_config:  # a misspelt schedule stops here, not once the model has loaded
+        from . import lr_schedule
+
+        lr_schedule.check(ds_config["scheduler"], spec if isinstance(spec, str) else source)
     merged = convert_options(preset, f"\"deca\" section of {spec if isinstance(spec, str) else source}")
     if run_file:
         merged.update(convert_options(file_values, run_file))

@@ -19,7 +19,9 @@ HONORED = {
     "gradient_clipping": "global-norm clipping of the trained gradient (DECA's: the active block's), as the "
                          "simulator's grad_clip computes it (default 0 = off, unlike DeepSpeed's 1.0)",
     "activation_checkpointing": "turns on non-reentrant activation checkpointing of the decoder layers",
-    "scheduler": "DeepSpeed LR schedule, applied to the active block's lr",
+    "scheduler": "LR schedule, stepped once a step taken and applied to the trained lr: `type` one of "
+                 "DeepSpeed's lr_schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) or a "
+                 "torch.optim.lr_scheduler class (CosineAnnealingLR, …), `params` its arguments; checked at once",
     "steps_per_print": "DeepSpeed's own log interval",
     "wall_clock_breakdown": "DeepSpeed's own timers",
     "zero_optimization": "stage 0 only",

@@ -45,7 +45,7 @@ from ..reporting import commit, cpu_kernels
 from ..rng import client_seed, random_state, restore_random_state
 from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
-from . import cleanup, outputs
+from . import cleanup, lr_schedule, outputs
 from .allocated import DeviceMemory, TensorBytes, counting, cpu_counter
 from .consensus import consensus_distance, consensus_weights, export_consensus
 from .dist import (
@@ -381,9 +381,9 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     stream = task.stream(opts, layout.client)
 
     if opts.resume:
-        optimizer.load_state_dict(state["optimizer"])
         if engine.lr_scheduler is not None:  # where the preset's schedule was, or it would start over
-            engine.lr_scheduler.load_state_dict(schedule_state(start))
+            lr_schedule.go_to(engine.lr_scheduler, start)
+        optimizer.load_state_dict(state["optimizer"])
         stream.load_state_dict(state["rank"]["stream"])
         restore_random_state(state["rank"])
         if rank == 0:
@@ -636,12 +636,6 @@ def save_checkpoint(out: Path, step: int, layout: ClientLayout, model, optimizer
         ckpt.prune(out, layout.client, done[-keep:])
     else:
         ckpt.prune_rank(out, layout.client, layout.local_rank, keep)
-
-
-def schedule_state(step: int) -> dict:
-    """The state of a preset's DeepSpeed LR schedule at checkpoint `step`: DeepSpeed's engine steps
-    it once for each step taken (not for those --skip-nonfinite skipped: nonfinite.skipped_update)."""
-    return {"last_batch_iteration": step - 1}
 
 
 def node_lead() -> bool:
