@@ -357,22 +357,27 @@ def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     assert not any(tmp_path.iterdir())  # nothing was written
 
 
-def test_a_ds_config_that_clips_or_schedules_is_refused_on_the_simulate_backend(tmp_path):
-    """gradient_clipping and a scheduler change a deepspeed cell's steps (DeepSpeed's engine applies
-    them), but a simulated cell's options carry neither: such a grid is refused on the simulate
-    backend, before any run, rather than run there without them; the deepspeed backend takes it."""
+def test_a_presets_clipping_and_schedule_are_a_cells_settings(tmp_path):
+    """gradient_clipping and a scheduler change what a step computes: each cell carries them, on
+    either backend, so a finished cell run without them is not taken for one with them; a schedule
+    DeepSpeed cannot build is refused when the grid is read, before any cell runs."""
     preset = json.loads((ROOT / "ds_configs" / "cpu_demo.json").read_text())
+    from deca_ds.reproduce.cells import settings_changed
+
     runs = tmp_path / "runs"
-    for name, keys, says in (
-            ("clipped", {"gradient_clipping": 1.0}, "gradient_clipping 1.0"),
-            ("both", {"gradient_clipping": 0.5, "scheduler": {"type": "WarmupLR"}},
-             "gradient_clipping 0.5 and scheduler {'type': 'WarmupLR'}")):
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({**preset, **keys}))
-        with pytest.raises(GridError, match=rf"ds_config {re.escape(str(path))} sets {re.escape(says)}, which the "
-                                            "simulate backend does not apply; use the deepspeed backend"):
-            build_grid(tiny_grid("tiny", backend="simulate", ds_config=str(path)), runs_dir=runs)
-        assert build_grid(tiny_grid("tiny", backend="deepspeed", ds_config=str(path)), runs_dir=runs).cells
+    keys = {"gradient_clipping": 0.5, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
+    path = tmp_path / "clipped.json"
+    path.write_text(json.dumps({**preset, **keys}))
+    plain = build_grid(tiny_grid("tiny", backend="simulate", ds_config="cpu_demo"), runs_dir=runs).cells[0]
+    for backend in ("simulate", "deepspeed"):
+        cell = build_grid(tiny_grid("tiny", backend=backend, ds_config=str(path)), runs_dir=runs).cells[0]
+        assert cell.settings()["deepspeed"] == keys
+        assert settings_changed(plain.settings(), cell.settings()) == [
+            "the preset's gradient_clipping", "the preset's scheduler"]
+    assert "deepspeed" not in plain.settings()  # the settings of cells saved before the keys were compare alike
+    path.write_text(json.dumps({**preset, "scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 4}}}))
+    with pytest.raises(GridError, match=r"ds_config: .*scheduler .*unexpected keyword argument 'warmup_steps'"):
+        build_grid(tiny_grid("tiny", backend="simulate", ds_config=str(path)), runs_dir=runs)
     assert not runs.exists()
 
 
@@ -901,16 +906,24 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
     ranks, and with clients_per_gpu 2 on two ranks torchrun starts on one GPU (here CPU ranks, which
     ignore its --device-map) over gloo; and one of DeCAF (its consensus is no mean) simulated and
     shared: every step's loss and the scores and the final consensus distance are the same, so where
-    a grid's cells run changes no result (one thread each: torchrun's default)."""
+    a grid's cells run changes no result (one thread each: torchrun's default). The preset clips the
+    gradient and warms the lr up, which DeepSpeed's engine applies on ranks and the simulated cell
+    itself (they changed the losses: the same cell simulated without them)."""
     from deca_ds.reproduce.cells import run_grid
     from deca_ds.reproduce.placement import Placement
 
+    preset = tmp_path / "clipped.json"
+    preset.write_text(json.dumps({**json.loads((ROOT / "ds_configs" / "cpu_demo.json").read_text()),
+                                  "gradient_clipping": 0.5, "scheduler": {"type": "WarmupLR", "params": {
+                                      "warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 4,
+                                      "warmup_type": "linear"}}}))
     cells = {}
-    for name in ways:
-        backend, sharing = WAYS[name]
-        ranks = {"ds_config": "ds_configs/cpu_demo.json", "clients_per_gpu": sharing} if backend == "deepspeed" else {}
+    for name in ("plain", *ways):
+        backend, sharing = WAYS.get(name, ("simulate", 1))
+        ranks = {"clients_per_gpu": sharing} if backend == "deepspeed" else {}
         grid = tiny_grid("tiny", backend=backend, methods=[method], seeds=[0], threads=1,
-                         runs_dir=str(tmp_path / name), **ranks)
+                         runs_dir=str(tmp_path / name), ds_config="cpu_demo" if name == "plain" else str(preset),
+                         **ranks)
         grid["options"].update(clients=2, topology="ring", eval_limit=8)
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(grid))
         built = load_grid(str(tmp_path / f"{name}.yaml"))
@@ -932,6 +945,8 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
     for name in ways[1:]:
         assert read(cells[name]) == read(cells["simulated"]), name
         assert final(cells[name]) == final(cells["simulated"]), name
+    changed = [a["loss"] != b["loss"] for a, b in zip(read(cells["plain"]), read(cells["simulated"]))]
+    assert not changed[0] and all(changed[1:])  # the first loss is the model's before any step
 
 
 def reference_and_stopped(tmp_path, grid: dict, **reference) -> tuple[dict, Grid]:
@@ -1033,12 +1048,17 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
     """A simulated cell with checkpoint_interval, stopped between its first and second checkpoint
     (the first mid-block for DECA; LoRA's dropout draws from each client's saved generators), goes on from
     the first in the next run of the grid, logs the steps after it again, and ends with the metrics
-    and scores of an uninterrupted run, to the bit."""
+    and scores of an uninterrupted run, to the bit; its preset's torch schedule (each lr computed
+    from the one before) goes on from where it was."""
     from deca_ds.reproduce import cells, simulated
     from deca_ds.reproduce.cli import main
     from helpers import torch_threads
 
-    grid = tiny_grid("tiny", methods=["deca", "dec_lora"], seeds=[0], results_dir=str(tmp_path / "res"))
+    preset = tmp_path / "cosine.json"
+    preset.write_text(json.dumps({**json.loads((ROOT / "ds_configs" / "cpu_demo.json").read_text()),
+                                  "scheduler": {"type": "CosineAnnealingLR", "params": {"T_max": 12}}}))
+    grid = tiny_grid("tiny", methods=["deca", "dec_lora"], seeds=[0], results_dir=str(tmp_path / "res"),
+                     ds_config=str(preset))
     # 4 blocks x R = 3 x T = 1: 12 steps; the checkpoint at step 4 is DECA's second block after one step
     grid["options"].update(steps_per_block=3, checkpoint_interval=4)
     files, built = reference_and_stopped(tmp_path, grid)

@@ -73,7 +73,7 @@ def settings_changed(saved: dict | None, now: dict) -> list[str]:
     compute. Options that change no result (runtime.options.NOT_RESULT, and those the cell's method
     does not read) are not compared, and an option the cell's code did not have yet counts as its
     default: a new option's default keeps the old behaviour. The base model's weights are compared
-    where both settings know them."""
+    where both settings know them, and the preset's keys that change a step (presets.STEP_KEYS)."""
     from ..runtime.options import NOT_RESULT, option_defaults, unread_in
 
     if saved is None or saved.get("key") != now["key"]:
@@ -82,6 +82,8 @@ def settings_changed(saved: dict | None, now: dict) -> list[str]:
     old, new = saved["options"], now["options"]
     changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT - unread_in(new)
                      if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
+    old_ds, new_ds = saved.get("deepspeed", {}), now.get("deepspeed", {})
+    changed += [f"the preset's {k}" for k in sorted(set(old_ds) | set(new_ds)) if old_ds.get(k) != new_ds.get(k)]
     if None not in (saved.get(BASE), now.get(BASE)) and saved[BASE] != now[BASE]:
         changed.append("the base model's weights")
     if saved.get(ANSWERED) != now.get(ANSWERED):

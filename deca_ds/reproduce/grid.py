@@ -38,7 +38,7 @@ from ..mapping_files import load_yaml, repeated
 from ..models import TINY_LLAMA
 from ..reporting import CPU_KERNELS
 from ..runtime.options import RunOptions, convert_options, option_defaults
-from ..runtime.presets import load_ds_config, shipped_file, shipped_names
+from ..runtime.presets import STEP_KEYS, load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS, task_kind
 from . import paper
 from .generation import Generation, GenerationError, parse_generation
@@ -89,6 +89,8 @@ class Cell:
     options: dict = field(hash=False, compare=False)
     tables: tuple[str, ...] = field(default=(), hash=False, compare=False)
     bma_betas: tuple[float, float] | None = None  # a `bma` sweep's betas where they differ from the options'
+    # the preset's keys that change a step (presets.STEP_KEYS) where it sets them
+    deepspeed: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -113,7 +115,9 @@ class Cell:
     def settings(self) -> dict:
         """What decides the cell's result: a finished cell with other settings is never overwritten."""
         opts = {k: v for k, v in self.options.items() if k != "output_dir"}
-        return json.loads(json.dumps({"key": self.key, "options": opts}, allow_nan=False))
+        # only where the preset sets them: the settings of cells from before they were saved still compare
+        steps = {"deepspeed": self.deepspeed} if self.deepspeed else {}
+        return json.loads(json.dumps({"key": self.key, "options": opts, **steps}, allow_nan=False))
 
 
 @dataclass
@@ -247,6 +251,10 @@ def _preset(ds_config: str | None) -> tuple[dict, dict]:
         return {}, {}
     try:
         data, deca = load_ds_config(ds_config)
+        if "scheduler" in data:
+            from ..runtime import lr_schedule
+
+            lr_schedule.check(data["scheduler"], str(ds_config))
     except ValueError as err:
         raise GridError(f"ds_config: {err}") from None
     return data, {"micro_batch": data.get("train_micro_batch_size_per_gpu"),
@@ -359,13 +367,14 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     tasks = _tasks(data["tasks"], where)
     seeds = _seeds(data["seeds"], f"{where}: seeds")
     ds_keys, preset = _preset(ds_config)  # whichever the backend: a grid run on the other one has the same cells
+    on_steps = {k: ds_keys[k] for k in STEP_KEYS if ds_keys.get(k)}
     axis_defaults = {a: base.get(a, preset.get(a, option_defaults()[a])) for a in AXES}
     sweeps = [_sweep(raw, f"{where}: sweeps[{i}]", tasks, methods, seeds, axis_defaults)
               for i, raw in enumerate(data.get("sweeps") or [{"table": "main"}])]
     runs = Path(runs_dir or data.get("runs_dir") or f"runs/{grid_name}").expanduser()
     cells = _expand(sweeps, lambda task, method, topo, n, lpb, seed, betas: _cell(
-        task, method, topo, n, lpb, seed, preset, base, tasks[task], method_options.get(method) or {}, runs, where,
-        betas))
+        task, method, topo, n, lpb, seed, preset, on_steps, base, tasks[task], method_options.get(method) or {}, runs,
+        where, betas))
     pretrain = _pretrain(data.get("pretrain"), cells, where)
     generation, generation_tasks = _generation(data.get("generation"), cells, where)
     # a generation cell's x̄ answers the question sets (deca-train --questions)
@@ -375,11 +384,6 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     budgets = {c.key: step_budget(c.options, c.method, depth) for c in cells}
     _check_budgets(cells, budgets, where)
     if backend == "simulate":
-        # DeepSpeed's engine applies these on ranks; a simulated cell's options carry neither
-        on_ranks = [f"{k} {ds_keys[k]}" for k in ("gradient_clipping", "scheduler") if ds_keys.get(k)]
-        if on_ranks:
-            raise GridError(f"{where}: ds_config {ds_config} sets {' and '.join(on_ranks)}, which the simulate "
-                            "backend does not apply; use the deepspeed backend, or a ds_config without it")
         for c in cells:
             if (c.options.get("grad_accum") or 1) != 1 or c.ranks_per_client != 1:
                 raise GridError(f"{where}: cell {c.key}: the simulate backend takes one micro-batch per client step "
@@ -585,7 +589,7 @@ def _bma_betas(values, methods: tuple[str, ...], where: str) -> tuple[tuple[floa
     return tuple(_once([(float(b1), float(b2)) for b1, b2 in pairs], f"{where}.bma_betas"))
 
 
-def _cell(task, method, topology, clients, lpb, seed, preset, base, task_opts, method_opts, runs, where,
+def _cell(task, method, topology, clients, lpb, seed, preset, on_steps, base, task_opts, method_opts, runs, where,
           betas: tuple[float, float] | None = None) -> Cell:
     options = {**preset, **base, **task_opts, **method_opts}
     options.setdefault("dataset", task)
@@ -596,7 +600,7 @@ def _cell(task, method, topology, clients, lpb, seed, preset, base, task_opts, m
         options["bma_betas"] = list(betas)
     else:
         betas = None
-    cell = Cell(task, method, topology, int(clients), int(lpb), seed, options, bma_betas=betas)
+    cell = Cell(task, method, topology, int(clients), int(lpb), seed, options, bma_betas=betas, deepspeed=on_steps)
     options["output_dir"] = str(runs / cell.key / "train")
     try:
         resolved = dataclasses.asdict(RunOptions(**options))

@@ -27,6 +27,7 @@ from ..models import compile_layers
 from ..optimizer import model_partition
 from ..reporting import commit, cpu_kernels
 from ..rng import ClientGenerators
+from ..runtime import lr_schedule
 from ..runtime.dist import local_device, to_device
 from ..runtime.options import RunOptions
 from ..runtime.progress import Progress
@@ -50,12 +51,15 @@ from .generation import ANSWERS
 
 class Recording:
     """A method that remembers the client models and optimizers simulate() builds from it, compiles
-    each client's decoder layers where the cell asks (`compile_layers`, as deca-train does) and,
-    resuming, gives each client its checkpointed weights and optimizer state."""
+    each client's decoder layers where the cell asks (`compile_layers`, as deca-train does), gives
+    each optimizer the preset's LR schedule as DeepSpeed's engine does a rank's (`schedule`; step()
+    steps them once a step) and, resuming, each client its checkpointed weights, optimizer state
+    and schedule's place."""
 
-    def __init__(self, method, saved: dict | None = None, *, compiled: bool = False) -> None:
+    def __init__(self, method, saved: dict | None = None, *, compiled: bool = False,
+                 schedule: dict | None = None) -> None:
         self.method, self.models, self.optimizers, self.saved = method, [], [], saved
-        self.compiled = compiled
+        self.compiled, self.schedule, self.schedules = compiled, schedule, []
 
     def prepare(self, model):
         model = self.method.prepare(model)
@@ -70,11 +74,20 @@ class Recording:
             model.load_state_dict(saved["models"][i])
         opt = self.method.optimizer(model, mixer)
         self.optimizers.append(opt)
+        if self.schedule:
+            self.schedules.append(lr_schedule.build(opt, self.schedule))
+            if saved:  # before the optimizer's state: a torch schedule steps from its first lr
+                lr_schedule.go_to(self.schedules[-1], saved["step"])
         if saved:
             opt.load_state_dict(saved["optimizers"][i])
             if i == len(saved["models"]) - 1:  # simulate() builds the last client just before its first step
                 self.saved = None  # the clients hold their own copies now
         return opt
+
+    def step(self) -> None:
+        """After every client's step: each schedule's step (DeepSpeed's engine steps a rank's then)."""
+        for schedule in self.schedules:
+            schedule.step()
 
 
 def save_checkpoint(d: Path, step: int, recording: Recording, streams: list, generators, wall_s: float) -> None:
@@ -139,7 +152,9 @@ def run_simulated(d: Path) -> dict:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    opts = RunOptions(**read_json(d / CELL)["options"])
+    cell = read_json(d / CELL)
+    opts = RunOptions(**cell["options"])
+    steps = cell["settings"].get("deepspeed", {})  # the preset's keys that change a step, as on ranks
     n = opts.clients
     topology = make_topology(opts.topology, n, weights=opts.weights, p=opts.er_p, seed=opts.topology_seed,
                              matrix_file=opts.matrix_file)
@@ -148,11 +163,11 @@ def run_simulated(d: Path) -> dict:
     device = local_device(opts.device_map)
     model = build_model(opts, len(task.tokenizer)).to(device)
     partition = model_partition(model, opts.deca_config())
-    method = opts.build_method(partition)
+    method = opts.build_method(partition, grad_clip=steps.get("gradient_clipping"))
     saved = load_checkpoint(d, device)  # the parent kept it (cells._prepare): the cell goes on from there
     # wall_s counts the steps' time of every attempt up to its checkpoint
     start = time.perf_counter() - (saved["wall_s"] if saved else 0.0)
-    recording = Recording(method, saved, compiled=opts.compile_layers)
+    recording = Recording(method, saved, compiled=opts.compile_layers, schedule=steps.get("scheduler"))
     # each client's dropout masks as its own deca-train rank draws them
     generators = ClientGenerators(saved["generators"]) if saved else ClientGenerators.seeded(opts.seed, n)
     client_streams = [task.stream(opts, i) for i in range(n)]
@@ -176,6 +191,7 @@ def run_simulated(d: Path) -> dict:
     def on_step(info) -> None:
         # wall_s: seconds since the cell started, at the end of the step (beside other cells on one
         # GPU, how fast a step went depends on how many ran with it)
+        recording.step()
         rec = {"step": info.step, "round": info.round, "block": info.block, "r": info.step_in_block,
                "loss": sum(info.losses) / len(info.losses), "wall_s": round(time.perf_counter() - start, 3)}
         lead = recording.optimizers[0]  # after the last step DECA holds no active block

@@ -390,12 +390,14 @@ class RunOptions:
             raise ValueError("--data-files train=…{client}… (each client reads only its own file) needs "
                              + "; ".join(clashes))
 
-    def build_method(self, partition: Partition) -> Method:
-        """The method to train with; `partition` is DECA's (its T·B·R is the baselines' default budget)."""
+    def build_method(self, partition: Partition, grad_clip: float | None = None) -> Method:
+        """The method to train with; `partition` is DECA's (its T·B·R is the baselines' default budget).
+        `grad_clip`: the gradient's global norm clipped to (a preset's gradient_clipping, where the
+        optimizer applies it, not DeepSpeed's engine)."""
         from ..methods import AdamConfig, DAdam, Deca, DecAdapter, DeCAF, DecLoRA
         from ..methods.lora import DEFAULT_TARGETS
 
-        config = self.deca_config()
+        config = self.deca_config(grad_clip)
         if self.method == "deca":
             return Deca(config, partition)
         # the same local Adam as DECA's: every AdamSettings field of its config
@@ -412,10 +414,10 @@ class RunOptions:
         """Local steps of the run: DECA's T·B·R, a baseline's --steps (T·B·R when not given)."""
         return (self.method != "deca" and self.steps) or self.rounds * partition.num_blocks * self.steps_per_block
 
-    def deca_config(self) -> DecaConfig:
+    def deca_config(self, grad_clip: float | None = None) -> DecaConfig:
         from ..config import DecaConfig, parse_dtype
 
-        return DecaConfig(
+        return DecaConfig(grad_clip=grad_clip,
             lr=self.lr, adam_betas=self.adam_betas, bma_betas=self.bma_betas, eps=self.eps,
             weight_decay=self.weight_decay, weight_decay_on=self.weight_decay_on,
             steps_per_block=self.steps_per_block, rounds=self.rounds,

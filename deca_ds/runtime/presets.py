@@ -30,6 +30,10 @@ HONORED = {
     "deca": "deca-ds run options (any --option of deca-train, with _ for -)",
 }
 
+# The DeepSpeed keys that change what a step computes, which a grid's cells carry whichever runs them:
+# on ranks DeepSpeed's engine applies them, in a simulated cell deca_ds.reproduce.simulated does.
+STEP_KEYS = ("gradient_clipping", "scheduler")
+
 _REFUSED = {
     "bf16": "DeepSpeed's bf16 wrapper keeps FP32 master copies of every parameter; "
             "set \"deca\": {\"working_dtype\": \"bf16\"} instead",
