@@ -155,15 +155,16 @@ def test_without_a_launcher_one_rank_trains_one_client_as_the_simulator_does(tmp
     """`deca-train` started alone, none of a launcher's variables set: a job of one rank, its
     rendezvous store in memory (no port), training one client as the simulator does on a graph of one,
     with the weight decay --weight-decay gives and the preset's gradient_clipping (DeepSpeed's) as the
-    simulator's grad_clip (the gradients' norms are 4-12 here: every step clips). Either left out of
-    the simulator, it ends about 5e-3 away; its factor computed in double precision (as clip_scale did),
-    1.1e-4 away: the run is that sensitive to the factor's last bit."""
+    simulator's grad_clip (the gradients' norms are 4-12 here: every step clips), in bf16 working
+    weights, to the bit: both scale the bf16 gradient in place by the same fp32 factor. Either left
+    out of the simulator, it ends about 5e-3 away; its factor computed in double precision (as
+    clip_scale did), 1.1e-4 away: the run is that sensitive to the factor's last bit."""
     out = tmp_path / "run"
     preset = tmp_path / "clipped.json"
     preset.write_text(json.dumps({**json.loads(Path(PRESET).read_text()), "gradient_clipping": 1.0}))
     args = ["--ds_config", str(preset), "--layers-per-block", "2", "--steps-per-block", "3", "--rounds", "1",
             "--micro-batch", "4", "--lr", "1e-3", "--weight-decay", "0.1", "--max-seq-len", "32", "--eval-limit", "16",
-            "--save-clients", "--output-dir", str(out)]
+            "--working-dtype", "bf16", "--save-clients", "--output-dir", str(out)]
     rank = start_rank(args, unlaunched_env(), ROOT, tmp_path / "out", tmp_path / "err")
     assert wait_all([rank], timeout=300) == [0], (tmp_path / "err").read_text()[-3000:]
     assert json.loads((out / "run_config.json").read_text())["n_clients"] == 1
@@ -175,7 +176,7 @@ def test_without_a_launcher_one_rank_trains_one_client_as_the_simulator_does(tmp
         simulated = deca_ds.simulate(model, [task.stream(opts, 0)], np.ones((1, 1)), config)
     got, init = client_params(out, 0), dict(model.named_parameters())
     for name, want in simulated[0].items():
-        torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6)
+        assert torch.equal(got[name], want), name
     assert any((want - init[name]).abs().max() > 1e-3 for name, want in simulated[0].items())
 
 
