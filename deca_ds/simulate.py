@@ -37,6 +37,7 @@ def simulate(
     *,
     on_step: Callable[[StepInfo], None] | None = None,
     generators: ClientGenerators | None = None,
+    grad_accum: int = 1,
 ) -> list[dict[str, torch.Tensor]]:
     """Run Algorithm 1 (a DecaConfig) or another method for N clients and return each client's
     final parameters by name.
@@ -44,13 +45,17 @@ def simulate(
     `model` is a transformers causal LM and every batch holds input_ids, attention_mask and labels
     (-100 where not trained); the loss is models.causal_lm_loss, as in the distributed runtime.
     The model is deep-copied per client, so every client starts from the same weights and the
-    caller's model is left untouched. Client i takes one batch from `client_batches[i]` per
-    local step, T·B·R batches in all. With `generators` each client draws its dropout masks from
+    caller's model is left untouched. Client i takes `grad_accum` batches from `client_batches[i]`
+    per local step, T·B·R·grad_accum in all; its g is their mean, accumulated as DeepSpeed's engine
+    does (each loss divided by grad_accum before its backward), and its loss the mean of theirs, as
+    deca-train logs it. With `generators` each client draws its dropout masks from
     its own (as deca-train's ranks do: ClientGenerators.seeded), else all from the process's.
     A client's loss or update that is NaN or infinite stops the run with a ValueError naming the
     clients and the step, as in deca-train.
     """
     mixer = InProcessMixer(mixing_matrix)
+    if not (isinstance(grad_accum, int) and grad_accum >= 1):
+        raise ValueError(f"grad_accum must be a whole number >= 1, got {grad_accum!r}")
     if len(client_batches) != mixer.n:
         raise ValueError(f"mixing matrix is {mixer.n}x{mixer.n} but {len(client_batches)} "
                          "clients' batches were given")
@@ -64,15 +69,16 @@ def simulate(
         info = dict(step=lead.global_step, round=where["round"], block=where["block"], step_in_block=where["r"])
         losses, payloads = [], []
         for i, (client, opt, stream) in enumerate(zip(clients, optimizers, streams)):
-            try:
-                batch = next(stream)
-            except StopIteration:
-                raise ValueError(f"client {i} ran out of batches at step {info['step']} of "
-                                 f"{lead.total_steps}") from None
-            with generators.drawing(i) if generators else contextlib.nullcontext():
-                loss = causal_lm_loss(client, batch)
-                loss.backward()
-            losses.append(loss.detach())  # read once all clients' work is queued: .item() would wait for each
+            for _ in range(grad_accum):
+                try:
+                    batch = next(stream)
+                except StopIteration:
+                    raise ValueError(f"client {i} ran out of batches at step {info['step']} of "
+                                     f"{lead.total_steps}") from None
+                with generators.drawing(i) if generators else contextlib.nullcontext():
+                    loss = causal_lm_loss(client, batch)
+                    (loss / grad_accum).backward()
+                losses.append(loss.detach())  # read once all clients' work is queued: .item() would wait for each
             payloads.append(opt.local_step())
         # a NaN is an error, not a result: each client's loss and update (x½'s largest magnitude, NaN
         # if any value is), queued before the mixing may overwrite x½ and read with the losses
@@ -82,9 +88,11 @@ def simulate(
         for opt, payload in zip(optimizers, payloads):
             opt.combine(opt.mixer, payload)
         values = torch.cat([torch.stack(losses).double(), largest]).tolist()  # one wait for the device a step
-        check_finite(values[:mixer.n], values[mixer.n:], info)
+        # each client's mean over its micro-batches, summed in their order, as deca-train's rank does
+        means = [sum(values[i * grad_accum:(i + 1) * grad_accum]) / grad_accum for i in range(mixer.n)]
+        check_finite(means, values[-mixer.n:], info)
         if on_step is not None:
-            on_step(StepInfo(losses=values[:mixer.n], **info))
+            on_step(StepInfo(losses=means, **info))
     return [{name: p.detach().clone() for name, p in c.named_parameters()} for c in clients]
 
 

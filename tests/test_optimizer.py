@@ -270,6 +270,9 @@ def test_simulate_rejects_mismatched_inputs():
         simulate(model, [client_batches(1, 1)[0], []], make_topology("ring", 2).W, config())
     with pytest.raises(ValueError, match="mixing matrix .*row"):
         simulate(model, client_batches(2, steps=1), [[0.5, 0.5], [0.5, 0.4]], config())
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match=rf"grad_accum must be a whole number >= 1, got {bad}"):
+            simulate(model, client_batches(2, steps=1), make_topology("ring", 2).W, config(), grad_accum=bad)
 
 
 @pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])

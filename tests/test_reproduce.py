@@ -381,6 +381,19 @@ def test_a_presets_clipping_and_schedule_are_a_cells_settings(tmp_path):
     assert not runs.exists()
 
 
+def test_a_client_of_several_ranks_is_refused_on_the_simulate_backend(tmp_path):
+    """ranks_per_client > 1 averages a client's gradient over its ranks (an all-reduce), which one
+    process per cell does not: refused before any cell runs; accumulating micro-batches is not."""
+    grid = tiny_grid("tiny", backend="simulate")
+    grid["options"].update(ranks_per_client=2)
+    with pytest.raises(GridError, match=r"the simulate backend runs each client as one rank \(ranks_per_client 1, "
+                                        r"not 2\); use the deepspeed backend"):
+        build_grid(grid, runs_dir=tmp_path / "runs")
+    grid["options"].update(ranks_per_client=1, grad_accum=2)
+    assert build_grid(grid, runs_dir=tmp_path / "runs").cells[0].options["grad_accum"] == 2
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_grids_directory_that_is_a_file_is_refused(tmp_path):
     """runs_dir or results_dir naming a file: refused when the grid is read (it was a traceback when
     the first cell or the first table was written), and the file left as it was."""
@@ -908,7 +921,8 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
     shared: every step's loss and the scores and the final consensus distance are the same, so where
     a grid's cells run changes no result (one thread each: torchrun's default). The preset clips the
     gradient and warms the lr up, which DeepSpeed's engine applies on ranks and the simulated cell
-    itself (they changed the losses: the same cell simulated without them)."""
+    itself (they changed the losses: the same cell simulated without them), and each step
+    accumulates two micro-batches."""
     from deca_ds.reproduce.cells import run_grid
     from deca_ds.reproduce.placement import Placement
 
@@ -924,7 +938,7 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
         grid = tiny_grid("tiny", backend=backend, methods=[method], seeds=[0], threads=1,
                          runs_dir=str(tmp_path / name), ds_config="cpu_demo" if name == "plain" else str(preset),
                          **ranks)
-        grid["options"].update(clients=2, topology="ring", eval_limit=8)
+        grid["options"].update(clients=2, topology="ring", eval_limit=8, micro_batch=2, grad_accum=2)
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(grid))
         built = load_grid(str(tmp_path / f"{name}.yaml"))
         place = Placement("GPU 0", {"localhost": ["0"]}, per_gpu=2) if sharing > 1 else None

@@ -385,9 +385,9 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     _check_budgets(cells, budgets, where)
     if backend == "simulate":
         for c in cells:
-            if (c.options.get("grad_accum") or 1) != 1 or c.ranks_per_client != 1:
-                raise GridError(f"{where}: cell {c.key}: the simulate backend takes one micro-batch per client step "
-                                "(grad_accum 1, ranks_per_client 1); use the deepspeed backend")
+            if c.ranks_per_client != 1:
+                raise GridError(f"{where}: cell {c.key}: the simulate backend runs each client as one rank "
+                                f"(ranks_per_client 1, not {c.ranks_per_client}); use the deepspeed backend")
     running = _running(data, backend, cells, where, jobs=jobs, clients_per_gpu=clients_per_gpu,
                        deepspeed_args=deepspeed_args)
     paper_model = _paper_model(data.get("paper"), cells, where)

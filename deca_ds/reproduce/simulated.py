@@ -205,7 +205,7 @@ def run_simulated(d: Path) -> dict:
         if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not lead.done:
             save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start)
 
-    simulate(model, streams, topology.W, recording, on_step=on_step, generators=generators)
+    simulate(model, streams, topology.W, recording, on_step=on_step, generators=generators, grad_accum=opts.grad_accum)
     metrics.close()
     progress.close()
     final_distance = sum(_distances(_final_vectors(recording))) / n
