@@ -519,7 +519,8 @@ def test_option_help_is_short():
 
 def test_a_baseline_runs_decas_local_adam():
     """The run gives a baseline the local Adam it gives DECA (one AdamSettings): every setting of
-    the DecaConfig it builds, and the baseline's own steps and mixing schedule."""
+    the DecaConfig it builds, the clipping a simulated cell takes from its preset, and the
+    baseline's own steps and mixing schedule."""
     import torch
 
     from deca_ds.blocks import partition_model
@@ -527,10 +528,11 @@ def test_a_baseline_runs_decas_local_adam():
 
     opts = RunOptions(method="dadam", lr=3e-3, adam_betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
                       weight_decay_on="matrices", master_dtype="fp64", fused_update=True, steps=5, mix_every=2)
-    adam = opts.build_method(partition_model(tiny_llama(64), 1)).config
-    assert adam.adam_settings() == opts.deca_config().adam_settings() == {
+    adam = opts.build_method(partition_model(tiny_llama(64), 1), grad_clip=0.5).config
+    assert adam.adam_settings() == opts.deca_config(grad_clip=0.5).adam_settings() == {
         "lr": 3e-3, "adam_betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1, "weight_decay_on": "matrices",
-        "grad_clip": None, "master_dtype": torch.float64, "fused_update": True}
+        "grad_clip": 0.5, "master_dtype": torch.float64, "fused_update": True}
+    assert opts.deca_config().grad_clip is None
     assert (adam.steps, adam.mix_every) == (5, 2)
 
 

@@ -21,16 +21,18 @@ _NOT_FROM_JSON = {"LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedSchedu
 
 
 def schedule_class(name) -> type:
-    """The class DeepSpeed's engine builds for a scheduler `type`; ValueError naming those it takes."""
-    from deepspeed.runtime import lr_schedules
-
-    if name in lr_schedules.VALID_LR_SCHEDULES:
-        return getattr(lr_schedules, name)
+    """The class DeepSpeed's engine builds for a scheduler `type` (DeepSpeed's own names and torch's
+    differ, so the order of the lookups changes nothing; torch's first, so a simulated cell with a
+    torch schedule need not import DeepSpeed); ValueError naming those it takes."""
     torch_schedules = sorted(n for n, c in vars(torch.optim.lr_scheduler).items() if isinstance(c, type)
                              and issubclass(c, torch.optim.lr_scheduler.LRScheduler) and not n.startswith("_")
                              and n != "LRScheduler" and n not in _NOT_FROM_JSON)
     if name in torch_schedules:
         return getattr(torch.optim.lr_scheduler, name)
+    from deepspeed.runtime import lr_schedules
+
+    if name in lr_schedules.VALID_LR_SCHEDULES:
+        return getattr(lr_schedules, name)
     raise ValueError(f"scheduler type {name!r} is not one deca-ds can run: DeepSpeed's "
                      f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}, or torch's {', '.join(torch_schedules)}")
 
