@@ -89,17 +89,21 @@ class ClientView:
         return self.terms
 
     def mix(self, x_half: torch.Tensor) -> torch.Tensor:
-        terms = self.exchange(x_half)
-        return x_half if self.alone else weighted_sum(terms)
+        terms = self.exchange(x_half)  # summed in x½'s dtype, whatever dtype the neighbours' came in
+        return x_half if self.alone else weighted_sum(terms, dtype=x_half.dtype)
 
 
 class InProcessMixer:
     """Mixes the x½ of all N clients held in one process (the simulator): client(i) is client i's
-    mixer, and post() hands it every client's x½ of the step."""
+    mixer, and post() hands it every client's x½ of the step. With `transfer_dtype` (working-dtype
+    mixing) each client gets its neighbours' x½ rounded to it, as the distributed mixer sends them,
+    and its own as it is."""
 
-    def __init__(self, mixing_matrix) -> None:
+    def __init__(self, mixing_matrix, transfer_dtype: torch.dtype | None = None) -> None:
         self.W = validate_mixing_matrix(mixing_matrix)
+        self.transfer_dtype = transfer_dtype
         self.x_halves: list[torch.Tensor] | None = None
+        self.sent: list[torch.Tensor] | None = None  # what the neighbours receive
 
     @property
     def n(self) -> int:
@@ -110,6 +114,7 @@ class InProcessMixer:
         if len(x_halves) != self.n:
             raise ValueError(f"expected {self.n} client vectors, got {len(x_halves)}")
         self.x_halves = list(x_halves)
+        self.sent = [x if self.transfer_dtype in (None, x.dtype) else x.to(self.transfer_dtype) for x in x_halves]
 
     def client(self, i: int) -> "InProcessClient":
         return InProcessClient(self, i)
@@ -133,7 +138,9 @@ class InProcessClient:
         xs = self.mixer.x_halves
         if xs is None:
             raise RuntimeError("no payloads posted to the in-process mixer yet")
-        return ClientView([(float(self.mixer.W[self.i, j]), xs[j]) for j in self.order], xs[self.i])
+        sent = self.mixer.sent
+        return ClientView([(float(self.mixer.W[self.i, j]), xs[j] if j == self.i else sent[j]) for j in self.order],
+                          xs[self.i])
 
     def exchange(self, x_half: torch.Tensor) -> Terms:
         return self.view().exchange(x_half)

@@ -38,6 +38,8 @@ def simulate(
     on_step: Callable[[StepInfo], None] | None = None,
     generators: ClientGenerators | None = None,
     grad_accum: int = 1,
+    loss_chunk: int = 0,
+    transfer_dtype: torch.dtype | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Run Algorithm 1 (a DecaConfig) or another method for N clients and return each client's
     final parameters by name.
@@ -48,12 +50,14 @@ def simulate(
     caller's model is left untouched. Client i takes `grad_accum` batches from `client_batches[i]`
     per local step, T·B·R·grad_accum in all; its g is their mean, accumulated as DeepSpeed's engine
     does (each loss divided by grad_accum before its backward), and its loss the mean of theirs, as
-    deca-train logs it. With `generators` each client draws its dropout masks from
+    deca-train logs it. `loss_chunk` as deca-train's --loss-chunk; `transfer_dtype` (the working
+    dtype, as --mix-dtype working) rounds each client's x½ to it on its way to the neighbours.
+    With `generators` each client draws its dropout masks from
     its own (as deca-train's ranks do: ClientGenerators.seeded), else all from the process's.
     A client's loss or update that is NaN or infinite stops the run with a ValueError naming the
     clients and the step, as in deca-train.
     """
-    mixer = InProcessMixer(mixing_matrix)
+    mixer = InProcessMixer(mixing_matrix, transfer_dtype)
     if not (isinstance(grad_accum, int) and grad_accum >= 1):
         raise ValueError(f"grad_accum must be a whole number >= 1, got {grad_accum!r}")
     if len(client_batches) != mixer.n:
@@ -76,7 +80,7 @@ def simulate(
                     raise ValueError(f"client {i} ran out of batches at step {info['step']} of "
                                      f"{lead.total_steps}") from None
                 with generators.drawing(i) if generators else contextlib.nullcontext():
-                    loss = causal_lm_loss(client, batch)
+                    loss = causal_lm_loss(client, batch, loss_chunk=loss_chunk)
                     (loss / grad_accum).backward()
                 losses.append(loss.detach())  # read once all clients' work is queued: .item() would wait for each
             payloads.append(opt.local_step())

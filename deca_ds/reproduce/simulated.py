@@ -86,8 +86,7 @@ class Recording:
 
     def step(self) -> None:
         """After every client's step: each schedule's step (DeepSpeed's engine steps a rank's then)."""
-        for schedule in self.schedules:
-            schedule.step()
+        lr_schedule.step(self.schedules)
 
 
 def save_checkpoint(d: Path, step: int, recording: Recording, streams: list, generators, wall_s: float) -> None:
@@ -205,7 +204,8 @@ def run_simulated(d: Path) -> dict:
         if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not lead.done:
             save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start)
 
-    simulate(model, streams, topology.W, recording, on_step=on_step, generators=generators, grad_accum=opts.grad_accum)
+    simulate(model, streams, topology.W, recording, on_step=on_step, generators=generators, grad_accum=opts.grad_accum,
+             loss_chunk=opts.loss_chunk, transfer_dtype=opts.transfer_dtype())
     metrics.close()
     progress.close()
     final_distance = sum(_distances(_final_vectors(recording))) / n

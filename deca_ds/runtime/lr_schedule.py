@@ -65,6 +65,14 @@ def go_to(schedule, steps: int) -> None:
             schedule.step()
 
 
+def step(schedules) -> None:
+    """One step of each schedule of `schedules` whose optimizer's step() is not what updated it (the
+    simulator's local_step and combine)."""
+    with _no_optimizer_step():
+        for schedule in schedules:
+            schedule.step()
+
+
 @contextmanager
 def _no_optimizer_step():
     """Without torch's warning that a schedule steps before its optimizer has: here it does so on

@@ -414,6 +414,13 @@ class RunOptions:
         """Local steps of the run: DECA's T·B·R, a baseline's --steps (T·B·R when not given)."""
         return (self.method != "deca" and self.steps) or self.rounds * partition.num_blocks * self.steps_per_block
 
+    def transfer_dtype(self):
+        """The dtype x½ travels to the neighbours in: the working dtype with --mix-dtype working,
+        else None (the master's, exact)."""
+        from ..config import parse_dtype
+
+        return parse_dtype(self.working_dtype) if self.mix_dtype == "working" else None
+
     def deca_config(self, grad_clip: float | None = None) -> DecaConfig:
         from ..config import DecaConfig, parse_dtype
 

@@ -333,7 +333,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
                           client_backend="nccl" if device.type == "cuda" and layout.ranks_per_client > 1 else None)
     torch.manual_seed(client_seed(opts.seed, rank))  # what the simulator's ClientGenerators seed
     mixer = DistributedMixer(plan.topology.W, layout, groups, timeout_s=opts.timeout,
-                             transfer_dtype=parse_dtype(opts.working_dtype) if opts.mix_dtype == "working" else None,
+                             transfer_dtype=opts.transfer_dtype(),
                              staging=host_staging(device))
     placement = {**plan.placement, "host_staging": mixer.staging is not None}
     laps("process group")
