@@ -36,6 +36,7 @@ def simulate(
     config: DecaConfig | Method,
     *,
     on_step: Callable[[StepInfo], None] | None = None,
+    before_step: Callable[[int], None] | None = None,
     generators: ClientGenerators | None = None,
     grad_accum: int = 1,
     loss_chunk: int = 0,
@@ -50,10 +51,11 @@ def simulate(
     caller's model is left untouched. Client i takes `grad_accum` batches from `client_batches[i]`
     per local step, T·B·R·grad_accum in all; its g is their mean, accumulated as DeepSpeed's engine
     does (each loss divided by grad_accum before its backward), and its loss the mean of theirs, as
-    deca-train logs it. `loss_chunk` as deca-train's --loss-chunk; `transfer_dtype` (the working
-    dtype, as --mix-dtype working) rounds each client's x½ to it on its way to the neighbours.
-    With `generators` each client draws its dropout masks from
-    its own (as deca-train's ranks do: ClientGenerators.seeded), else all from the process's.
+    deca-train logs it. `before_step(step)` is called as each step begins (where deca-train
+    measures the consensus distance), `on_step` once it has ended. `loss_chunk` as deca-train's
+    --loss-chunk; `transfer_dtype` (the working dtype, as --mix-dtype working) rounds each client's
+    x½ to it on its way to the neighbours. With `generators` each client draws its dropout masks
+    from its own (as deca-train's ranks do: ClientGenerators.seeded), else all from the process's.
     A client's loss or update that is NaN or infinite stops the run with a ValueError naming the
     clients and the step, as in deca-train.
     """
@@ -69,6 +71,8 @@ def simulate(
     streams = [iter(b) for b in client_batches]
     lead = optimizers[0]
     while not lead.done:
+        if before_step is not None:
+            before_step(lead.global_step)
         where = lead.where()
         info = dict(step=lead.global_step, round=where["round"], block=where["block"], step_in_block=where["r"])
         losses, payloads = [], []

@@ -187,16 +187,21 @@ def run_simulated(d: Path) -> dict:
     # and in log.txt as deca-train prints it, with the mean of the clients' losses
     progress = Progress(opts.total_steps(partition), saved["step"] if saved else 0, opts.method, show=True)
 
+    distance = {}  # the step's, measured as it begins
+
+    def before_step(step: int) -> None:  # where deca-train's ranks measure it: before the step's update
+        if opts.consensus_interval and step % opts.consensus_interval == 0:
+            distance["consensus_distance"] = sum(_distances([o.consensus_vector() for o in recording.optimizers])) / n
+
     def on_step(info) -> None:
         # wall_s: seconds since the cell started, at the end of the step (beside other cells on one
         # GPU, how fast a step went depends on how many ran with it)
         recording.step()
         rec = {"step": info.step, "round": info.round, "block": info.block, "r": info.step_in_block,
-               "loss": sum(info.losses) / len(info.losses), "wall_s": round(time.perf_counter() - start, 3)}
-        lead = recording.optimizers[0]  # after the last step DECA holds no active block
-        if opts.consensus_interval and info.step % opts.consensus_interval == 0:
-            vectors = _final_vectors(recording) if lead.done else [o.consensus_vector() for o in recording.optimizers]
-            rec["consensus_distance"] = sum(_distances(vectors)) / n
+               "loss": sum(info.losses) / len(info.losses), "wall_s": round(time.perf_counter() - start, 3),
+               **distance}
+        distance.clear()
+        lead = recording.optimizers[0]
         metrics.write(json.dumps(rec, allow_nan=False) + "\n")
         progress.update({"round": info.round, "block": info.block, "r": info.step_in_block}, rec["loss"],
                         None if lead.done else lead.where())
@@ -204,8 +209,8 @@ def run_simulated(d: Path) -> dict:
         if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not lead.done:
             save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start)
 
-    simulate(model, streams, topology.W, recording, on_step=on_step, generators=generators, grad_accum=opts.grad_accum,
-             loss_chunk=opts.loss_chunk, transfer_dtype=opts.transfer_dtype())
+    simulate(model, streams, topology.W, recording, on_step=on_step, before_step=before_step, generators=generators,
+             grad_accum=opts.grad_accum, loss_chunk=opts.loss_chunk, transfer_dtype=opts.transfer_dtype())
     metrics.close()
     progress.close()
     final_distance = sum(_distances(_final_vectors(recording))) / n
