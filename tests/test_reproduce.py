@@ -1029,8 +1029,8 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
 
     grid = tiny_grid("tiny", backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"], seeds=[0],
                      threads=1, results_dir=str(tmp_path / "res"), cell_timeout_s=600)
-    # two clients (ranks), 4 blocks x R = 16 x T = 2: 128 steps, of which 120 come after the first checkpoint
-    grid["options"].update(clients=2, topology="ring", steps_per_block=16, rounds=2, checkpoint_interval=8,
+    # two clients (ranks), 4 blocks x R = 16 x T = 1: 64 steps, of which 56 come after the first checkpoint
+    grid["options"].update(clients=2, topology="ring", steps_per_block=16, rounds=1, checkpoint_interval=8,
                            consensus_interval=4, eval_limit=16, working_dtype="bf16", mix_dtype="working",
                            loss_chunk=5)
     files, built = reference_and_stopped(tmp_path, grid, backend="simulate", ds_config=None)
@@ -1056,12 +1056,12 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     left = [q.pid for q in cell_processes()]
     assert not left, f"the stopped cell left processes running: {left}"
     step = resume_step(built, cell, d, None)
-    assert step is not None and step < 128, out
-    assert re.search(rf": stopped with the grid at step \d+ of 128 \(its checkpoint at step {step} goes on next time\)",
+    assert step is not None and step < 64, out
+    assert re.search(rf": stopped with the grid at step \d+ of 64 \(its checkpoint at step {step} goes on next time\)",
                      out), out
     assert main([str(files["stopped"]), "--dry-run"]) == 0
-    assert f"{cell.key}: 128 steps x 4 examples per client step, tables ['main'], to run from its checkpoint at step " \
-           f"{step} of 128" in capsys.readouterr().out
+    assert f"{cell.key}: 64 steps x 4 examples per client step, tables ['main'], to run from its checkpoint at step " \
+           f"{step} of 64" in capsys.readouterr().out
 
     assert main([str(files["stopped"])]) == 0
     out = capsys.readouterr().out
