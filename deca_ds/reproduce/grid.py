@@ -251,10 +251,6 @@ def _preset(ds_config: str | None) -> tuple[dict, dict]:
         return {}, {}
     try:
         data, deca = load_ds_config(ds_config)
-        if "scheduler" in data:
-            from ..runtime import lr_schedule
-
-            lr_schedule.check(data["scheduler"], str(ds_config))
     except ValueError as err:
         raise GridError(f"ds_config: {err}") from None
     return data, {"micro_batch": data.get("train_micro_batch_size_per_gpu"),

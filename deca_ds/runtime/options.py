@@ -424,13 +424,13 @@ class RunOptions:
     def deca_config(self, grad_clip: float | None = None) -> DecaConfig:
         from ..config import DecaConfig, parse_dtype
 
-        return DecaConfig(grad_clip=grad_clip,
+        return DecaConfig(
             lr=self.lr, adam_betas=self.adam_betas, bma_betas=self.bma_betas, eps=self.eps,
             weight_decay=self.weight_decay, weight_decay_on=self.weight_decay_on,
             steps_per_block=self.steps_per_block, rounds=self.rounds,
             layers_per_block=self.layers_per_block, variant=self.variant, block_order=self.block_order,
             seed=self.seed, master_dtype=parse_dtype(self.master_dtype), state_bits=self.state_bits,
-            fused_update=self.fused_update,
+            fused_update=self.fused_update, grad_clip=grad_clip,
         )
 
 
@@ -690,10 +690,6 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, dict]:
     file_preset = file_values.pop("deepspeed", NO_PRESET)
     spec, source = (cli_preset, "--preset") if cli_preset is not None else (file_preset, f"{run_file}: deepspeed")
     ds_config, preset = _preset(spec, source)
-    if "scheduler" in ds_config:  # a misspelt schedule stops here, not once the model has loaded
-        from . import lr_schedule
-
-        lr_schedule.check(ds_config["scheduler"], spec if isinstance(spec, str) else source)
     merged = convert_options(preset, f"\"deca\" section of {spec if isinstance(spec, str) else source}")
     if run_file:
         merged.update(convert_options(file_values, run_file))

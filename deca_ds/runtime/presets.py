@@ -1,6 +1,7 @@
 """DeepSpeed presets: the shipped ones by name (ds_configs/*.json, packaged as deca_ds/presets), any
 JSON file by path, or a mapping from a run file; validated and split into (DeepSpeed config,
-deca-ds run options of its "deca" section). Imports no torch, so the command line stays fast.
+deca-ds run options of its "deca" section). Imports no torch, so the command line stays fast,
+unless a preset sets a `scheduler`, which is checked by building it (runtime.lr_schedule).
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def split_ds_config(config: dict, source: str) -> tuple[dict, dict]:
                    and value.get("stage", 0) == 0 and set(value) <= {"stage"})
         if not allowed:
             raise ValueError(f"DeepSpeed config {source}: key {key!r} = {value!r} is not supported: {why}")
+    if "scheduler" in config:  # a misspelt schedule stops here, not once the model has loaded
+        from .lr_schedule import check
+
+        check(config["scheduler"], f"DeepSpeed config {source}")
     deca = config.pop("deca", {})
     if not isinstance(deca, dict):
         raise ValueError(f"DeepSpeed config {source}: \"deca\" must be an object of run options")
