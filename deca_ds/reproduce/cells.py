@@ -38,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from ..files import leftovers, remove, sha256, vacant, write_json, write_text
+from ..files import atomic_directory, leftovers, remove, sha256, vacant, write_json, write_text
 from ..reporting import REPO
 from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
@@ -422,11 +422,12 @@ def _prepare(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
     checkpoint (resume_step), whose step is returned."""
     resume = resume_step(grid, cell, d, base)
     if resume is None:
-        if d.exists():
-            shutil.rmtree(d)  # an unfinished earlier attempt without a checkpoint to go on from
-        d.mkdir(parents=True)
-        write_json(d / CELL, {"settings": cell_settings(grid, cell, base), "options": cell.options,
-                              "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
+        # whole, with its cell.json, in place of an unfinished earlier attempt (one without a checkpoint to
+        # go on from) in one rename: another grid run checking the cells meanwhile never finds files
+        # without a cell.json there, which it would take for a user's and stop
+        with atomic_directory(d, replace=True) as new:
+            write_json(new / CELL, {"settings": cell_settings(grid, cell, base), "options": cell.options,
+                                    "tables": list(cell.tables), "budget": list(grid.budgets[cell.key])})
     else:
         for left in leftovers(d, ANY_NAME):  # a write the stopped run was killed in: its checkpoint's, say
             remove(left)
