@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .config import DecaConfig
+from .finite import MAX_CONSECUTIVE_SKIPS, finite, largest_magnitude
 from .methods import Deca, Method
 from .mixing import InProcessMixer
 from .models import causal_lm_loss
@@ -41,6 +42,8 @@ def simulate(
     grad_accum: int = 1,
     loss_chunk: int = 0,
     transfer_dtype: torch.dtype | None = None,
+    skip_nonfinite: bool = False,
+    on_skip: Callable[[int, str], None] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Run Algorithm 1 (a DecaConfig) or another method for N clients and return each client's
     final parameters by name.
@@ -57,7 +60,12 @@ def simulate(
     x½ to it on its way to the neighbours. With `generators` each client draws its dropout masks
     from its own (as deca-train's ranks do: ClientGenerators.seeded), else all from the process's.
     A client's loss or update that is NaN or infinite stops the run with a ValueError naming the
-    clients and the step, as in deca-train.
+    clients and the step, as in deca-train. With `skip_nonfinite` (deca-train's --skip-nonfinite) a
+    step whose loss or gradient is non-finite on any client is skipped by every client, as ranks
+    skip it: no update, no mixing, the gradients cleared, the schedule where it was (the step is
+    taken again on the next batches); `on_skip(step, what)` is told, and more than
+    MAX_CONSECUTIVE_SKIPS in a row stop the run. The clients then hold their gradients until all
+    are checked, where each otherwise frees its own in its local step.
     """
     mixer = InProcessMixer(mixing_matrix, transfer_dtype)
     if not (isinstance(grad_accum, int) and grad_accum >= 1):
@@ -70,6 +78,7 @@ def simulate(
     optimizers = [method.optimizer(c, mixer.client(i)) for i, c in enumerate(clients)]
     streams = [iter(b) for b in client_batches]
     lead = optimizers[0]
+    consecutive = 0  # skipped steps in a row
     while not lead.done:
         if before_step is not None:
             before_step(lead.global_step)
@@ -87,11 +96,25 @@ def simulate(
                     loss = causal_lm_loss(client, batch, loss_chunk=loss_chunk)
                     (loss / grad_accum).backward()
                 losses.append(loss.detach())  # read once all clients' work is queued: .item() would wait for each
-            payloads.append(opt.local_step())
+            if not skip_nonfinite:
+                payloads.append(opt.local_step())
+        if skip_nonfinite:
+            bad = nonfinite_clients(losses, clients)
+            if bad:
+                for client in clients:
+                    client.zero_grad(set_to_none=True)
+                consecutive += 1
+                if consecutive > MAX_CONSECUTIVE_SKIPS:
+                    raise ValueError(f"{consecutive} consecutive steps non-finite up to step {info['step']}: the "
+                                     "simulation has diverged and stops here (a smaller lr)")
+                if on_skip is not None:
+                    on_skip(info["step"], bad)
+                continue
+            consecutive = 0
+            payloads = [opt.local_step() for opt in optimizers]
         # a NaN is an error, not a result: each client's loss and update (x½'s largest magnitude, NaN
         # if any value is), queued before the mixing may overwrite x½ and read with the losses
-        largest = torch.stack([torch.linalg.vector_norm(p, float("inf")).double() if p.numel() else
-                               torch.zeros((), dtype=torch.float64, device=p.device) for p in payloads])
+        largest = torch.stack([largest_magnitude(p) for p in payloads])
         mixer.post(payloads)
         for opt, payload in zip(optimizers, payloads):
             opt.combine(opt.mixer, payload)
@@ -102,6 +125,21 @@ def simulate(
         if on_step is not None:
             on_step(StepInfo(losses=means, **info))
     return [{name: p.detach().clone() for name, p in c.named_parameters()} for c in clients]
+
+
+def nonfinite_clients(losses: list[torch.Tensor], clients: list[nn.Module]) -> str:
+    """What is NaN or infinite before the step's update, by client ('' when nothing is), as a rank
+    checks it for --skip-nonfinite: each micro-batch's loss (`losses`, client by client), then each
+    gradient."""
+    per_client = len(losses) // len(clients)
+    values = torch.stack(losses).double().tolist()
+    bad = []
+    for i, client in enumerate(clients):
+        if not all(map(math.isfinite, values[i * per_client:(i + 1) * per_client])):
+            bad.append(f"non-finite loss on client {i}")
+        elif not all(finite(p.grad) for p in client.parameters() if p.grad is not None):
+            bad.append(f"non-finite gradient on client {i}")
+    return "; ".join(bad)
 
 
 def check_finite(losses: list[float], updates: list[float], where: dict) -> None:

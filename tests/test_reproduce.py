@@ -829,6 +829,25 @@ def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):
     assert todo == grid.cells and done == []  # the next run tries it again
 
 
+def test_a_simulated_cell_skips_nonfinite_steps_as_ranks_do_then_stops_when_it_diverges(tmp_path):
+    """skip_nonfinite (deca-train's --skip-nonfinite) in a simulated cell: every client skips the step,
+    its log counts the skips as a rank's does, and a run that stays non-finite stops once
+    MAX_CONSECUTIVE_SKIPS are skipped in a row (test_safety: the same on ranks, and simulate's skip
+    against a run without the skipped batches, to the bit)."""
+    from deca_ds.finite import MAX_CONSECUTIVE_SKIPS
+
+    spec = tiny_grid("tiny", methods=["deca"], seeds=[0])
+    spec["options"].update(lr=1e30, skip_nonfinite=True)  # step 0 moves the weights to ~1e30: then NaN
+    grid = build_grid(spec, runs_dir=tmp_path)
+    [status] = run_grid(grid, log=lambda *_: None).values()
+    assert status.startswith(f"failed: exit 1: error: {MAX_CONSECUTIVE_SKIPS + 1} consecutive steps non-finite up "
+                             "to step 1"), status
+    log = (grid.cell_dir(grid.cells[0]) / "log.txt").read_text()
+    every = "; ".join(f"non-finite loss on client {i}" for i in range(3))
+    skips = re.findall(rf"skip_nonfinite: skipped step (\d+): {every}; (\d+) skipped so far", log)
+    assert skips == [("1", str(k)) for k in range(1, MAX_CONSECUTIVE_SKIPS + 1)], log[-2000:]
+
+
 def start_reproduce(grid_file, log):
     """launch/reproduce.py on `grid_file` in its own process, its output in the file `log`."""
     import subprocess
@@ -1320,7 +1339,8 @@ def test_deepspeed_outputs_become_the_cell_files(tmp_path):
     (train / "run_config.json").write_text(json.dumps({"n_clients": 2, "method": "deca"}))
     for client, (losses, distance) in enumerate((([3.0, 1.0], 0.2), ([5.0, 2.0], 0.4))):
         records = [{"step": s, "round": 0, "block": 0, "r": s, "loss": loss, "t_forward": 0.1}
-                   | ({"consensus_distance": distance} if s == 0 else {}) for s, loss in enumerate(losses)]
+                   | ({"consensus_distance": distance} if s == 0 else {"nonfinite_skipped": 1})  # a skip before step 1
+                   for s, loss in enumerate(losses)]
         (train / "metrics" / f"client_{client:03d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (train / "summary.json").write_text(json.dumps({
         "consensus_eval": {"accuracy": 0.75, "macro_f1": 0.5, "n": 8, "chance": 0.25},
@@ -1329,11 +1349,11 @@ def test_deepspeed_outputs_become_the_cell_files(tmp_path):
     collect_deepspeed(tmp_path, wall_s=12.0)
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [{"step": 0, "round": 0, "block": 0, "r": 0, "loss": 4.0, "consensus_distance": pytest.approx(0.3)},
-                     {"step": 1, "round": 0, "block": 0, "r": 1, "loss": 1.5}]
+                     {"step": 1, "round": 0, "block": 0, "r": 1, "loss": 1.5, "nonfinite_skipped": 1}]
     final = json.loads((tmp_path / "final.json").read_text())
     assert final["accuracy"] == 0.75 and final["final_consensus_distance"] == pytest.approx(0.2)
     assert final["loss_start"] == 4.0 and final["loss_end"] == 1.5 and final["steps"] == 2 and final["wall_s"] == 12.0
-    assert final["resumed_from"] == [1]
+    assert final["resumed_from"] == [1] and final["nonfinite_skipped"] == 1
 
 
 def test_settings_changed_compares_what_changes_a_result():

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deca_ds.finite import MAX_CONSECUTIVE_SKIPS, finite
 from deca_ds.reporting import commit
 from deca_ds.runtime import nonfinite, outputs, trainer
 from deca_ds.train import main as train_main
@@ -677,6 +678,55 @@ def test_a_skipped_step_gives_back_a_torch_schedules_wrapper_of_the_step():
     assert optimizer.param_groups[0]["params"][0].item() == 1.0
 
 
+class NanGradient(torch.autograd.Function):
+    """The identity forward, NaN backward: a finite loss whose gradient is not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+@pytest.mark.parametrize("what", ["loss", "gradient"])
+def test_simulate_skips_a_nonfinite_step_on_every_client_as_ranks_do(what):
+    """simulate(skip_nonfinite=True): the step where client 1's loss (or gradient) is NaN is skipped
+    by all three clients (no update, no mixing, nothing carried to the next step), so the run ends
+    with the bits of one that never saw that step's batches; the same NaN at every step stops the
+    run once MAX_CONSECUTIVE_SKIPS are skipped in a row."""
+    from deca_ds import DecaConfig, make_topology, simulate
+    from helpers import client_batches, tiny_llama
+
+    W = make_topology("ring", 3).W
+    cfg = DecaConfig(lr=1e-3, steps_per_block=2, rounds=1, layers_per_block=1)  # 2 blocks: 4 steps
+    batches = client_batches(3, steps=5)
+    poison = NanGradient.apply if what == "gradient" else lambda out: out * float("nan")
+    calls, poisoned = [0], {5}  # the forwards run client by client (calls 1-3: step 0): client 1 at step 1
+
+    def head(module, args, out):
+        calls[0] += 1
+        return poison(out) if calls[0] in poisoned else out
+
+    model = tiny_llama(2)
+    hook = model.lm_head.register_forward_hook(head)  # each client's deep copy calls it
+    skips = []
+    got = simulate(model, batches, W, cfg, skip_nonfinite=True, on_skip=lambda *seen: skips.append(seen))
+    hook.remove()
+    assert skips == [(1, f"non-finite {what} on client 1")]
+    want = simulate(model, [b[:1] + b[2:] for b in batches], W, cfg)
+    assert [sorted(g) for g in got] == [sorted(w) for w in want]
+    assert all(torch.equal(g[name], w[name]) for g, w in zip(got, want) for name in w)
+
+    hook = model.lm_head.register_forward_hook(head)
+    calls[0], poisoned, skips = 0, set(range(1, 100, 3)), []  # client 0's every forward from step 0 on
+    longer = client_batches(3, steps=2 * MAX_CONSECUTIVE_SKIPS)
+    with pytest.raises(ValueError, match=f"{MAX_CONSECUTIVE_SKIPS + 1} consecutive steps non-finite up to step 0"):
+        simulate(model, longer, W, cfg, skip_nonfinite=True, on_skip=lambda *seen: skips.append(seen))
+    assert skips == [(0, f"non-finite {what} on client 0")] * MAX_CONSECUTIVE_SKIPS
+
+
 def test_nonfinite_problem_sees_losses_and_gradients():
     import torch
 
@@ -696,17 +746,17 @@ def test_finite_sees_every_nonfinite_value_without_a_tensor_sized_temporary():
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         x = torch.randn(1000, dtype=dtype)
-        assert nonfinite.finite(x)
+        assert finite(x)
         for value in (float("nan"), float("inf"), -float("inf")):
             for at in (0, 517, 999):
                 y = x.clone()
                 y[at] = value
-                assert not nonfinite.finite(y), (dtype, value, at)
-    assert nonfinite.finite(torch.empty(0))  # an empty tensor has no value to be non-finite
+                assert not finite(y), (dtype, value, at)
+    assert finite(torch.empty(0))  # an empty tensor has no value to be non-finite
 
     x = torch.randn(1_000_000)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        assert nonfinite.finite(x)
+        assert finite(x)
     assert max(e.cpu_memory_usage for e in prof.events()) < 1024  # bytes: a scalar, not x's 4 MB
 
 
@@ -718,11 +768,11 @@ def test_skip_nonfinite_skips_on_every_rank_then_stops_a_diverged_run(tmp_path):
     errs = [(tmp_path / "logs" / f"rank{r}.err").read_text() for r in range(2)]
     assert codes == [1, 1], errs
     skips = re.findall(r"--skip-nonfinite: skipped step (\d+) .*; (\d+) skipped so far", outs[0])
-    assert len(skips) == nonfinite.MAX_CONSECUTIVE_SKIPS + 1, outs[0][-3000:]
+    assert len(skips) == MAX_CONSECUTIVE_SKIPS + 1, outs[0][-3000:]
     assert [int(n) for _, n in skips] == list(range(1, len(skips) + 1))
     assert len({s for s, _ in skips}) == 1, "a skipped step does not advance the schedule"
     for err in errs:
-        assert f"{nonfinite.MAX_CONSECUTIVE_SKIPS + 1} consecutive steps non-finite" in err, err[-2000:]
+        assert f"{MAX_CONSECUTIVE_SKIPS + 1} consecutive steps non-finite" in err, err[-2000:]
     assert not (out / "consensus").exists()
 
 

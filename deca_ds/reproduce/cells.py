@@ -501,6 +501,8 @@ def collect_deepspeed(d: Path, *, wall_s: float) -> None:
         rec["loss"] = sum(r["loss"] for r in step_records) / len(step_records)
         if "consensus_distance" in first:
             rec["consensus_distance"] = sum(r["consensus_distance"] for r in step_records) / len(step_records)
+        if "nonfinite_skipped" in first:  # skip_nonfinite: steps every client skipped so far
+            rec["nonfinite_skipped"] = first["nonfinite_skipped"]
         lines.append(json.dumps(rec, allow_nan=False) + "\n")
     write_text(d / METRICS, "".join(lines))
     write_json(d / RUN_CONFIG, config)
@@ -517,10 +519,13 @@ def finish(d: Path, evaluation: dict, *, wall_s: float, final_distance: float) -
     """final.json from the cell's metrics and the consensus model's evaluation. A resumed deepspeed
     cell's wall_s is that of its last attempt (a simulated one's, of every attempt's steps up to its
     checkpoint), and `resumed_from` names the checkpoint steps it went on from."""
-    losses = [json.loads(line)["loss"] for line in (d / METRICS).read_text().splitlines() if line]
-    loss_start, loss_end = loss_ends(losses)
-    final = {**evaluation, "loss_start": loss_start, "loss_end": loss_end, "steps": len(losses),
+    records = [json.loads(line) for line in (d / METRICS).read_text().splitlines() if line]
+    loss_start, loss_end = loss_ends([r["loss"] for r in records])
+    final = {**evaluation, "loss_start": loss_start, "loss_end": loss_end, "steps": len(records),
              "final_consensus_distance": final_distance, "wall_s": wall_s}
+    skipped = records[-1].get("nonfinite_skipped") if records else None
+    if skipped:  # skip_nonfinite: the steps taken again on other batches
+        final["nonfinite_skipped"] = skipped
     resumed = read_json(d / CELL).get("resumed_from")
     if resumed:
         final["resumed_from"] = resumed

@@ -89,10 +89,13 @@ class Recording:
         lr_schedule.step(self.schedules)
 
 
-def save_checkpoint(d: Path, step: int, recording: Recording, streams: list, generators, wall_s: float) -> None:
-    """The cell after `step` steps, replacing the previous checkpoint; a stop while it is written
-    leaves no checkpoint.json, so no half-written state is ever resumed (the cell starts afresh)."""
-    state = {"step": step, "wall_s": wall_s, "models": [m.state_dict() for m in recording.models],
+def save_checkpoint(d: Path, step: int, recording: Recording, streams: list, generators, wall_s: float,
+                    skipped: int) -> None:
+    """The cell after `step` steps (and `skipped` non-finite ones), replacing the previous checkpoint; a
+    stop while it is written leaves no checkpoint.json, so no half-written state is ever resumed (the
+    cell starts afresh)."""
+    state = {"step": step, "wall_s": wall_s, "nonfinite_skipped": skipped,
+             "models": [m.state_dict() for m in recording.models],
              "optimizers": [o.state_dict() for o in recording.optimizers],
              "streams": [s.state_dict() for s in streams], "generators": generators.states}
     (d / CHECKPOINT_META).unlink(missing_ok=True)
@@ -188,6 +191,11 @@ def run_simulated(d: Path) -> dict:
     progress = Progress(opts.total_steps(partition), saved["step"] if saved else 0, opts.method, show=True)
 
     distance = {}  # the step's, measured as it begins
+    skipped = [saved.get("nonfinite_skipped", 0) if saved else 0]  # skip_nonfinite: steps skipped, as a rank counts
+
+    def on_skip(step: int, what: str) -> None:
+        skipped[0] += 1
+        print(f"skip_nonfinite: skipped step {step}: {what}; {skipped[0]} skipped so far", flush=True)
 
     def before_step(step: int) -> None:  # where deca-train's ranks measure it: before the step's update
         if opts.consensus_interval and step % opts.consensus_interval == 0:
@@ -199,7 +207,7 @@ def run_simulated(d: Path) -> dict:
         recording.step()
         rec = {"step": info.step, "round": info.round, "block": info.block, "r": info.step_in_block,
                "loss": sum(info.losses) / len(info.losses), "wall_s": round(time.perf_counter() - start, 3),
-               **distance}
+               **distance, **({"nonfinite_skipped": skipped[0]} if skipped[0] else {})}
         distance.clear()
         lead = recording.optimizers[0]
         metrics.write(json.dumps(rec, allow_nan=False) + "\n")
@@ -207,10 +215,11 @@ def run_simulated(d: Path) -> dict:
                         None if lead.done else lead.where())
         done = info.step + 1
         if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not lead.done:
-            save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start)
+            save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start, skipped[0])
 
     simulate(model, streams, topology.W, recording, on_step=on_step, before_step=before_step, generators=generators,
-             grad_accum=opts.grad_accum, loss_chunk=opts.loss_chunk, transfer_dtype=opts.transfer_dtype())
+             grad_accum=opts.grad_accum, loss_chunk=opts.loss_chunk, transfer_dtype=opts.transfer_dtype(),
+             skip_nonfinite=opts.skip_nonfinite, on_skip=on_skip)
     metrics.close()
     progress.close()
     final_distance = sum(_distances(_final_vectors(recording))) / n

@@ -29,6 +29,7 @@ from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..evaluation import answer_sets
 from ..files import write_json, write_text
+from ..finite import MAX_CONSECUTIVE_SKIPS, finite
 from ..methods import Method
 from ..models import (
     causal_lm_loss,
@@ -68,10 +69,8 @@ from .ds_engine import ClientMPU, initialize
 from .footprint import model_config
 from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize, summary_table
 from .nonfinite import (
-    MAX_CONSECUTIVE_SKIPS,
     NonFiniteError,
     describe_nonfinite,
-    finite,
     nonfinite_problem,
     nonfinite_ranks,
     skipped_update,
