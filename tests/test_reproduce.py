@@ -801,13 +801,17 @@ def test_a_run_checking_the_cells_while_another_starts_one_does_not_take_it_for_
     """Two grid runs on one runs_dir: while one starts a cell afresh (over an unfinished attempt),
     the other checks the cells. It must find the cell's directory absent or with its cell.json, never
     a directory of files without one, which it would refuse as a user's (this stopped a second run
-    of test_two_grid_runs_on_one_runs_dir_run_each_cell_once now and then)."""
+    of test_two_grid_runs_on_one_runs_dir_run_each_cell_once now and then). What an earlier start
+    killed as it wrote left beside the directory is removed."""
     from deca_ds.files import atomic_write
     from deca_ds.reproduce import cells
 
     grid = build_grid(tiny_grid("tiny", methods=["deca"], seeds=[0]), runs_dir=tmp_path)
     attempt = started_cell(grid, grid.cells[0])
     (attempt / "metrics.jsonl").write_text('{"step": 0}\n')  # an attempt stopped without a checkpoint
+    killed = attempt.parent / f".{attempt.name}.a1b2c3d4.partial"  # a start of the cell killed as it wrote
+    (killed / "cell.json").parent.mkdir()
+    (killed / "cell.json").write_text("{}")
     seen = []
 
     def write_json_checked_meanwhile(path, obj):  # the other run checks while cell.json is being written
@@ -816,7 +820,8 @@ def test_a_run_checking_the_cells_while_another_starts_one_does_not_take_it_for_
     monkeypatch.setattr(cells, "write_json", write_json_checked_meanwhile)
     d = started_cell(grid, grid.cells[0])
     assert seen == [(grid.cells, [])]
-    assert sorted(p.name for p in d.iterdir()) == ["cell.json"] and sorted(tmp_path.rglob(".*.partial")) == []
+    assert sorted(p.name for p in d.iterdir()) == ["cell.json"] and not killed.exists()
+    assert [p.name for p in d.parent.iterdir() if not p.name.endswith(".lock")] == [d.name]
 
 
 def test_a_cell_over_its_time_limit_is_stopped_and_left_unfinished(tmp_path):

@@ -422,6 +422,8 @@ def _prepare(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
     checkpoint (resume_step), whose step is returned."""
     resume = resume_step(grid, cell, d, base)
     if resume is None:
+        for left in leftovers(d.parent, [d.name]):  # an earlier start of the cell, killed while it wrote
+            remove(left)
         # whole, with its cell.json, in place of an unfinished earlier attempt (one without a checkpoint to
         # go on from) in one rename: another grid run checking the cells meanwhile never finds files
         # without a cell.json there, which it would take for a user's and stop
