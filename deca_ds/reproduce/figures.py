@@ -66,7 +66,9 @@ def write_figures(grid: Grid, *, window: int = 8) -> list[Path]:
                 continue
             # no log scale for distances that are 0 throughout (two clients on a ring agree after each mix)
             if log and any(y > 0 for line in ax.get_lines() for y in line.get_ydata()):
-                ax.set_yscale("log")
+                # a distance of 0 (the clients agree: at step 0, and on DECA's first visit of a block, as
+                # a step begins) leaves a gap in its line, not a drop to the axis' edge
+                ax.set_yscale("log", nonpositive="mask")
             ax.set_xlabel("model update step")
             ax.set_ylabel(ylabel)
             what = f"{window}-step moving average" if key == "loss" else "every consensus_interval steps"
