@@ -24,3 +24,12 @@ def largest_magnitude(t: torch.Tensor) -> torch.Tensor:
 def finite(t: torch.Tensor) -> bool:
     """Whether every value of `t` is finite (waits for the device)."""
     return math.isfinite(largest_magnitude(t).item())
+
+
+def nonfinite_problem(losses: list[float], model: torch.nn.Module) -> int:
+    """1 if a loss is not finite, 2 if a gradient is not (before the update), else 0: what a step
+    that skips non-finite steps checks, a rank's client or each simulated one."""
+    if not all(math.isfinite(x) for x in losses):
+        return 1
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return 2 if not all(finite(g) for g in grads) else 0

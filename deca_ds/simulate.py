@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import DecaConfig
-from .finite import MAX_CONSECUTIVE_SKIPS, finite, largest_magnitude
+from .finite import MAX_CONSECUTIVE_SKIPS, largest_magnitude, nonfinite_problem
 from .methods import Deca, Method
 from .mixing import InProcessMixer
 from .models import causal_lm_loss
@@ -129,17 +129,12 @@ def simulate(
 
 def nonfinite_clients(losses: list[torch.Tensor], clients: list[nn.Module]) -> str:
     """What is NaN or infinite before the step's update, by client ('' when nothing is), as a rank
-    checks it for --skip-nonfinite: each micro-batch's loss (`losses`, client by client), then each
-    gradient."""
+    checks it for --skip-nonfinite (finite.nonfinite_problem): each micro-batch's loss (`losses`,
+    client by client), then each gradient."""
     per_client = len(losses) // len(clients)
     values = torch.stack(losses).double().tolist()
-    bad = []
-    for i, client in enumerate(clients):
-        if not all(map(math.isfinite, values[i * per_client:(i + 1) * per_client])):
-            bad.append(f"non-finite loss on client {i}")
-        elif not all(finite(p.grad) for p in client.parameters() if p.grad is not None):
-            bad.append(f"non-finite gradient on client {i}")
-    return "; ".join(bad)
+    problems = [nonfinite_problem(values[i * per_client:(i + 1) * per_client], c) for i, c in enumerate(clients)]
+    return "; ".join(f"non-finite {('loss', 'gradient')[p - 1]} on client {i}" for i, p in enumerate(problems) if p)
 
 
 def check_finite(losses: list[float], updates: list[float], where: dict) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deca_ds.finite import MAX_CONSECUTIVE_SKIPS, finite
+from deca_ds.finite import MAX_CONSECUTIVE_SKIPS, finite, nonfinite_problem
 from deca_ds.reporting import commit
 from deca_ds.runtime import nonfinite, outputs, trainer
 from deca_ds.train import main as train_main
@@ -732,10 +732,10 @@ def test_nonfinite_problem_sees_losses_and_gradients():
 
     model = torch.nn.Linear(2, 1)
     model(torch.ones(1, 2)).sum().backward()
-    assert nonfinite.nonfinite_problem([1.0, 2.0], model) == 0
-    assert nonfinite.nonfinite_problem([1.0, float("nan")], model) == 1
+    assert nonfinite_problem([1.0, 2.0], model) == 0
+    assert nonfinite_problem([1.0, float("nan")], model) == 1
     model.weight.grad[0, 0] = float("inf")
-    assert nonfinite.nonfinite_problem([1.0], model) == 2
+    assert nonfinite_problem([1.0], model) == 2
 
 
 def test_finite_sees_every_nonfinite_value_without_a_tensor_sized_temporary():

@@ -191,11 +191,12 @@ def run_simulated(d: Path) -> dict:
     progress = Progress(opts.total_steps(partition), saved["step"] if saved else 0, opts.method, show=True)
 
     distance = {}  # the step's, measured as it begins
-    skipped = [saved.get("nonfinite_skipped", 0) if saved else 0]  # skip_nonfinite: steps skipped, as a rank counts
+    skipped = saved.get("nonfinite_skipped", 0) if saved else 0  # skip_nonfinite: steps skipped, as a rank counts
 
     def on_skip(step: int, what: str) -> None:
-        skipped[0] += 1
-        print(f"skip_nonfinite: skipped step {step}: {what}; {skipped[0]} skipped so far", flush=True)
+        nonlocal skipped
+        skipped += 1
+        print(f"skip_nonfinite: skipped step {step}: {what}; {skipped} skipped so far", flush=True)
 
     def before_step(step: int) -> None:  # where deca-train's ranks measure it: before the step's update
         if opts.consensus_interval and step % opts.consensus_interval == 0:
@@ -207,7 +208,7 @@ def run_simulated(d: Path) -> dict:
         recording.step()
         rec = {"step": info.step, "round": info.round, "block": info.block, "r": info.step_in_block,
                "loss": sum(info.losses) / len(info.losses), "wall_s": round(time.perf_counter() - start, 3),
-               **distance, **({"nonfinite_skipped": skipped[0]} if skipped[0] else {})}
+               **distance, **({"nonfinite_skipped": skipped} if skipped else {})}
         distance.clear()
         lead = recording.optimizers[0]
         metrics.write(json.dumps(rec, allow_nan=False) + "\n")
@@ -215,7 +216,7 @@ def run_simulated(d: Path) -> dict:
                         None if lead.done else lead.where())
         done = info.step + 1
         if opts.checkpoint_interval and done % opts.checkpoint_interval == 0 and not lead.done:
-            save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start, skipped[0])
+            save_checkpoint(d, done, recording, client_streams, generators, time.perf_counter() - start, skipped)
 
     simulate(model, streams, topology.W, recording, on_step=on_step, before_step=before_step, generators=generators,
              grad_accum=opts.grad_accum, loss_chunk=opts.loss_chunk, transfer_dtype=opts.transfer_dtype(),

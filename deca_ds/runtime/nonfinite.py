@@ -4,7 +4,6 @@ with one message naming the clients."""
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
@@ -53,14 +52,6 @@ def stop_if_nonfinite(problem: int, layout: ClientLayout, device: torch.device, 
     if bad:
         raise NonFiniteError(f"{describe_nonfinite(bad, layout)} {when}: every rank stops here and nothing is "
                              "exported (a smaller --lr, or check the data; --skip-nonfinite skips such steps)")
-
-
-def nonfinite_problem(losses: list[float], model: torch.nn.Module) -> int:
-    """1 if a loss is not finite, 2 if a gradient is not (before the update), else 0."""
-    if not all(math.isfinite(x) for x in losses):
-        return 1
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return 2 if not all(finite(g) for g in grads) else 0
 
 
 @contextmanager

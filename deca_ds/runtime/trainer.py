@@ -29,7 +29,7 @@ from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
 from ..evaluation import answer_sets
 from ..files import write_json, write_text
-from ..finite import MAX_CONSECUTIVE_SKIPS, finite
+from ..finite import MAX_CONSECUTIVE_SKIPS, finite, nonfinite_problem
 from ..methods import Method
 from ..models import (
     causal_lm_loss,
@@ -71,7 +71,6 @@ from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize,
 from .nonfinite import (
     NonFiniteError,
     describe_nonfinite,
-    nonfinite_problem,
     nonfinite_ranks,
     skipped_update,
     stop_if_nonfinite,
