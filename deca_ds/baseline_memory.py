@@ -41,6 +41,7 @@ from .memory import (
     layer_activation_bytes,
     layer_backward_transient_bytes,
     setup_terms,
+    top_saved_bytes,
 )
 from .methods import Method
 from .methods.adapter import ATTENTION, Bottleneck
@@ -133,20 +134,29 @@ def estimate_method(spec, method: Method, workload: Workload = Workload()) -> Me
     b, s, h, attn = workload.micro_batch, workload.seq_len, spec.hidden, workload.attn_implementation
     full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn)
     flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn)
+    # D-Adam with --train-embeddings: the embeddings' output needs a gradient, so every layer keeps a graph
+    layers = find_decoder_layers(model)[1]
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    inputs_train = any(id(p) in trainable for p in embedding.parameters())
+    # the final norm and the LM head (with --train-final-norm, --train-lm-head: D-Adam's)
+    below_top = {id(p) for p in (*layers.parameters(), *embedding.parameters())}
+    top = {id(p) for p in head.parameters()}
+    top_trained = sum(any(id(p) in trainable for p in params) for params in (
+        [p for p in model.parameters() if id(p) not in below_top | top], list(head.parameters())))
     saved = []  # per layer from the lowest that trains up: what it saves without checkpointing
-    for layer in find_decoder_layers(model)[1]:
+    for layer in layers:
         trains = any(id(p) in trainable for p in layer.parameters())
-        if not (saved or trains):
+        if not (saved or trains or inputs_train):
             continue  # below the lowest layer that trains: no graph
         adapters = adapter_saved_bytes(layer)
         layer_saved = flow + b * s * adapters if adapters else full if trains else flow
-        if not saved:  # the lowest: its input, the embeddings' output, needs no gradient
+        if not (saved or inputs_train):  # the lowest: its input, the embeddings' output, needs no gradient
             layer_saved -= b * s * 4 * h  # so its input norm keeps no fp32 copy of it
             if not _trains_in_attention(layer, trainable):  # Dec-Adapter: the graph starts after attention
                 layer_saved -= b * s * attention_saved_bytes(spec, s, w, attn)
         saved.append(layer_saved)
     transient = layer_backward_transient_bytes(spec, b, s, w)
-    final_norm = b * s * h * 4
+    final_norm = top_saved_bytes(b, s, h, w, flows_down=bool(saved), top_trained=top_trained)
     if workload.checkpointing:
         act_saved, act_recompute = len(saved) * b * s * h * w + final_norm, max(saved, default=0) + transient
     else:

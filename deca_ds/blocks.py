@@ -108,6 +108,24 @@ def partition_model(
     return Partition(blocks=blocks, frozen=frozen, frozen_numel=sum(sizes[n] for n in frozen))
 
 
+def block_layers(model: nn.Module, partition: Partition) -> list[tuple[int, list[int]]]:
+    """For each block, (its entry layer, the decoder layers it holds params of): the entry layer is
+    the lowest it holds, and for a block of none where it sits in the model: 0 for one that holds
+    the input embeddings (every layer is above it, backward runs through them all), else the number
+    of layers (the final norm, the LM head: every layer is below it, frozen)."""
+    _, layers = find_decoder_layers(model)
+    layer_of = {id(p): k for k, layer in enumerate(layers) for p in layer.parameters()}
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    embedding_ids = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    spans = []
+    for b in range(partition.num_blocks):
+        params = partition.params(model, b)
+        held = sorted({layer_of[id(p)] for p in params if id(p) in layer_of})
+        entry = held[0] if held else 0 if any(id(p) in embedding_ids for p in params) else len(layers)
+        spans.append((entry, held))
+    return spans
+
+
 def _layer_groups(
     model: nn.Module,
     named: list[tuple[str, nn.Parameter]],

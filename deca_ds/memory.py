@@ -87,7 +87,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .blocks import Partition, find_decoder_layers, partition_model
+from .blocks import Partition, block_layers, find_decoder_layers, partition_model
 from .config import check_master_dtype, check_state_bits, check_variant, dtype_name, parse_dtype
 from .mixing import MIX_CHUNK
 from .offload import OFFLOAD_MODES, check_keep
@@ -226,14 +226,27 @@ class ModelSpec:
         return self.total_params - self.decoder_params
 
     @cached_property
-    def _partitions(self) -> dict[int, Partition]:
+    def _partitions(self) -> dict[tuple, Partition]:
         return {}
 
-    def partition(self, layers_per_block: int) -> Partition:
-        """The trainer's default partition (decoder layers only, embeddings/norm/head frozen)."""
-        if layers_per_block not in self._partitions:
-            self._partitions[layers_per_block] = partition_model(self.model, layers_per_block)
-        return self._partitions[layers_per_block]
+    @cached_property
+    def _layers(self) -> dict[Partition, list[tuple[int, list[int]]]]:
+        return {}
+
+    def partition(self, layers_per_block: int, **trains: bool) -> Partition:
+        """The trainer's partition: the decoder layers, and the embeddings, final norm and LM head
+        as blocks of their own where `trains` (partition_model's train_* flags) asks for them."""
+        key = (layers_per_block, *sorted(trains.items()))
+        if key not in self._partitions:
+            self._partitions[key] = partition_model(self.model, layers_per_block, **trains)
+        return self._partitions[key]
+
+    def block_layers(self, partition: Partition, block: int) -> tuple[int, int]:
+        """(the entry layer, how many decoder layers it holds) of a block (deca_ds.blocks.block_layers)."""
+        if partition not in self._layers:
+            self._layers[partition] = block_layers(self.model, partition)
+        entry, held = self._layers[partition][block]
+        return entry, len(held)
 
     def tensor_numels(self, partition: Partition, block: int) -> list[int]:
         return [self.model.get_parameter(n).numel() for n in partition.blocks[block].param_names]
@@ -621,10 +634,13 @@ class Workload:
 def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Workload = Workload(), *,
                    master_dtype="fp32", offload: str = "none", offload_keep: int = 0, variant: str = "deca",
                    state_bits: int = 32, fused_update: bool = False, steps_per_block: int = PAPER_STEPS_PER_BLOCK,
-                   grad_accum: int = 1, inputs_require_grad: bool = False,
-                   eval_kv_cache: bool = False) -> MemoryEstimate:
-    """The estimate while block `block` of the default partition is active (see MemoryEstimate), for
-    one client running `workload` with DECA's settings (DecaConfig's names).
+                   grad_accum: int = 1, inputs_require_grad: bool = False, eval_kv_cache: bool = False,
+                   train_embeddings: bool = False, train_final_norm: bool = False,
+                   train_lm_head: bool = False) -> MemoryEstimate:
+    """The estimate while block `block` of the partition is active (see MemoryEstimate), for one
+    client running `workload` with DECA's settings (DecaConfig's names; train_*: the embeddings
+    before the layers' blocks, the final norm and the LM head after them, a block each, as the
+    trainer cuts them).
 
     inputs_require_grad: whether the embedding output requires grad. transformers >= 5's
     checkpointing switch turns it on for every input_ids model; then the layers BELOW the active
@@ -645,7 +661,8 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
     check_state_bits(state_bits)
     check_variant(variant)
 
-    partition = spec.partition(layers_per_block)
+    trains = dict(train_embeddings=train_embeddings, train_final_norm=train_final_norm, train_lm_head=train_lm_head)
+    partition = spec.partition(layers_per_block, **trains)
     B = partition.num_blocks
     if not 0 <= block < B:
         raise ValueError(f"block must be in [0, {B}), got {block}")
@@ -659,9 +676,11 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
     # 8-bit moments: one code per element and one fp32 absmax per quantization block of each tensor
     moment = n + 4 * num_absmax(numels) if state_bits == 8 else n * mb
 
-    first = block * layers_per_block  # the default partition: block k = layers [k·lpb, (k+1)·lpb)
-    in_block = min(layers_per_block, spec.num_layers - first)
-    activations = _activation_terms(spec, workload, first, in_block, inputs_require_grad)
+    # the layers [first, first + in_block); a block of none sits below them all (the embeddings) or above
+    first, in_block = spec.block_layers(partition, block)
+    name = partition.blocks[block].name
+    top_trained = int(name in ("final_norm", "lm_head") or (name == "embeddings" and spec.tied))
+    activations = _activation_terms(spec, workload, first, in_block, inputs_require_grad, top_trained)
     offloaded = (_offload_terms(spec, workload, first, in_block, offload_keep, steps_per_block, grad_accum,
                                 inputs_require_grad) if offload == "frozen"
                  else {"weights": spec.total_params * w, "offload_buffers": 0, "host_weights": 0,
@@ -697,8 +716,17 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
     )
 
 
+def top_saved_bytes(b: int, s: int, h: int, w: int, *, flows_down: bool, top_trained: int) -> int:
+    """What the top of the model keeps for backward besides the logits: the final norm's fp32 input,
+    for the gradient that flows down through it to a trained layer (or the embeddings), and for each
+    trained tensor of the `top_trained` there (the final norm's weight, the LM head, a tied head with
+    the embeddings) the working-dtype tensor its gradient reads: the norm's normalized input, the
+    head's input."""
+    return b * s * h * ((4 if flows_down else 0) + top_trained * w)
+
+
 def _activation_terms(spec: ModelSpec, workload: Workload, first: int, in_block: int,
-                      inputs_require_grad: bool) -> dict[str, int]:
+                      inputs_require_grad: bool, top_trained: int) -> dict[str, int]:
     """act_saved and act_recompute while layers [first, first + in_block) train (estimate_block)."""
     above = spec.num_layers - first - in_block
     below = first if inputs_require_grad else 0  # layers below the active block that build a graph
@@ -707,7 +735,7 @@ def _activation_terms(spec: ModelSpec, workload: Workload, first: int, in_block:
     full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn)
     flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn)
     transient = layer_backward_transient_bytes(spec, b, s, w)
-    final_norm = b * s * h * 4
+    final_norm = top_saved_bytes(b, s, h, w, flows_down=bool(in_block + above), top_trained=top_trained)
     if workload.checkpointing:
         return {"act_saved": (below + in_block + above) * b * s * h * w + final_norm,
                 "act_recompute": full + transient}
@@ -729,7 +757,8 @@ def _offload_terms(spec: ModelSpec, workload: Workload, first: int, in_block: in
         "offload_buffers": min(2, len(streamed)) * max(spec.layer_params[k] for k in streamed) * w if streamed else 0,
         "host_weights": spec.decoder_params * w,
         "offload_stream_block": offload_block_stream([spec.layer_params[k] * w for k in streamed if k < first],
-                                                     [spec.layer_params[k] * w for k in streamed if k > first],
+                                                     [spec.layer_params[k] * w for k in streamed
+                                                      if k >= first + in_block],
                                                      steps_per_block, prefix),
         "prefix_cache": (steps_per_block * grad_accum * workload.micro_batch * workload.seq_len * spec.hidden * w
                          if prefix and first else 0),
@@ -740,8 +769,9 @@ def estimate_blocks(spec, layers_per_block: int = 1, workload: Workload = Worklo
                     **options) -> list[MemoryEstimate]:
     """One estimate per block of the partition."""
     spec = ModelSpec.from_config(spec)
+    trains = {k: v for k, v in options.items() if k.startswith("train_")}
     return [estimate_block(spec, layers_per_block, k, workload, **options)
-            for k in range(spec.partition(layers_per_block).num_blocks)]
+            for k in range(spec.partition(layers_per_block, **trains).num_blocks)]
 
 
 def estimate_memory(spec, layers_per_block: int = 1, workload: Workload = Workload(), **options) -> MemoryEstimate:
@@ -751,12 +781,13 @@ def estimate_memory(spec, layers_per_block: int = 1, workload: Workload = Worklo
 
 
 def communication(spec, layers_per_block: int = 1, workload: Workload = Workload(), *, master_dtype="fp32",
-                  steps_per_block: int = PAPER_STEPS_PER_BLOCK) -> dict:
-    """Bytes one client sends: per inner step for each block, its maximum, and per round."""
+                  steps_per_block: int = PAPER_STEPS_PER_BLOCK, **trains: bool) -> dict:
+    """Bytes one client sends: per inner step for each block, its maximum, and per round (trains:
+    estimate_block's train_* flags)."""
     spec = ModelSpec.from_config(spec)
     master = check_master_dtype(master_dtype)
     tb = _size(workload.transfer(master))
-    per_block = [workload.n_neighbors * blk.numel * tb for blk in spec.partition(layers_per_block).blocks]
+    per_block = [workload.n_neighbors * blk.numel * tb for blk in spec.partition(layers_per_block, **trains).blocks]
     return {"per_step": per_block, "max_per_step": max(per_block),
             "per_round": steps_per_block * sum(per_block)}
 
@@ -769,5 +800,5 @@ __all__ = [
     "DEFAULT_RESERVE", "GPUS", "MB", "GiB", "MemoryEstimate", "ModelSpec", "Workload", "attention_saved_bytes",
     "communication", "estimate_block", "estimate_blocks", "estimate_memory", "eval_forward_bytes", "largest_bucket",
     "layer_activation_bytes", "layer_backward_transient_bytes", "load_config", "logits_bytes", "meta_model",
-    "offload_block_stream", "setup_terms",
+    "offload_block_stream", "setup_terms", "top_saved_bytes",
 ]

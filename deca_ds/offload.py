@@ -35,7 +35,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .blocks import Partition, find_decoder_layers
+from .blocks import Partition, block_layers, find_decoder_layers
 
 # none: every layer resident; frozen: the decoder layers outside the active block (but the top `keep`) in host memory.
 OFFLOAD_MODES = ("none", "frozen")
@@ -77,9 +77,7 @@ class FrozenLayerOffload:
             return
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
-        layer_of = {id(p): k for k, params in enumerate(self._params) for p in params}
-        self._block_layers = [{layer_of[id(p)] for p in partition.params(model, b) if id(p) in layer_of}
-                              for b in range(partition.num_blocks)]
+        self._block_layers = [set(held) for _, held in block_layers(model, partition)]
         self._host = []
         for params in self._params:
             self._host.append([torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda).copy_(p.detach())

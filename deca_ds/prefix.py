@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .blocks import Partition, find_decoder_layers
+from .blocks import Partition, block_layers, find_decoder_layers
 from .offload import FrozenLayerOffload
 
 
@@ -47,11 +47,9 @@ class FrozenPrefix:
 
     def __init__(self, model: nn.Module, partition: Partition, offload: FrozenLayerOffload | None = None) -> None:
         _, self.layers = find_decoder_layers(model)
-        layer_of = {id(p): k for k, layer in enumerate(self.layers) for p in layer.parameters()}
-        # The block's lowest decoder layer; a block of no decoder layer (final norm, LM head) has every
-        # layer below it. The embeddings' block is caught by the trainable-input check.
-        self._first = [min((layer_of[id(p)] for p in partition.params(model, b) if id(p) in layer_of),
-                           default=len(self.layers)) for b in range(partition.num_blocks)]
+        # The layers below each block's entry (the final norm's and the LM head's: all of them; the
+        # embeddings': none) are what a fill runs.
+        self._first = [entry for entry, _ in block_layers(model, partition)]
         self.offload = offload
         self.enabled = True  # False for the rest of the run once the layers are found to draw random numbers
         self._uncached: set[int] = set()  # blocks whose layers below take a trainable input

@@ -19,7 +19,9 @@ H, FFN, V, LAYERS = 128, 352, 300, 4
 CFG = dict(hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=2,
            vocab_size=V, max_position_embeddings=256, tie_word_embeddings=False)
 METHODS = {"dadam": lambda c: DAdam(c), "dec_lora": lambda c: DecLoRA(c), "decaf": lambda c: DeCAF(c),
-           "dec_lora_no_dropout": lambda c: DecLoRA(c, dropout=0.0), "dec_adapter": lambda c: DecAdapter(c, size=16)}
+           "dec_lora_no_dropout": lambda c: DecLoRA(c, dropout=0.0), "dec_adapter": lambda c: DecAdapter(c, size=16),
+           # --train-embeddings --train-final-norm --train-lm-head: every layer keeps a graph down to the embeddings
+           "dadam_all": lambda c: DAdam(c, train_embeddings=True, train_final_norm=True, train_lm_head=True)}
 
 
 def _client(name: str, dtype: torch.dtype, checkpointing: bool = False, master_dtype=torch.float32):

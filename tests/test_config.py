@@ -291,7 +291,7 @@ def test_algorithm_options_default_to_deca_configs_defaults():
 
     config = DecaConfig()
     shared = set(RunOptions.__dataclass_fields__) & set(DecaConfig.__dataclass_fields__)
-    assert len(shared) == 15
+    assert len(shared) == 18  # all but grad_clip (the preset's gradient_clipping) and custom_blocks (the library's)
     defaults = options_module.option_defaults()
     for name in shared:
         expected = getattr(config, name)
@@ -563,7 +563,7 @@ def test_an_option_the_method_does_not_read_is_refused():
 
     partition = partition_model(tiny_llama(64), 1)
     changed = {"variant": "no_bma", "bma_betas": (0.8, 0.99), "block_order": "random", "state_bits": 8,
-               "steps": 7, "mix_every": 2}
+               "steps": 7, "mix_every": 2, "train_embeddings": True, "train_final_norm": True, "train_lm_head": True}
     assert changed.keys() == options_module.READ_BY.keys()
 
     def built(**values) -> dict:

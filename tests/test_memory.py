@@ -102,10 +102,14 @@ def test_config_sources(tmp_path, specs):
 @pytest.mark.parametrize("layers_per_block", [1, 2])
 @pytest.mark.parametrize("master_dtype,state_bits", [(torch.float32, 32), (torch.float64, 32),
                                                      pytest.param(torch.float32, 8, marks=needs_bnb)])
-def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype, state_bits):
+@pytest.mark.parametrize("trains", [False, True], ids=["layers", "all"])
+def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype, state_bits, trains):
+    """Block by block (with `all`, the embeddings, the final norm and the LM head too, each a block
+    of its own): the estimate's state, gradient and x½ are the optimizer's."""
     model = tiny_llama(layers=3, dtype=torch.float32)
+    extra = dict.fromkeys(("train_embeddings", "train_final_norm", "train_lm_head"), trains)
     cfg = DecaConfig(layers_per_block=layers_per_block, steps_per_block=1, rounds=1, master_dtype=master_dtype,
-                     state_bits=state_bits)
+                     state_bits=state_bits, **extra)
     opt = DecaOptimizer(model, cfg)
     spec = ModelSpec.from_config(model.config)
     master = "fp64" if master_dtype == torch.float64 else "fp32"
@@ -114,7 +118,7 @@ def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype, s
     while not opt.done:
         k = opt.active.index
         est = estimate_block(spec, layers_per_block, k, Workload(working_dtype="fp32"), master_dtype=master,
-                             state_bits=state_bits)
+                             state_bits=state_bits, **extra)
         assert est.optimizer_state == opt.state_bytes()
         assert est.master == opt.active.master.numel() * opt.active.master.element_size()
         n = opt.active.master.numel()
@@ -128,7 +132,7 @@ def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype, s
         assert est.x_plus == 0  # master-dtype transfer: x⁺ is summed into an existing buffer
         opt.bma_correct(x_half.clone())
         seen.append(k)
-    assert seen == list(range(math.ceil(3 / layers_per_block)))
+    assert seen == list(range(math.ceil(3 / layers_per_block) + 3 * trains))
     assert opt.state_bytes() == 0
 
 
@@ -298,6 +302,31 @@ def test_activation_estimate_matches_saved_tensors(config_cls, attn, dtype, chec
         assert abs(measured / predicted - 1) < 0.05, (block, measured, predicted)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_activation_estimate_of_the_embeddings_final_norm_and_head_blocks(checkpointing):
+    """The blocks of no decoder layer: backward runs through every layer to the embeddings, and
+    through none for the final norm and the LM head, which keep only the norm's output in bf16."""
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).train()
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    trains = dict(train_embeddings=True, train_final_norm=True, train_lm_head=True)
+    opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1, **trains))
+    b, s = 2, 64
+    ids = torch.randint(0, 300, (b, s), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[0, :5] = 0
+    spec = ModelSpec.from_config(cfg)
+    for block, name in ((0, "embeddings"), (5, "final_norm"), (6, "lm_head")):
+        while opt.active.index != block:
+            opt.step()
+        assert opt.partition.blocks[block].name == name
+        measured = saved_bytes(model, {"input_ids": ids, "attention_mask": mask, "labels": ids})
+        est = estimate_block(spec, 1, block, Workload(micro_batch=b, seq_len=s, checkpointing=checkpointing), **trains)
+        assert abs(measured / (est.act_saved + b * s * cfg.vocab_size * 4) - 1) < 0.05, (name, measured, est.act_saved)
+
+
 def test_checkpointing_keeps_lower_layer_inputs_unless_input_grads_are_disabled():
     """transformers 5's gradient_checkpointing_enable() makes the embedding output require grad, so
     the layers below the active block keep their inputs (and are recomputed in backward)."""
@@ -424,7 +453,16 @@ def test_deca_train_estimate_is_the_estimator_for_the_runs_own_setting(tmp_path,
                         ("phase setup: evaluate", expected.setup_phases["evaluate"]),
                         ("phase end: consensus", expected.end)):
         assert float(re.search(line + r"\s+([\d.]+) GiB", text).group(1)) == round(value / GiB, 3), line
-    assert f"the peak block: {expected.block}" in text
+    assert f"the peak block: {expected.block} (layers[" in text
+    # Qwen2.5-3B's embeddings (its LM head too: tied) as a block of their own: 311M parameters, the peak
+    train_main([*args, "--train-embeddings", "--estimate"])
+    text = capsys.readouterr().out
+    embeddings = estimate_memory(qwen, 2, workload, master_dtype="fp32", grad_accum=1, steps_per_block=48,
+                                 train_embeddings=True)
+    assert "36 decoder layers in 18 blocks and 1 more (embeddings)" in text
+    assert "the peak block: 0 (embeddings)" in text and embeddings.block_params == 151936 * 2048
+    assert float(re.search(r"peak of the process\s+([\d.]+) GiB", text).group(1)) == \
+        round(embeddings.process_peak / GiB, 3) > round(expected.process_peak / GiB, 3)
     # resident, one rank per client: no FrozenPrefix, no DeepSpeed all-reduce
     assert "phase backward" in text and "phase prefix" not in text and "phase grad_allreduce" not in text
     assert "RTX 5090 (31.8 GiB): yes" in text

@@ -4,6 +4,7 @@ the estimator says, and where caching would change the arithmetic (dropout, a tr
 the layers compute in every step as before."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -145,8 +146,14 @@ def test_lm_head_block_caches_every_decoder_layer():
         for layer in model.model.layers:  # a pre-hook: checkpointing's recomputation stops inside the MLP
             layer.mlp.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
     expected, _ = train(resident, config=config)
-    losses, _ = train(cached, offload=True, prefix=True, config=config)
+    losses, per_block = train(cached, offload=True, prefix=True, config=config)
     assert losses == expected
+    spec = ModelSpec.from_config(base.config)
+    for block in range(3):  # the head's block streams every layer once, as the estimator counts
+        est = estimate_block(spec, 2, block, Workload(working_dtype="fp32"), offload="frozen", steps_per_block=R,
+                             train_lm_head=True)
+        assert est.offload_stream_block == per_block[block], block
+    assert per_block[2] == offload_block_stream([spec.layer_params[0] * 4] * LAYERS, [], R, prefix=True)
     # The same layer computations, rearranged. Blocks: layers 0-1, layers 2-3, LM head; per block the
     # layers from the block up compute in forward and in the recomputation, those below once per
     # micro-batch (R of them) - by FrozenPrefix in the run that caches.
@@ -155,23 +162,48 @@ def test_lm_head_block_caches_every_decoder_layer():
         assert torch.equal(a, b), name
 
 
-def test_embeddings_block_computes_every_step_and_the_others_still_cache():
+def test_embeddings_block_has_every_layer_above_it_and_the_others_still_cache():
+    """The embeddings' block has no layer below it (nothing to cache, nothing to warn about): every
+    layer streams up and down in each of its steps, as the estimator counts."""
     base = tiny_llama(layers=LAYERS, dtype=torch.float32)
     config = DecaConfig(layers_per_block=1, steps_per_block=R, rounds=1, lr=1e-2, master_dtype=torch.float32,
                         train_embeddings=True)
     resident, cached = copy.deepcopy(base), copy.deepcopy(base)
     expected, _ = train(resident, config=config)
-    with pytest.warns(UserWarning, match="feeds the layers below") as caught:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         losses, per_block = train(cached, offload=True, prefix=True, config=config)
-    assert losses == expected and len(caught) == 1
+    assert losses == expected
     for (name, a), b in zip(resident.named_parameters(), cached.parameters()):
         assert torch.equal(a, b), name
     # blocks: embeddings, then layers 0..3; layer k's block streams the layers below it once
     spec = ModelSpec.from_config(base.config)
     layer = spec.layer_params[0] * 4
+    assert per_block[0] == offload_block_stream([], [layer] * LAYERS, R, prefix=True)
     for k in range(1, LAYERS):
         below, above = [layer] * k, [layer] * (LAYERS - 1 - k)
         assert per_block[k + 1] == offload_block_stream(below, above, R, prefix=True), k
+    for block in range(LAYERS + 1):
+        est = estimate_block(spec, 1, block, Workload(working_dtype="fp32"), offload="frozen", steps_per_block=R,
+                             train_embeddings=True)
+        assert est.offload_stream_block == per_block[block], block
+        assert (est.prefix_cache == 0) == (block <= 1)  # nothing below the embeddings' block nor layer 0's
+
+
+def test_a_block_whose_trainable_tensor_feeds_the_layers_below_it_computes_them_every_step():
+    """A custom block of the embeddings and layer 2: what enters layers 0-1 trains, so they cannot
+    be cached while it is active (a warning, once); the other blocks still cache, bit for bit."""
+    base = tiny_llama(layers=LAYERS, dtype=torch.float32)
+    config = DecaConfig(steps_per_block=R, rounds=1, lr=1e-2, master_dtype=torch.float32,
+                        custom_blocks=[["model.embed_tokens", "model.layers.2"], "model.layers.0", "model.layers.1",
+                                       "model.layers.3"])
+    resident, cached = copy.deepcopy(base), copy.deepcopy(base)
+    expected, _ = train(resident, config=config)
+    with pytest.warns(UserWarning, match="block 0 trains a tensor that feeds the layers below") as caught:
+        losses, _ = train(cached, offload=True, prefix=True, config=config)
+    assert losses == expected and len(caught) == 1
+    for (name, a), b in zip(resident.named_parameters(), cached.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_dropout_falls_back_to_computing_every_step():

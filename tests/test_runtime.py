@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import deca_ds
-from deca_ds.memory import offload_block_stream
-from deca_ds.models import tiny_llama
+from deca_ds.memory import ModelSpec, Workload, estimate_block, offload_block_stream
+from deca_ds.models import tiny_config, tiny_llama
 from deca_ds.reporting import commit
 from deca_ds.runtime import trainer
 from deca_ds.runtime.dist import (
@@ -178,6 +178,40 @@ def test_without_a_launcher_one_rank_trains_one_client_as_the_simulator_does(tmp
     for name, want in simulated[0].items():
         assert torch.equal(got[name], want), name
     assert any((want - init[name]).abs().max() > 1e-3 for name, want in simulated[0].items())
+
+
+def test_embeddings_final_norm_and_lm_head_train_as_blocks_of_their_own_offloaded_as_simulated(tmp_path, monkeypatch):
+    """--train-embeddings --train-final-norm --train-lm-head: five blocks (the embeddings, two of
+    layers, the final norm, the LM head), trained with the frozen layers streamed for real on a CPU
+    rank (FrozenPrefix before the norm's and the head's blocks), end where the simulator does, bit
+    for bit, each of the three having moved."""
+    monkeypatch.setenv("DECA_OFFLOAD_ON_CPU", "1")
+    out = tmp_path / "run"
+    args = ["--ds_config", PRESET, "--layers-per-block", "2", "--steps-per-block", "2", "--rounds", "1",
+            "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16", "--offload", "frozen",
+            "--train-embeddings", "--train-final-norm", "--train-lm-head", "--save-clients", "--output-dir", str(out)]
+    rank = start_rank(args, unlaunched_env(), ROOT, tmp_path / "out", tmp_path / "err")
+    assert wait_all([rank], timeout=300) == [0], (tmp_path / "err").read_text()[-3000:]
+    blocks = json.loads((out / "run_config.json").read_text())["blocks"]
+    assert [b["name"] for b in blocks] == ["embeddings", "layers[0:2]", "layers[2:4]", "final_norm", "lm_head"]
+    opts, _ = parse_args([*args[:-2], "--output-dir", "unused"])
+    task = trainer.build_task(opts, 1)
+    model = trainer.build_model(opts, len(task.tokenizer))
+    # what each block streamed (the norm's and the head's: every layer once, FrozenPrefix) is the estimator's
+    # count; the embeddings' block's also has the layers the evaluation before training left on the device
+    rows = [json.loads(line) for line in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
+    spec = ModelSpec.from_config(model.config)
+    for k in range(1, 5):
+        est = estimate_block(spec, 2, k, Workload(working_dtype="fp32"), offload="frozen", steps_per_block=2,
+                             **opts.trains())
+        assert sum(r["bytes_streamed"] for r in rows[2 * k:2 * k + 2]) == est.offload_stream_block, k
+    with torch_threads():
+        simulated = deca_ds.simulate(model, [task.stream(opts, 0)], np.ones((1, 1)), opts.deca_config())
+    got, init = client_params(out, 0), dict(model.named_parameters())
+    for name, want in simulated[0].items():
+        assert torch.equal(got[name], want), name
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert not torch.equal(got[name], init[name]), name
 
 
 def test_a_resumed_run_goes_on_along_its_presets_lr_schedule(tmp_path):
@@ -429,6 +463,12 @@ def write_matrix(tmp_path: Path, W) -> str:
     return str(path)
 
 
+def write_tied_config(tmp_path: Path) -> str:
+    """A tiny Llama's config whose LM head is the embeddings' matrix (Qwen2-1.5B's and 2.5-3B's kind)."""
+    tiny_config(64, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    return str(tmp_path / "tied" / "config.json")
+
+
 BAD_INPUTS = {
     "clients_vs_topology": (lambda t: ["--topology", "file", "--matrix-file",
                                        write_matrix(t, np.full((3, 3), 1 / 3))],
@@ -441,6 +481,11 @@ BAD_INPUTS = {
     "non_stochastic_W": (lambda t: ["--topology", "file", "--matrix-file",
                                     write_matrix(t, np.full((4, 4), 0.2))], "row .* sums to"),
     "layers_per_block": (lambda t: ["--layers-per-block", "9"], "layers_per_block"),
+    # from the config, before the weights load: a tied head has no tensor of its own to train
+    "tied_lm_head": (lambda t: ["--from-config", "--model", write_tied_config(t), "--train-lm-head"],
+                     "the LM head is tied to the input embeddings .* use train_embeddings=True"),
+    "lm_head_of_adapters": (lambda t: ["--method", "dec_lora", "--train-lm-head"],
+                            r"--method dec_lora does not read --train-lm-head \(read by deca/dadam only\)"),
     "bad_lr": (lambda t: ["--lr", "-1"], "lr must be > 0"),
     "existing_run": (lambda t: [], "already holds a run"),
     "offload_with_mid_run_eval": (lambda t: ["--offload", "frozen", "--eval-interval", "3"],

@@ -65,8 +65,10 @@ def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     evaluation = {"eval_batch": SCORE_BATCH if scored else 0, "eval_positions": task.answer_tokens}
     setting = {"clients": n_clients, "neighbors": neighbors, "loss_positions": positions, **evaluation,
                "offload_keep": options["offload_keep"], "clients_per_gpu": max(Counter(gpus).values()) if gpus else 1}
-    return estimate_run(options, spec, ds_config, n_neighbors=neighbors, loss_positions=positions,
-                        **evaluation), setting
+    est = estimate_run(options, spec, ds_config, n_neighbors=neighbors, loss_positions=positions, **evaluation)
+    if opts.method == "deca":
+        setting["block"] = spec.partition(opts.layers_per_block, **opts.trains()).blocks[est.block].name
+    return est, setting
 
 
 def card_fits(opts: RunOptions, est: MemoryEstimate, clients_per_gpu: int = 1) -> dict[str, tuple[int, bool]]:
@@ -97,8 +99,11 @@ def report(opts: RunOptions, est: MemoryEstimate, setting: dict) -> str:
     offload = f"offload {opts.offload}" + (f", top {setting['offload_keep']} layer(s) kept" if opts.offload == "frozen"
                                            else "")
     if est.method == "deca":
-        trains = f"{est.num_layers} decoder layers in {est.num_blocks} blocks"
-        where = f"; the peak block: {est.block}"
+        extra = [what for what, on in (("embeddings", opts.train_embeddings), ("final norm", opts.train_final_norm),
+                                       ("LM head", opts.train_lm_head)) if on]
+        trains = (f"{est.num_layers} decoder layers in {est.num_blocks - len(extra)} blocks"
+                  + (f" and {len(extra)} more ({', '.join(extra)})" if extra else ""))
+        where = f"; the peak block: {est.block} ({setting['block']})"
     else:
         trains, where = f"{est.method} training {est.block_params:,} parameters at every step", ""
     return "\n".join([

@@ -57,8 +57,12 @@ BLOCK_ORDERS = ("ascending", "descending", "random")  # deca_ds.blocks.BLOCK_ORD
 # LoRA's and the adapters' options say whose they are in their names; one command line may carry
 # them for every method.
 BASELINES = tuple(m for m in METHOD_NAMES if m != "deca")
+# What trains beside the decoder layers where asked: DECA's blocks and D-Adam's full parameter set
+# (deca_ds.blocks.partition_model's flags); the adapters' methods train only their adapters.
+TRAINS = ("train_embeddings", "train_final_norm", "train_lm_head")
 READ_BY = {"variant": ("deca",), "bma_betas": ("deca",), "block_order": ("deca",), "state_bits": ("deca",),
-           "steps": BASELINES, "mix_every": BASELINES}
+           "steps": BASELINES, "mix_every": BASELINES,
+           **dict.fromkeys(TRAINS, ("deca", "dadam"))}
 # The same for the data: what names a user's data (files, columns, labels, the chat template its
 # prompts are rendered with) the built-in synthetic task does not read, so `--data-files train=mine.jsonl`
 # without `--dataset files` would train on the synthetic task; --iid replaces the Dirichlet split.
@@ -220,6 +224,12 @@ class RunOptions:
     adapter_size: int = _opt(64, "Dec-Adapter: bottleneck width")
     # Algorithm 1
     layers_per_block: int = _opt(2, "decoder layers per block (granularity)")
+    train_embeddings: bool = _opt(False, "also train the input embeddings (frozen in the paper): DECA, as a block of "
+                                  "their own before the layers'; D-Adam, with the rest")
+    train_final_norm: bool = _opt(False, "also train the final norm: DECA, as a block of its own after the layers'; "
+                                  "D-Adam, with the rest")
+    train_lm_head: bool = _opt(False, "also train the LM head (an untied one: a tied head is the embeddings' matrix): "
+                               "DECA, as the last block; D-Adam, with the rest")
     steps_per_block: int = _opt(48, "local steps per block R")
     rounds: int = _opt(4, "rounds T")
     lr: float = _opt(5e-5, "learning rate γ")
@@ -403,7 +413,7 @@ class RunOptions:
         # the same local Adam as DECA's: every AdamSettings field of its config
         adam = AdamConfig(steps=self.total_steps(partition), mix_every=self.mix_every, **config.adam_settings())
         if self.method == "dadam":
-            return DAdam(adam)
+            return DAdam(adam, **self.trains())
         if self.method == "dec_adapter":
             return DecAdapter(adam, size=self.adapter_size, seed=self.seed)
         lora = DeCAF if self.method == "decaf" else DecLoRA
@@ -430,8 +440,12 @@ class RunOptions:
             steps_per_block=self.steps_per_block, rounds=self.rounds,
             layers_per_block=self.layers_per_block, variant=self.variant, block_order=self.block_order,
             seed=self.seed, master_dtype=parse_dtype(self.master_dtype), state_bits=self.state_bits,
-            fused_update=self.fused_update, grad_clip=grad_clip,
+            fused_update=self.fused_update, grad_clip=grad_clip, **self.trains(),
         )
+
+    def trains(self) -> dict[str, bool]:
+        """The train_* flags: which of the embeddings, final norm and LM head train beside the layers."""
+        return {name: getattr(self, name) for name in TRAINS}
 
 
 # Option groups of --help and docs/options.md: each starts at its first field and runs to the next one's,
@@ -740,13 +754,15 @@ def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: i
         from ..baseline_memory import estimate_method
 
         # its default step budget (DECA's T·B·R on this model) does not change its memory
-        method = RunOptions(**options).build_method(spec.partition(options["layers_per_block"]))
+        run = RunOptions(**options)
+        method = run.build_method(spec.partition(options["layers_per_block"], **run.trains()))
         return estimate_method(spec, method, workload)
     return estimate_memory(
         spec, options["layers_per_block"], workload, master_dtype=options["master_dtype"],
         offload=options["offload"], offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
         variant=options["variant"], state_bits=options["state_bits"], fused_update=options["fused_update"],
-        steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"])
+        steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"],
+        **{name: options[name] for name in TRAINS})
 
 
 def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_neighbors: int,

@@ -30,6 +30,7 @@ from ..decentralized import DecentralizedOptimizer
 from ..evaluation import answer_sets
 from ..files import write_json, write_text
 from ..finite import MAX_CONSECUTIVE_SKIPS, finite, nonfinite_problem
+from ..memory import ModelSpec
 from ..methods import Method
 from ..models import (
     causal_lm_loss,
@@ -278,8 +279,12 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     # per-client files: a process reads its own client's only
     task = build_task(opts, n_clients, own_clients(opts))
     laps("data")
-    # from the config, before the weights load (an 8B model drawn on the CPU takes minutes)
-    check_positions(model_config(opts, len(task.tokenizer)), opts.max_seq_len)
+    # from the config, before the weights load (an 8B model drawn on the CPU takes minutes): the
+    # context, and the blocks asked of the model (a tied LM head has no tensor of its own to train)
+    config = model_config(opts, len(task.tokenizer))
+    check_positions(config, opts.max_seq_len)
+    ModelSpec.from_config(config, trust_remote_code=opts.trust_remote_code).partition(opts.layers_per_block,
+                                                                                      **opts.trains())
     model = build_model(opts, len(task.tokenizer))
     laps("model")
     # compared across sites once connected; the weights only where nodes load them from their own disks
