@@ -23,6 +23,7 @@ from pathlib import Path
 from .reporting import pyplot, save_figure, setting, write_results
 
 BASELINES = ("dadam", "dec_lora", "dec_adapter", "decaf")  # deca_ds.methods.METHODS but DECA
+TRAINABLE = ("embeddings", "final_norm", "lm_head")  # beside the decoder layers: partition_model's train_* flags
 
 
 def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = None,
@@ -66,6 +67,9 @@ def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | N
     p.add_argument("--fused-update", action="store_true",
                    help="DecaConfig.fused_update: the fused half step holds the gradient and x½ together "
                         "(with --neighbors 0: the update runs in place and holds no x½)")
+    p.add_argument("--train", nargs="+", choices=TRAINABLE, default=[], metavar="PART",
+                   help=f"also train these ({', '.join(TRAINABLE)}), as deca-train's --train-* flags: DECA, a block "
+                        "each; D-Adam, with the rest")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation")
     p.add_argument("--steps-per-block", type=int, default=48, help="R, for the communication per round")
     p.add_argument("--h2d-gbps", type=finite(least=0, strict=True), default=55.2,
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from .methods import METHODS, AdamConfig
 
     specs = sorted((ModelSpec.from_config(c) for c in args.config), key=lambda s: s.total_params)
+    trains = {f"train_{part}": True for part in args.train}
     workload = Workload(working_dtype=args.working_dtype, transfer_dtype=args.transfer_dtype,
                         n_neighbors=args.neighbors, micro_batch=args.micro_batch, seq_len=args.seq_len,
                         loss_positions=args.loss_positions, loss_chunk=args.loss_chunk,
@@ -137,7 +142,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 blocks = estimate_blocks(
                     spec, lpb, workload, master_dtype=args.master_dtype, grad_accum=args.grad_accum, offload=offload,
                     variant=args.variant, state_bits=args.state_bits, offload_keep=keep,
-                    fused_update=args.fused_update, steps_per_block=args.steps_per_block)
+                    fused_update=args.fused_update, steps_per_block=args.steps_per_block, **trains)
                 est = max(blocks, key=lambda e: (e.peak, -e.block))  # estimate_memory: the round's peak
                 # what a step copies from host memory, on average over a round (every block R steps)
                 streamed = sum(e.offload_stream_block for e in blocks) / (len(blocks) * args.steps_per_block)
@@ -145,7 +150,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     adam = AdamConfig(steps=1, master_dtype=parse_dtype(args.master_dtype), fused_update=args.fused_update)
     for spec in specs:
         for name in args.baselines:
-            rows.append(_row(estimate_method(spec, METHODS[name](adam), workload), 0, args))
+            method = METHODS[name](adam, **trains) if name == "dadam" else METHODS[name](adam)
+            rows.append(_row(estimate_method(spec, method, workload), 0, args))
     return rows
 
 
@@ -201,7 +207,9 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
               "+ activations), DeepSpeed's stage-0 gradient all-reduce (grad + flat copy + fp32 copy), the update "
               "(x½), and mixing (x½ + per neighbour one receive buffer of a mixing chunk, at most 2^25 elements, "
               "x⁺ summed into one of them and written over x½; in the master dtype). The block "
-              "with the largest peak is shown (block 0: it is the largest and the deepest backward).",
+              "with the largest peak is shown ("
+              + (f"the decoder layers' blocks and a block each for the {', '.join(args.train)}, --train"
+                 if args.train else "block 0: it is the largest and the deepest backward") + ").",
               "- weights (+buffers): all parameters in the working dtype (offload `none`), or embeddings + final norm "
               "+ LM head + the active block + two streaming buffers of the largest layer (offload `frozen`; "
               "the decoder layers then live in host memory, see `host_weights` in the CSV).",
@@ -230,7 +238,8 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
               "dropout 0.05; adapters of width 64); the method applied to the meta model, so weights, "
               "trainable tensors and their dtypes are exact (peft keeps LoRA factors in fp32 under a bf16 "
               "base); x½ + exchange: x½ and the mixing buffers (DeCAF receives whole vectors); activations "
-              "down to layer 0, where every baseline trains.",
+              "down to layer 0, where every baseline trains"
+              + (f"; D-Adam also trains the {', '.join(args.train)} (--train)." if args.train else "."),
               f"- fits: {args.clients_per_gpu} × (peak + {reserve:g} GiB reserve (CUDA context, NCCL, allocator "
               f"slack)) ≤ the card's total as nvidia-smi reports it, for {args.clients_per_gpu} client(s) per GPU: "
               + ", ".join(f"{g} {c / 2**30:.2f} GiB" for g, c in GPUS.items())

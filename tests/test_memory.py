@@ -384,6 +384,15 @@ def test_command_writes_all_outputs(tmp_path, capsys):
     code = run_script(script, "--config", str(CONFIGS / "qwen2-1.5b.json"), "--layers-per-block", "1",
                       "--offload", "none", "--baselines", "--out", str(tmp_path), "--name", "deca_only")
     assert code == 0 and len(json.loads((tmp_path / "deca_only.json").read_text())["rows"]) == 1
+    # --train: Qwen2-1.5B's embeddings (its LM head too: tied), a block of DECA's and in D-Adam's set
+    code = run_script(script, "--config", str(CONFIGS / "qwen2-1.5b.json"), "--layers-per-block", "1",
+                      "--offload", "none", "--train", "embeddings", "--baselines", "dadam", "--out", str(tmp_path),
+                      "--name", "trained")
+    deca, dadam = json.loads((tmp_path / "trained.json").read_text())["rows"]
+    expected = estimate_memory(CONFIGS / "qwen2-1.5b.json", 1, train_embeddings=True)
+    assert code == 0 and deca["peak"] == expected.peak and deca["num_blocks"] == 28 + 1 and deca["block"] == 0
+    assert dadam["block_params"] == 151936 * 1536 + sum(ModelSpec.from_config(CONFIGS / "qwen2-1.5b.json").layer_params)
+    assert "a block each for the embeddings, --train" in (tmp_path / "trained.md").read_text()
     png = (tmp_path / "estimate.png").read_bytes()
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
 
