@@ -24,7 +24,7 @@ from deca_ds.models import load_model, load_tokenizer
 from deca_ds.reporting import commit, kernels_of, pin_cpu_kernels
 from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_finished, pretrain, run_grid
 from deca_ds.reproduce.figures import smooth, write_figures
-from deca_ds.reproduce.grid import Cell, Grid, load_grid
+from deca_ds.reproduce.grid import Cell, Grid, load_grid, step_budget
 from deca_ds.reproduce.report import (
     REPORT_FILE,
     Table,
@@ -313,6 +313,9 @@ def test_smooth_is_a_trailing_mean():
     ({"tasks": {"emotion": {}}}, r"unknown task 'emotion'"),
     ({"method_options": {"dadam": {"steps": 5}}, "methods": ["deca", "dadam"]},
      r"unequal step budgets.*deca: 8 steps x 4 examples.*dadam: 5 steps"),
+    # DECA's embeddings a block more (T·(B + 1)·R), D-Adam's budget its own default T·B·R
+    ({"method_options": {"deca": {"train_embeddings": True}}, "methods": ["deca", "dadam"]},
+     r"unequal step budgets.*deca: 10 steps x 4 examples.*dadam: 8 steps"),
     ({"options": {"model": "tiny", "seed": 3}}, r"\['seed'\] are set per cell by the grid"),
     ({"speed": 3}, r"unknown key\(s\) \['speed'\]"),
     ({"options": {"model": "tiny", "lrr": 1}}, r"options: unknown option 'lrr' \(did you mean 'lr'\?\)"),
@@ -355,6 +358,24 @@ def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
     with pytest.raises(GridError, match=message):
         build_grid(tiny_grid("tiny", **change), runs_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_the_embeddings_block_counts_in_the_budget_as_the_runs_count_it(tmp_path):
+    """DECA and D-Adam both training the embeddings: T·(B + 1)·R steps each, as their runs take."""
+    from deca_ds.models import tiny_llama
+    from deca_ds.optimizer import model_partition
+    from deca_ds.runtime.options import RunOptions
+
+    both = {"train_embeddings": True}
+    grid = build_grid(tiny_grid("tiny", methods=["deca", "dadam"], seeds=[0],
+                                method_options={"deca": both, "dadam": both}), runs_dir=tmp_path)
+    assert set(grid.budgets.values()) == {(1 * (4 + 1) * 2, 4)}
+    for cell in grid.cells:
+        opts = RunOptions(**cell.options)
+        assert opts.total_steps(model_partition(tiny_llama(64), opts.deca_config())) == 10, cell.method
+    # a hub model's depth, unknown offline: the budget in symbols, the head's block among them
+    hub = {"model": "org/hub-model", "rounds": 4, "layers_per_block": 2, "steps_per_block": 48, "train_lm_head": True}
+    assert step_budget(hub, "deca") == ("4·(⌈L/2⌉ + 1)·48", 1)
 
 
 def test_a_presets_clipping_and_schedule_are_a_cells_settings(tmp_path):

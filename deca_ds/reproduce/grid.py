@@ -37,7 +37,7 @@ import yaml
 from ..mapping_files import load_yaml, repeated
 from ..models import TINY_LLAMA
 from ..reporting import CPU_KERNELS
-from ..runtime.options import RunOptions, convert_options, option_defaults
+from ..runtime.options import TRAINS, RunOptions, convert_options, option_defaults
 from ..runtime.presets import STEP_KEYS, load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS, task_kind
 from . import paper
@@ -263,9 +263,11 @@ def step_budget(options: dict, method: str, layers: int | None = None) -> tuple[
     from its config). Steps are symbolic ('T·⌈L/layers per block⌉·R') when the depth is unknown offline."""
     examples = (options.get("micro_batch") or 1) * (options.get("grad_accum") or 1) * options.get("ranks_per_client", 1)
     tbr = (options["rounds"], options["layers_per_block"], options["steps_per_block"])
+    extra = sum(bool(options.get(name)) for name in TRAINS)  # the embeddings', final norm's, LM head's blocks
+    blocks = f"(⌈L/{tbr[1]}⌉ + {extra})" if extra else f"⌈L/{tbr[1]}⌉"
     layers = layers or num_layers(options["model"])
-    deca_steps = (options["rounds"] * math.ceil(layers / options["layers_per_block"]) * options["steps_per_block"]
-                  if layers else f"{tbr[0]}·⌈L/{tbr[1]}⌉·{tbr[2]}")
+    deca_steps = (options["rounds"] * (math.ceil(layers / options["layers_per_block"]) + extra)
+                  * options["steps_per_block"] if layers else f"{tbr[0]}·{blocks}·{tbr[2]}")
     if method in VARIANT_OF or not options.get("steps"):
         return deca_steps, examples
     if not layers:
