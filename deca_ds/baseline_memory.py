@@ -140,9 +140,9 @@ def estimate_method(spec, method: Method, workload: Workload = Workload()) -> Me
     inputs_train = any(id(p) in trainable for p in embedding.parameters())
     # the final norm and the LM head (with --train-final-norm, --train-lm-head: D-Adam's)
     below_top = {id(p) for p in (*layers.parameters(), *embedding.parameters())}
-    top = {id(p) for p in head.parameters()}
-    top_trained = sum(any(id(p) in trainable for p in params) for params in (
-        [p for p in model.parameters() if id(p) not in below_top | top], list(head.parameters())))
+    head_ids = {id(p) for p in head.parameters()}
+    norm_trained = bool(({id(p) for p in model.parameters()} - below_top - head_ids) & trainable)
+    head_trained = bool(head_ids & trainable)
     saved = []  # per layer from the lowest that trains up: what it saves without checkpointing
     for layer in layers:
         trains = any(id(p) in trainable for p in layer.parameters())
@@ -156,7 +156,8 @@ def estimate_method(spec, method: Method, workload: Workload = Workload()) -> Me
                 layer_saved -= b * s * attention_saved_bytes(spec, s, w, attn)
         saved.append(layer_saved)
     transient = layer_backward_transient_bytes(spec, b, s, w)
-    final_norm = top_saved_bytes(b, s, h, w, flows_down=bool(saved), top_trained=top_trained)
+    final_norm = top_saved_bytes(workload, h, flows_down=bool(saved), norm_trained=norm_trained,
+                                 head_trained=head_trained)
     if workload.checkpointing:
         act_saved, act_recompute = len(saved) * b * s * h * w + final_norm, max(saved, default=0) + transient
     else:

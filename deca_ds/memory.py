@@ -679,8 +679,10 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
     # the layers [first, first + in_block); a block of none sits below them all (the embeddings) or above
     first, in_block = spec.block_layers(partition, block)
     name = partition.blocks[block].name
-    top_trained = int(name in ("final_norm", "lm_head") or (name == "embeddings" and spec.tied))
-    activations = _activation_terms(spec, workload, first, in_block, inputs_require_grad, top_trained)
+    # a tied head trains with the embeddings
+    top = {"norm_trained": name == "final_norm",
+           "head_trained": name == "lm_head" or (name == "embeddings" and spec.tied)}
+    activations = _activation_terms(spec, workload, first, in_block, inputs_require_grad, top)
     offloaded = (_offload_terms(spec, workload, first, in_block, offload_keep, steps_per_block, grad_accum,
                                 inputs_require_grad) if offload == "frozen"
                  else {"weights": spec.total_params * w, "offload_buffers": 0, "host_weights": 0,
@@ -716,17 +718,18 @@ def estimate_block(spec, layers_per_block: int = 1, block: int = 0, workload: Wo
     )
 
 
-def top_saved_bytes(b: int, s: int, h: int, w: int, *, flows_down: bool, top_trained: int) -> int:
+def top_saved_bytes(workload: Workload, h: int, *, flows_down: bool, norm_trained: bool, head_trained: bool) -> int:
     """What the top of the model keeps for backward besides the logits: the final norm's fp32 input,
-    for the gradient that flows down through it to a trained layer (or the embeddings), and for each
-    trained tensor of the `top_trained` there (the final norm's weight, the LM head, a tied head with
-    the embeddings) the working-dtype tensor its gradient reads: the norm's normalized input, the
-    head's input."""
-    return b * s * h * ((4 if flows_down else 0) + top_trained * w)
+    for the gradient that flows down through it to a trained layer (or the embeddings); with the
+    norm's weight trained, its normalized input in the working dtype, at every position; with the LM
+    head trained (a tied one: with the embeddings), its input, at the positions it runs at."""
+    b, s, w = workload.micro_batch, workload.seq_len, workload.working_bytes
+    positions = min(s, workload.loss_positions or s)
+    return b * h * (s * (4 if flows_down else 0) + s * w * norm_trained + positions * w * head_trained)
 
 
 def _activation_terms(spec: ModelSpec, workload: Workload, first: int, in_block: int,
-                      inputs_require_grad: bool, top_trained: int) -> dict[str, int]:
+                      inputs_require_grad: bool, top: dict[str, bool]) -> dict[str, int]:
     """act_saved and act_recompute while layers [first, first + in_block) train (estimate_block)."""
     above = spec.num_layers - first - in_block
     below = first if inputs_require_grad else 0  # layers below the active block that build a graph
@@ -735,7 +738,7 @@ def _activation_terms(spec: ModelSpec, workload: Workload, first: int, in_block:
     full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn)
     flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn)
     transient = layer_backward_transient_bytes(spec, b, s, w)
-    final_norm = top_saved_bytes(b, s, h, w, flows_down=bool(in_block + above), top_trained=top_trained)
+    final_norm = top_saved_bytes(workload, h, flows_down=bool(in_block + above), **top)
     if workload.checkpointing:
         return {"act_saved": (below + in_block + above) * b * s * h * w + final_norm,
                 "act_recompute": full + transient}

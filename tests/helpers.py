@@ -68,8 +68,9 @@ def tiny_llama(layers: int = 3, hidden: int = 32, dtype: torch.dtype = torch.flo
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype)
 
 
-def saved_bytes(model, batch) -> int:
-    """Bytes of the distinct non-parameter storages autograd still holds after the forward."""
+def saved_bytes(model, batch, forward=lambda model, batch: model(**batch)) -> int:
+    """Bytes of the distinct non-parameter storages autograd still holds after `forward` (default:
+    the model's own, its loss over every labelled position)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     refs = []
 
@@ -78,7 +79,7 @@ def saved_bytes(model, batch) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(**batch)
+        out = forward(model, batch)
     alive = {}
     for r in refs:
         t = r()

@@ -30,7 +30,7 @@ from deca_ds.memory import (
 )
 from deca_ds.methods import AdamConfig, DecLoRA
 from deca_ds.mixing import MIX_CHUNK
-from deca_ds.models import enable_activation_checkpointing
+from deca_ds.models import causal_lm_loss, enable_activation_checkpointing
 from helpers import needs_bnb, run_script, run_script_in_fork, saved_bytes, tiny_llama
 from ranks import run_on_ranks
 
@@ -304,8 +304,9 @@ def test_activation_estimate_matches_saved_tensors(config_cls, attn, dtype, chec
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_activation_estimate_of_the_embeddings_final_norm_and_head_blocks(checkpointing):
-    """The blocks of no decoder layer: backward runs through every layer to the embeddings, and
-    through none for the final norm and the LM head, which keep only the norm's output in bf16."""
+    """The blocks of no decoder layer, with the trainer's loss labelled at the last 4 positions:
+    backward runs through every layer to the embeddings, and through none for the final norm (which
+    keeps its normalized input in bf16 at every position) and the LM head (its input, at the 4)."""
     cfg = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).train()
@@ -317,14 +318,18 @@ def test_activation_estimate_of_the_embeddings_final_norm_and_head_blocks(checkp
     ids = torch.randint(0, 300, (b, s), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(b, s, dtype=torch.long)
     mask[0, :5] = 0
+    labels = torch.full_like(ids, -100)
+    labels[:, -4:] = ids[:, -4:]  # the head runs at the 4 positions that predict them
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     spec = ModelSpec.from_config(cfg)
+    workload = Workload(micro_batch=b, seq_len=s, checkpointing=checkpointing, loss_positions=4)
     for block, name in ((0, "embeddings"), (5, "final_norm"), (6, "lm_head")):
         while opt.active.index != block:
             opt.step()
         assert opt.partition.blocks[block].name == name
-        measured = saved_bytes(model, {"input_ids": ids, "attention_mask": mask, "labels": ids})
-        est = estimate_block(spec, 1, block, Workload(micro_batch=b, seq_len=s, checkpointing=checkpointing), **trains)
-        assert abs(measured / (est.act_saved + b * s * cfg.vocab_size * 4) - 1) < 0.05, (name, measured, est.act_saved)
+        measured = saved_bytes(model, batch, forward=causal_lm_loss)
+        est = estimate_block(spec, 1, block, workload, **trains)
+        assert abs(measured / (est.act_saved + b * 4 * cfg.vocab_size * 4) - 1) < 0.05, (name, measured, est.act_saved)
 
 
 def test_checkpointing_keeps_lower_layer_inputs_unless_input_grads_are_disabled():
