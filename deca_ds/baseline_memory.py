@@ -134,15 +134,14 @@ def estimate_method(spec, method: Method, workload: Workload = Workload()) -> Me
     b, s, h, attn = workload.micro_batch, workload.seq_len, spec.hidden, workload.attn_implementation
     full = layer_activation_bytes(spec, b, s, w, trainable=True, attn_implementation=attn)
     flow = layer_activation_bytes(spec, b, s, w, trainable=False, attn_implementation=attn)
-    # D-Adam with --train-embeddings: the embeddings' output needs a gradient, so every layer keeps a graph
     layers = find_decoder_layers(model)[1]
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    inputs_train = any(id(p) in trainable for p in embedding.parameters())
-    # the final norm and the LM head (with --train-final-norm, --train-lm-head: D-Adam's)
-    below_top = {id(p) for p in (*layers.parameters(), *embedding.parameters())}
-    head_ids = {id(p) for p in head.parameters()}
-    norm_trained = bool(({id(p) for p in model.parameters()} - below_top - head_ids) & trainable)
-    head_trained = bool(head_ids & trainable)
+    layer_ids = {id(p) for p in layers.parameters()}
+    embedding_ids = {id(p) for p in model.get_input_embeddings().parameters()}
+    head_ids = {id(p) for p in model.get_output_embeddings().parameters()}
+    # D-Adam with --train-embeddings: the embeddings' output needs a gradient, so every layer keeps a
+    # graph; with --train-lm-head, --train-final-norm the top keeps what their gradients read
+    inputs_train, head_trained = bool(embedding_ids & trainable), bool(head_ids & trainable)
+    norm_trained = bool(trainable - layer_ids - embedding_ids - head_ids)
     saved = []  # per layer from the lowest that trains up: what it saves without checkpointing
     for layer in layers:
         trains = any(id(p) in trainable for p in layer.parameters())

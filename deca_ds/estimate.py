@@ -208,7 +208,7 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
               "(x½), and mixing (x½ + per neighbour one receive buffer of a mixing chunk, at most 2^25 elements, "
               "x⁺ summed into one of them and written over x½; in the master dtype). The block "
               "with the largest peak is shown ("
-              + (f"the decoder layers' blocks and a block each for the {', '.join(args.train)}, --train"
+              + (f"of the decoder layers' blocks and, --train, one each for the {', '.join(args.train)}"
                  if args.train else "block 0: it is the largest and the deepest backward") + ").",
               "- weights (+buffers): all parameters in the working dtype (offload `none`), or embeddings + final norm "
               "+ LM head + the active block + two streaming buffers of the largest layer (offload `frozen`; "

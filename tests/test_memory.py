@@ -397,7 +397,7 @@ def test_command_writes_all_outputs(tmp_path, capsys):
     expected = estimate_memory(CONFIGS / "qwen2-1.5b.json", 1, train_embeddings=True)
     assert code == 0 and deca["peak"] == expected.peak and deca["num_blocks"] == 28 + 1 and deca["block"] == 0
     assert dadam["block_params"] == 151936 * 1536 + sum(ModelSpec.from_config(CONFIGS / "qwen2-1.5b.json").layer_params)
-    assert "a block each for the embeddings, --train" in (tmp_path / "trained.md").read_text()
+    assert "--train, one each for the embeddings)" in (tmp_path / "trained.md").read_text()
     png = (tmp_path / "estimate.png").read_bytes()
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
 

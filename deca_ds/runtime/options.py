@@ -762,7 +762,7 @@ def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: i
         offload=options["offload"], offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
         variant=options["variant"], state_bits=options["state_bits"], fused_update=options["fused_update"],
         steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"],
-        **{name: options[name] for name in TRAINS})
+        **{name: options.get(name, False) for name in TRAINS})  # a run recorded before they existed: off
 
 
 def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_neighbors: int,
