@@ -112,7 +112,7 @@ LLAMA=(--from-config --model profiling/configs/llama-3.1-8b-instruct.json)
 BF16=(--ds-config ds_configs/profile_bf16.json --out "$RES")
 TABLE9=("${BF16[@]}" --ranks 4 --steps-per-block 3 --warmup 3 --name profile_resources_4clients_qwen2-1.5b --merge)
 
-(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events fused4 fits fitsn decaf reproduce bg bg-finish"; exit 2; }
+(($#)) || { echo "name the steps to run: exact table9 memory offload setup terms ckpt trains matmul update aggshare compile aggpreset trace events fused4 fits fitsn decaf reproduce bg bg-finish"; exit 2; }
 while (($#)); do
   what=$1
   shift
@@ -140,6 +140,11 @@ while (($#)); do
           step 420 ckpt python3 profiling/profile_memory.py "${BF16[@]}" --ranks 1 --layers-per-block 1 \
             --offload none frozen --offload-keep 0 --steps-per-block 3 --name profile_memory_checkpoint_llama-3.1-8b \
             --train-args --model /tmp/llama-3.1-8b-init ;;
+    trains) # the embeddings' and the LM head's blocks (--train-embeddings --train-lm-head): the round's peak is
+            # the embeddings' block's (525M parameters against a layer's 218M), measured against the estimate
+            step 420 trains python3 profiling/profile_memory.py "${BF16[@]}" --ranks 1 --layers-per-block 1 \
+              --offload none frozen --steps-per-block 2 --name profile_memory_trains_llama-3.1-8b \
+              --train-args "${LLAMA[@]}" --train-embeddings --train-lm-head ;;
     matmul) step 200 matmul python3 profiling/matmul_efficiency.py --layers 4 --out "$RES/matmul_efficiency.json"
             for gb in 32 96; do
               step 200 "matmul ${gb}gb" python3 profiling/matmul_efficiency.py --layers 4 --card-gb $gb \

@@ -298,7 +298,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     from deca_ds.runtime.options import parse_args as parse_run_args
 
     # bg: the steps after it, in the background
-    steps = ("exact table9 memory offload setup terms ckpt matmul update aggshare compile aggpreset trace events "
+    steps = ("exact table9 memory offload setup terms ckpt trains matmul update aggshare compile aggpreset trace events "
              "fused4 fits fitsn decaf reproduce bg-finish bg reproduce").split()
     # the grid with an option of every cell set (the compiled cells' speed), in a runs directory of its own
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out"), "GRID_SET": "compile_layers=true",
@@ -323,7 +323,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
         ds_config = ["--ds_config", parsed.ds_config] if hasattr(parsed, "ds_config") else []
         if parsed.__dict__.get("train_args") and "--ds_config" not in parsed.train_args:
             parse_run_args([*ds_config, *parsed.train_args])
-    assert len(commands) == 35 and len(tools) == 9, sorted(tools)
+    assert len(commands) == 36 and len(tools) == 9, sorted(tools)
     grids = [c for c in commands if c[1] == "launch/reproduce.py"]
     assert len(grids) == 4 and all(c[c.index("--set") + 1] == "compile_layers=true" for c in grids)
     assert all(c[c.index("--runs-dir") + 1] == "runs/gpu_ag_news_compiled" for c in grids)
