@@ -298,8 +298,8 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     from deca_ds.runtime.options import parse_args as parse_run_args
 
     # bg: the steps after it, in the background
-    steps = ("exact table9 memory offload setup terms ckpt trains matmul update aggshare compile aggpreset trace events "
-             "fused4 fits fitsn decaf reproduce bg-finish bg reproduce").split()
+    steps = ("exact table9 memory offload setup terms ckpt trains matmul update aggshare compile aggpreset trace "
+             "events fused4 fits fitsn decaf reproduce bg-finish bg reproduce").split()
     # the grid with an option of every cell set (the compiled cells' speed), in a runs directory of its own
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "out"), "GRID_SET": "compile_layers=true",
            "GRID_RUNS": "runs/gpu_ag_news_compiled", "GRID_ARGS": "--only seed=0 method=dec_lora,decaf"}
