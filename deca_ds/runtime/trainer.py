@@ -283,8 +283,8 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     # context, and the blocks asked of the model (a tied LM head has no tensor of its own to train)
     config = model_config(opts, len(task.tokenizer))
     check_positions(config, opts.max_seq_len)
-    ModelSpec.from_config(config, trust_remote_code=opts.trust_remote_code).partition(opts.layers_per_block,
-                                                                                      **opts.trains())
+    spec = ModelSpec.from_config(config, trust_remote_code=opts.trust_remote_code)
+    spec.partition(opts.layers_per_block, **opts.trains())
     model = build_model(opts, len(task.tokenizer))
     laps("model")
     # compared across sites once connected; the weights only where nodes load them from their own disks
@@ -292,7 +292,7 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
     partition = model_partition(model, opts.deca_config())
     if opts.offload_budget:
         opts.offload_keep = offload_keep_for_budget(
-            asdict(opts), model.config, ds_config, loss_positions=loss_positions_max(opts, task),
+            asdict(opts), spec, ds_config, loss_positions=loss_positions_max(opts, task),
             n_neighbors=max(len(topology.neighbors(i)) for i in range(n_clients)))
         if launch_rank() == 0:
             print(f"--offload-budget {opts.offload_budget:g} GB: keeping the top {opts.offload_keep} decoder layers "
