@@ -361,10 +361,13 @@ def test_bad_grids_are_refused_before_any_run(change, message, tmp_path):
 
 
 def test_the_embeddings_block_counts_in_the_budget_as_the_runs_count_it(tmp_path):
-    """DECA and D-Adam both training the embeddings: T·(B + 1)·R steps each, as their runs take."""
+    """DECA and D-Adam both training the embeddings: T·(B + 1)·R steps each, as their runs take, and
+    DECA's simulated cell runs them, the embeddings' block first."""
     from deca_ds.models import tiny_llama
     from deca_ds.optimizer import model_partition
+    from deca_ds.reproduce import cells, simulated
     from deca_ds.runtime.options import RunOptions
+    from helpers import torch_threads
 
     both = {"train_embeddings": True}
     grid = build_grid(tiny_grid("tiny", methods=["deca", "dadam"], seeds=[0],
@@ -373,6 +376,15 @@ def test_the_embeddings_block_counts_in_the_budget_as_the_runs_count_it(tmp_path
     for cell in grid.cells:
         opts = RunOptions(**cell.options)
         assert opts.total_steps(model_partition(tiny_llama(64), opts.deca_config())) == 10, cell.method
+    deca = next(c for c in grid.cells if c.method == "deca")
+    d = grid.cell_dir(deca)
+    cells._prepare(grid, deca, d, None)
+    with torch_threads():
+        simulated.run_simulated(d)
+    steps = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [s["block"] for s in steps] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    config = json.loads((d / "run_config.json").read_text())
+    assert config["options"]["train_embeddings"] is True and config["blocks"][0]["name"] == "embeddings"
     # a hub model's depth, unknown offline: the budget in symbols, the head's block among them
     hub = {"model": "org/hub-model", "rounds": 4, "layers_per_block": 2, "steps_per_block": 48, "train_lm_head": True}
     assert step_budget(hub, "deca") == ("4·(⌈L/2⌉ + 1)·48", 1)
