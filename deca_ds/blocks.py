@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 BLOCK_ORDERS = ("ascending", "descending", "random")
+# What trains beside the decoder layers where asked, each as a block of its own: partition_model's
+# train_<part> flags, in the order their blocks take around the layers' (embeddings first).
+EXTRA_PARTS = ("embeddings", "final_norm", "lm_head")
 
 _CUSTOM_EXAMPLE = 'custom=["model.layers.0", "model.layers.1"]'
 

@@ -20,10 +20,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from .blocks import EXTRA_PARTS
 from .reporting import pyplot, save_figure, setting, write_results
 
 BASELINES = ("dadam", "dec_lora", "dec_adapter", "decaf")  # deca_ds.methods.METHODS but DECA
-TRAINABLE = ("embeddings", "final_norm", "lm_head")  # beside the decoder layers: partition_model's train_* flags
 
 
 def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = None,
@@ -67,8 +67,8 @@ def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | N
     p.add_argument("--fused-update", action="store_true",
                    help="DecaConfig.fused_update: the fused half step holds the gradient and x½ together "
                         "(with --neighbors 0: the update runs in place and holds no x½)")
-    p.add_argument("--train", nargs="+", choices=TRAINABLE, default=[], metavar="PART",
-                   help=f"also train these ({', '.join(TRAINABLE)}), as deca-train's --train-* flags: DECA, a block "
+    p.add_argument("--train", nargs="+", choices=EXTRA_PARTS, default=[], metavar="PART",
+                   help=f"also train these ({', '.join(EXTRA_PARTS)}), as deca-train's --train-* flags: DECA, a block "
                         "each; D-Adam, with the rest")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention implementation")
     p.add_argument("--steps-per-block", type=int, default=48, help="R, for the communication per round")

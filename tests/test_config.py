@@ -265,7 +265,7 @@ def test_dump_config_keeps_every_option():
 
 
 def test_choice_lists_agree_with_the_algorithm_modules():
-    from deca_ds.blocks import BLOCK_ORDERS
+    from deca_ds.blocks import BLOCK_ORDERS, EXTRA_PARTS
     from deca_ds.config import VARIANTS, WEIGHT_DECAY_ON
     from deca_ds.datasets import TASKS
     from deca_ds.methods import METHODS
@@ -282,6 +282,7 @@ def test_choice_lists_agree_with_the_algorithm_modules():
     assert set(options_module.WEIGHT_SCHEMES) == set(WEIGHT_SCHEMES)
     assert set(options_module.BLOCK_ORDERS) == set(BLOCK_ORDERS)
     assert set(options_module.PHASE_TIMINGS) == set(PHASE_TIMINGS)
+    assert options_module.TRAINS == tuple(f"train_{part}" for part in EXTRA_PARTS)
 
 
 def test_algorithm_options_default_to_deca_configs_defaults():

@@ -59,7 +59,7 @@ BLOCK_ORDERS = ("ascending", "descending", "random")  # deca_ds.blocks.BLOCK_ORD
 BASELINES = tuple(m for m in METHOD_NAMES if m != "deca")
 # What trains beside the decoder layers where asked: DECA's blocks and D-Adam's full parameter set
 # (deca_ds.blocks.partition_model's flags); the adapters' methods train only their adapters.
-TRAINS = ("train_embeddings", "train_final_norm", "train_lm_head")
+TRAINS = ("train_embeddings", "train_final_norm", "train_lm_head")  # deca_ds.blocks.EXTRA_PARTS
 READ_BY = {"variant": ("deca",), "bma_betas": ("deca",), "block_order": ("deca",), "state_bits": ("deca",),
            "steps": BASELINES, "mix_every": BASELINES,
            **dict.fromkeys(TRAINS, ("deca", "dadam"))}
