@@ -20,10 +20,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from .blocks import EXTRA_PARTS
 from .reporting import pyplot, save_figure, setting, write_results
 
 BASELINES = ("dadam", "dec_lora", "dec_adapter", "decaf")  # deca_ds.methods.METHODS but DECA
+# deca_ds.blocks.EXTRA_PARTS (held equal by the tests): --help loads no torch
+EXTRA_PARTS = ("embeddings", "final_norm", "lm_head")
 
 
 def parse_args(argv=None, *, prog: str = "deca-estimate", configs: list[str] | None = None,
@@ -200,7 +201,7 @@ def markdown(rows: list[dict], header: str, args: argparse.Namespace) -> str:
     reserve = rows[0]["reserve"] / 2**30 if rows else args.reserve_gib
     lines += ["", "Notes", "",
               "- Every number is an estimate for ONE client, computed from the config on the meta device "
-              "(`deca_ds/memory.py`). Memory in GiB (2^30 B), communication in MB (10^6 B). Measured against a "
+              "(`deca_ds.memory`). Memory in GiB (2^30 B), communication in MB (10^6 B). Measured against a "
               "real run on an H100 (Llama-3.1-8B, one layer per block, one client): measured / estimated peak "
               "1.003 resident, 1.010 offloaded (`gpu_h100/profile_memory.md`).",
               "- Peak = the largest of four phases of an inner step: backward (weights + optimizer state + grad "

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deca_ds import estimate as estimate_module
 from deca_ds.mapping_files import load_json, load_yaml
 from deca_ds.runtime import options as options_module
 from deca_ds.runtime.options import RunOptions, default_text, dump_config, parse_args
@@ -283,6 +284,7 @@ def test_choice_lists_agree_with_the_algorithm_modules():
     assert set(options_module.BLOCK_ORDERS) == set(BLOCK_ORDERS)
     assert set(options_module.PHASE_TIMINGS) == set(PHASE_TIMINGS)
     assert options_module.TRAINS == tuple(f"train_{part}" for part in EXTRA_PARTS)
+    assert estimate_module.EXTRA_PARTS == EXTRA_PARTS
 
 
 def test_algorithm_options_default_to_deca_configs_defaults():
