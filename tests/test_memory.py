@@ -31,6 +31,7 @@ from deca_ds.memory import (
 from deca_ds.methods import AdamConfig, DecLoRA
 from deca_ds.mixing import MIX_CHUNK
 from deca_ds.models import causal_lm_loss, enable_activation_checkpointing
+from deca_ds.runtime.options import TRAINS
 from helpers import needs_bnb, run_script, run_script_in_fork, saved_bytes, tiny_llama
 from ranks import run_on_ranks
 
@@ -107,7 +108,7 @@ def test_optimizer_state_equals_deca_optimizer(layers_per_block, master_dtype, s
     """Block by block (with `all`, the embeddings, the final norm and the LM head too, each a block
     of its own): the estimate's state, gradient and x½ are the optimizer's."""
     model = tiny_llama(layers=3, dtype=torch.float32)
-    extra = dict.fromkeys(("train_embeddings", "train_final_norm", "train_lm_head"), trains)
+    extra = dict.fromkeys(TRAINS, trains)
     cfg = DecaConfig(layers_per_block=layers_per_block, steps_per_block=1, rounds=1, master_dtype=master_dtype,
                      state_bits=state_bits, **extra)
     opt = DecaOptimizer(model, cfg)
@@ -312,7 +313,7 @@ def test_activation_estimate_of_the_embeddings_final_norm_and_head_blocks(checkp
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16).train()
     if checkpointing:
         enable_activation_checkpointing(model)
-    trains = dict(train_embeddings=True, train_final_norm=True, train_lm_head=True)
+    trains = dict.fromkeys(TRAINS, True)
     opt = DecaOptimizer(model, DecaConfig(layers_per_block=1, steps_per_block=1, **trains))
     b, s = 2, 64
     ids = torch.randint(0, 300, (b, s), generator=torch.Generator().manual_seed(1))
