@@ -68,12 +68,14 @@ def test_fused_step_equals_eager_in_fp32_with_bf16_weights(variant):
         assert torch.equal(a, c) != n.startswith("model.layers."), n  # both blocks moved, nothing else
 
 
-@pytest.mark.parametrize("variant", ["deca", "trivial_bma", "no_bma"])
-def test_a_client_without_neighbors_updates_in_place(variant):
+def test_a_client_without_neighbors_updates_in_place():
     """N = 1, fused: the local step stores no x½ (its payload is x itself, the gradients stay),
     and the correction writes x⁺ = x½ over x. Against the eager path from identical state each
-    step (the matrices decayed, the norms not): x, m, v agree to rounding. (Exactness in float64:
-    test_simulator_exact, N = 1.)"""
+    step (the matrices decayed, the norms not): x, m, v agree to rounding. DECA's correction only:
+    the in-place path of each variant is held to its float64 re-derivation in
+    test_simulator_exact (N = 1), and each variant here cost a compile of about 12 s with
+    Inductor's cache empty, as in CI."""
+    variant = "deca"
     base = tiny_llama(layers=2, dtype=torch.bfloat16)
     cfg = dict(lr=1e-3, steps_per_block=3, rounds=1, layers_per_block=1, variant=variant,
                weight_decay=0.01, weight_decay_on="matrices", grad_clip=0.5)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -573,11 +571,9 @@ def test_update_share_tool(tmp_path, capsys):
 
 def test_loss_memory_tool(tmp_path):
     """profiling/loss_memory.py measures a fresh process per loss chunk and sets the estimator's
-    term for the loss beside it."""
-    done = subprocess.run([sys.executable, str(ROOT / "profiling" / "loss_memory.py"), "--micro-batch", "2",
-                           "--seq-len", "16", "--vocab", "1000", "--chunks", "0", "4", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    term for the loss beside it (the tool itself in this process: its children are the fresh ones)."""
+    assert run_script(ROOT / "profiling" / "loss_memory.py", "--micro-batch", "2", "--seq-len", "16", "--vocab", "1000",
+                      "--chunks", "0", "4", "--out", str(tmp_path)) == 0
     summary = json.loads((tmp_path / "loss_memory.json").read_text())
     assert [r["loss_chunk"] for r in summary["rows"]] == [0, 4]
     for row, positions in zip(summary["rows"], (15, 4)):  # every position but the last predicts a label
