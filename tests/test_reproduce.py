@@ -970,38 +970,17 @@ def test_a_stopped_grid_stops_its_running_cells(tmp_path, capsys):
     assert not list((tmp_path / "runs").rglob("final.json"))
 
 
-def test_deepspeed_cells_run_side_by_side_each_at_its_own_rendezvous(tmp_path, capsys):
-    """jobs 2 in the deepspeed backend: two cells of CPU ranks at once, each launch at a port of its
-    own (at the launcher's one default port the second would fail to bind it)."""
-    from deca_ds.reproduce.cli import main
-
-    grid = tiny_grid("tiny", backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"], jobs=2,
-                     runs_dir=str(tmp_path / "runs"), results_dir=str(tmp_path / "res"))
-    grid["options"].update(clients=2, topology="ring", eval_limit=8)
-    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
-    assert main([str(tmp_path / "grid.yaml")]) == 0
-    assert "tiny: 2 cells, 0 finished, 2 to run (deepspeed, 2 at a time, on CPU ranks)" in capsys.readouterr().out
-    built = load_grid(str(tmp_path / "grid.yaml"))
-    ports = {re.search(r"--master_port=(\d+)", (built.cell_dir(c) / "log.txt").read_text()).group(1)
-             for c in built.cells}
-    assert len(ports) == 2 and all((built.cell_dir(c) / "final.json").is_file() for c in built.cells)
-
-
-WAYS = {"simulated": ("simulate", 1), "ranks": ("deepspeed", 1), "shared": ("deepspeed", 2)}
-
-
-# the launcher and the placement are the same code for every method: DeCAF's cell runs without "ranks"
-@pytest.mark.parametrize("method, ways", [("dec_lora", ("simulated", "ranks", "shared")),
-                                          ("decaf", ("simulated", "shared"))], ids=["dec_lora", "decaf"])
-def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gpu(tmp_path, method, ways):
-    """A Dec-LoRA cell (dropout on) three ways: simulated in one process, on the deepspeed launcher's
-    ranks, and with clients_per_gpu 2 on two ranks torchrun starts on one GPU (here CPU ranks, which
-    ignore its --device-map) over gloo; and one of DeCAF (its consensus is no mean) simulated and
-    shared: every step's loss and the scores and the final consensus distance are the same, so where
-    a grid's cells run changes no result (one thread each: torchrun's default). The preset clips the
-    gradient and warms the lr up, which DeepSpeed's engine applies on ranks and the simulated cell
-    itself (they changed the losses: the same cell simulated without them), and each step
-    accumulates two micro-batches."""
+@pytest.mark.parametrize("method", ["dec_lora", "decaf"])
+def test_a_cell_computes_the_same_simulated_or_on_ranks_that_share_a_gpu(tmp_path, method):
+    """A Dec-LoRA cell (dropout on) and a DeCAF one (its consensus is no mean), simulated in one
+    process and with clients_per_gpu 2 on two ranks torchrun starts on one GPU (here CPU ranks,
+    which ignore its --device-map) over gloo: every step's loss and the scores and the final
+    consensus distance are the same, so where a grid's cells run changes no result (one thread
+    each: torchrun's default). The preset clips the gradient and warms the lr up, which DeepSpeed's
+    engine applies on ranks and the simulated cell itself (they changed the losses: the same cell
+    simulated without them), and each step accumulates two micro-batches. (A cell on the deepspeed
+    launcher's ranks, one client each, is held to its simulated twin in
+    test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint: the same engine, another launcher.)"""
     from deca_ds.reproduce.cells import run_grid
     from deca_ds.reproduce.placement import Placement
 
@@ -1011,33 +990,29 @@ def test_a_cell_computes_the_same_simulated_on_ranks_or_on_ranks_that_share_a_gp
                                       "warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 4,
                                       "warmup_type": "linear"}}}))
     cells = {}
-    for name in ("plain", *ways):
-        backend, sharing = WAYS.get(name, ("simulate", 1))
-        ranks = {"clients_per_gpu": sharing} if backend == "deepspeed" else {}
-        grid = tiny_grid("tiny", backend=backend, methods=[method], seeds=[0], threads=1,
+    for name in ("plain", "simulated", "shared"):
+        shared = name == "shared"
+        grid = tiny_grid("tiny", backend="deepspeed" if shared else "simulate", methods=[method], seeds=[0], threads=1,
                          runs_dir=str(tmp_path / name), ds_config="cpu_demo" if name == "plain" else str(preset),
-                         **ranks)
+                         **({"clients_per_gpu": 2} if shared else {}))
         grid["options"].update(clients=2, topology="ring", eval_limit=8, micro_batch=2, grad_accum=2)
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(grid))
         built = load_grid(str(tmp_path / f"{name}.yaml"))
-        place = Placement("GPU 0", {"localhost": ["0"]}, per_gpu=2) if sharing > 1 else None
-        if backend == "simulate":
-            run_simulated_here(built)
-        else:
+        if shared:
+            place = Placement("GPU 0", {"localhost": ["0"]}, per_gpu=2)
             assert run_grid(built, place=place, log=lambda *_: None) == {built.cells[0].key: "done"}
+        else:
+            run_simulated_here(built)
         cells[name] = built.cell_dir(built.cells[0])
     assert json.loads((cells["simulated"] / "run_config.json").read_text())["options"]["lora_dropout"] == 0.05
-    placed = {name: json.loads((cells[name] / "train" / "run_config.json").read_text())["options"]
-              for name in ways if name != "simulated"}
-    assert {name: (o["device_map"], o["transport"]) for name, o in placed.items()} == {
-        name: {"ranks": ("auto", "auto"), "shared": ("0,0", "gloo")}[name] for name in placed}
+    placed = json.loads((cells["shared"] / "train" / "run_config.json").read_text())["options"]
+    assert (placed["device_map"], placed["transport"]) == ("0,0", "gloo")
     read = lambda d: [{k: v for k, v in json.loads(line).items() if k != "wall_s"}  # noqa: E731
                       for line in (d / "metrics.jsonl").read_text().splitlines()]
     final = lambda d: {k: v for k, v in json.loads((d / "final.json").read_text()).items()  # noqa: E731
                        if k != "wall_s"}
-    for name in ways[1:]:
-        assert read(cells[name]) == read(cells["simulated"]), name
-        assert final(cells[name]) == final(cells["simulated"]), name
+    assert read(cells["shared"]) == read(cells["simulated"])
+    assert final(cells["shared"]) == final(cells["simulated"])
     changed = [a["loss"] != b["loss"] for a, b in zip(read(cells["plain"]), read(cells["simulated"]))]
     assert not changed[0] and all(changed[1:])  # the first loss is the model's before any step
 
@@ -1094,7 +1069,7 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     """A deepspeed cell that writes checkpoints (deca-train's checkpoint_interval), stopped by the
     grid's SIGTERM after its first checkpoint, goes on from it in the next run of the grid instead of
     starting afresh, and ends with the metrics and scores of an uninterrupted run of the same cell:
-    simulated, whose numbers a deepspeed cell's are (test_a_cell_computes_the_same_simulated_on_ranks...),
+    simulated, whose numbers a deepspeed cell's are (test_a_cell_computes_the_same_simulated_or_on_ranks...),
     here in bf16 working weights mixed in bf16 and with the loss in chunks, which the simulated
     cell takes from its options as deca-train does (it had computed the whole loss and mixed exactly;
     the clients' models differ then, and so the distance is not 0)."""
@@ -1148,6 +1123,8 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
     # the ranks' distance is a mean their all-reduce sums in fp32, the simulated cell's one in double
     assert_resumed_as_reference(d, load_grid(str(files["reference"])).cell_dir(cell), step, distance_rtol=1e-6)
     assert not (d / "train" / "checkpoints").exists()  # a finished cell's checkpoints are removed
+    placed = json.loads((d / "train" / "run_config.json").read_text())["options"]
+    assert (placed["device_map"], placed["transport"]) == ("auto", "auto")  # one client per rank
 
 
 def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_bits(tmp_path, monkeypatch, capsys):

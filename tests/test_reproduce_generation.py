@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 
 import pytest
 import yaml
@@ -133,25 +134,36 @@ def test_unjudged_answers_wait_for_the_judge(files, tmp_path, judges, capsys, mo
     assert json.loads((d / "scores.json").read_text())["judge-1"]["mt"]["mean"] == 7
 
 
-def test_deepspeed_generation_cells_answer_on_rank_0(files, tmp_path, capsys):
+def test_deepspeed_generation_cells_answer_on_rank_0_side_by_side(files, tmp_path, capsys):
     """The deepspeed backend: deca-train --questions answers with x̄ on rank 0 at the end, and the
-    cell's files are a simulated cell's (answers/, final.json's counts, the table)."""
+    cell's files are a simulated cell's (answers/, final.json's counts, the table). The two cells run
+    at once (jobs 2), each launch at a rendezvous port of its own: at the launcher's one default
+    port the second would fail to bind it."""
     data = generation_grid(files, tmp_path)
-    data.update(backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"])
+    data.update(backend="deepspeed", ds_config="ds_configs/cpu_demo.json", jobs=2)
     grid_file = tmp_path / "grid.yaml"
     grid_file.write_text(yaml.safe_dump(data))
-    assert reproduce([str(grid_file)]) == 0, capsys.readouterr()
-    d = tmp_path / "runs" / "instruct/ring-n2-lpb1/deca/seed0"  # the preset's ring
-    summary = json.loads((d / "train" / "summary.json").read_text())
-    assert_only_run_outputs(d / "train")  # answers/ too
-    final = json.loads((d / "final.json").read_text())
-    assert final["answered"] == summary["consensus_answers"] and final["answered"]["mt"] == {"questions": 2, "turns": 3}
-    rows = [json.loads(line) for line in (d / "answers" / "vic.jsonl").read_text().splitlines()]
-    assert rows[0]["question_id"] == 1 and len(rows[0]["answers"]) == 1
-    assert "consensus model: answered 2 questions (3 turns) of mt" in (d / "log.txt").read_text()
-    table = list(csv.DictReader(io.StringIO((tmp_path / "results" / "generation.csv").read_text())))
-    assert [r["method"] for r in table] == ["DECA"]
-    assert float(table[0]["vic ROUGE-L mean"]) == pytest.approx(100 * final["answered"]["vic"]["rouge_l"], abs=1e-4)
+    assert reproduce([str(grid_file)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny_generation: 2 cells, 0 finished, 2 to run (deepspeed, 2 at a time, on CPU ranks)" in out, out
+    built = build_grid(data)
+    logs = {cell.method: (built.cell_dir(cell) / "log.txt").read_text() for cell in built.cells}
+    assert len({re.search(r"--master_port=(\d+)", log).group(1) for log in logs.values()}) == 2
+    for cell in built.cells:
+        d = built.cell_dir(cell)
+        assert d == tmp_path / "runs" / f"instruct/ring-n2-lpb1/{cell.method}/seed0"  # the preset's ring
+        summary = json.loads((d / "train" / "summary.json").read_text())
+        assert_only_run_outputs(d / "train")  # answers/ too
+        final = json.loads((d / "final.json").read_text())
+        assert final["answered"] == summary["consensus_answers"]
+        assert final["answered"]["mt"] == {"questions": 2, "turns": 3}
+        rows = [json.loads(line) for line in (d / "answers" / "vic.jsonl").read_text().splitlines()]
+        assert rows[0]["question_id"] == 1 and len(rows[0]["answers"]) == 1
+        assert "consensus model: answered 2 questions (3 turns) of mt" in logs[cell.method]
+    table = {r["method"]: r for r in csv.DictReader(io.StringIO((tmp_path / "results" / "generation.csv").read_text()))}
+    assert sorted(table) == ["DECA", "Dec-LoRA"]
+    rouge = json.loads((tmp_path / "runs" / "instruct/ring-n2-lpb1/deca/seed0" / "final.json").read_text())["answered"]
+    assert float(table["DECA"]["vic ROUGE-L mean"]) == pytest.approx(100 * rouge["vic"]["rouge_l"], abs=1e-4)
 
 
 def test_deca_train_answers_only_after_a_generation_task(files):
