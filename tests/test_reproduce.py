@@ -1141,7 +1141,7 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
     preset.write_text(json.dumps({**json.loads((ROOT / "ds_configs" / "cpu_demo.json").read_text()),
                                   "scheduler": {"type": "CosineAnnealingLR", "params": {"T_max": 12}}}))
     grid = tiny_grid("tiny", methods=["deca", "dec_lora"], seeds=[0], results_dir=str(tmp_path / "res"),
-                     ds_config=str(preset))
+                     ds_config=str(preset), jobs=2)
     # 4 blocks x R = 3 x T = 1: 12 steps; the checkpoint at step 4 is DECA's second block after one step
     grid["options"].update(steps_per_block=3, checkpoint_interval=4)
     files, built = reference_and_stopped(tmp_path, grid)

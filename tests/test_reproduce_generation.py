@@ -57,10 +57,12 @@ def generation_grid(files, tmp_path, **generation) -> dict:
 
 
 def test_generation_cells_answer_then_a_judge_grades_them_once(files, tmp_path, judges, capsys):
-    # per cell, in the grid's order: mt question 81 turns 1 and 2, question 82, then vic question 1
+    # per cell, in the grid's order (the cells run at once; the judging waits for both): mt question 81
+    # turns 1 and 2, question 82, then vic question 1
     judge = judges([f"Rating: [[{r}]]" for r in (8, 6, 4, 9, 5, 3, 2, 1)])
     data = generation_grid(files, tmp_path, judge={"url": judge.url, "model": "judge-1", "key_env": "JUDGE_KEY",
                                                    "allow_http": True})
+    data["jobs"] = 2
     grid_file = tmp_path / "grid.yaml"
     grid_file.write_text(yaml.safe_dump(data))
     assert reproduce([str(grid_file)]) == 0, capsys.readouterr()
