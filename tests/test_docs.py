@@ -1,7 +1,9 @@
 """README.md fits a screen first and its links, and those of docs/, lead somewhere; docs/api.md names the
 whole public API."""
 
+import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -62,8 +64,6 @@ def test_api_doc_names_every_public_name():
 
 def test_readme_demo_numbers_are_the_committed_runs():
     """The README's demo accuracies are docs/demo/summary.json's, as the trainer wrote them."""
-    import json
-
     summary = json.loads((ROOT / "docs" / "demo" / "summary.json").read_text())
     after, before = summary["consensus_eval"], summary["initial_eval"]
     text = " ".join((ROOT / "README.md").read_text().split())
@@ -86,9 +86,6 @@ def test_api_doc_examples_run(index, monkeypatch, capsys):
 def test_readme_gpu_grid_numbers_are_the_committed_cells():
     """The README's sentence on the GPU accuracy grid: its count of finished cells and each method's
     mean accuracy over its finished seeds, from reproduce/results/gpu_ag_news/results.json."""
-    import json
-    import statistics
-
     cells = json.loads((ROOT / "reproduce" / "results" / "gpu_ag_news" / "results.json").read_text())["cells"]
     finished = [c for c in cells if c["finished"]]
     accuracy = {}
@@ -105,8 +102,6 @@ def test_readme_gpu_grid_numbers_are_the_committed_cells():
 
 
 def finished_cells(grid: str) -> list[dict]:
-    import json
-
     cells = json.loads((ROOT / "reproduce" / "results" / grid / "results.json").read_text())["cells"]
     return [c for c in cells if c["finished"]]
 
@@ -125,8 +120,6 @@ def deca_against(cells: list[dict], method: str, tables: set[str]) -> tuple[int,
 
 def granularity_order(cells: list[dict]) -> list[int]:
     """DECA's layers per block, from the best mean accuracy over the seeds to the worst."""
-    import statistics
-
     by_lpb = {}
     for c in cells:
         if c["method"] == "deca" and {"main", "granularity"} & set(c["tables"]):

@@ -75,9 +75,8 @@ def test_a_client_without_neighbors_updates_in_place():
     the in-place path of each variant is held to its float64 re-derivation in
     test_simulator_exact (N = 1), and each variant here cost a compile of about 12 s with
     Inductor's cache empty, as in CI."""
-    variant = "deca"
     base = tiny_llama(layers=2, dtype=torch.bfloat16)
-    cfg = dict(lr=1e-3, steps_per_block=3, rounds=1, layers_per_block=1, variant=variant,
+    cfg = dict(lr=1e-3, steps_per_block=3, rounds=1, layers_per_block=1, variant="deca",
                weight_decay=0.01, weight_decay_on="matrices", grad_clip=0.5)
     eager, fused = copy.deepcopy(base), copy.deepcopy(base)
     opts = DecaOptimizer(eager, DecaConfig(**cfg)), DecaOptimizer(fused, DecaConfig(**cfg, fused_update=True))
