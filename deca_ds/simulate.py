@@ -78,7 +78,7 @@ def simulate(
     optimizers = [method.optimizer(c, mixer.client(i)) for i, c in enumerate(clients)]
     streams = [iter(b) for b in client_batches]
     lead = optimizers[0]
-    consecutive = 0  # skipped steps in a row
+    skipping = SkippedSteps(clients, on_skip) if skip_nonfinite else None
     while not lead.done:
         if before_step is not None:
             before_step(lead.global_step)
@@ -87,30 +87,18 @@ def simulate(
         losses, payloads = [], []
         for i, (client, opt, stream) in enumerate(zip(clients, optimizers, streams)):
             for _ in range(grad_accum):
-                try:
-                    batch = next(stream)
-                except StopIteration:
-                    raise ValueError(f"client {i} ran out of batches at step {info['step']} of "
-                                     f"{lead.total_steps}") from None
+                batch = next(stream, None)
+                if batch is None:
+                    raise ValueError(f"client {i} ran out of batches at step {info['step']} of {lead.total_steps}")
                 with generators.drawing(i) if generators else contextlib.nullcontext():
                     loss = causal_lm_loss(client, batch, loss_chunk=loss_chunk)
                     (loss / grad_accum).backward()
                 losses.append(loss.detach())  # read once all clients' work is queued: .item() would wait for each
-            if not skip_nonfinite:
+            if skipping is None:  # the local step frees this client's gradient before the next one's backward
                 payloads.append(opt.local_step())
-        if skip_nonfinite:
-            bad = nonfinite_clients(losses, clients)
-            if bad:
-                for client in clients:
-                    client.zero_grad(set_to_none=True)
-                consecutive += 1
-                if consecutive > MAX_CONSECUTIVE_SKIPS:
-                    raise ValueError(f"{consecutive} consecutive steps non-finite up to step {info['step']}: the "
-                                     "simulation has diverged and stops here (a smaller lr)")
-                if on_skip is not None:
-                    on_skip(info["step"], bad)
+        if skipping is not None:
+            if skipping.skips(info["step"], losses):
                 continue
-            consecutive = 0
             payloads = [opt.local_step() for opt in optimizers]
         # a NaN is an error, not a result: each client's loss and update (x½'s largest magnitude, NaN
         # if any value is), queued before the mixing may overwrite x½ and read with the losses
@@ -127,14 +115,34 @@ def simulate(
     return [{name: p.detach().clone() for name, p in c.named_parameters()} for c in clients]
 
 
-def nonfinite_clients(losses: list[torch.Tensor], clients: list[nn.Module]) -> str:
-    """What is NaN or infinite before the step's update, by client ('' when nothing is), as a rank
-    checks it for --skip-nonfinite (finite.nonfinite_problem): each micro-batch's loss (`losses`,
-    client by client), then each gradient."""
-    per_client = len(losses) // len(clients)
-    values = torch.stack(losses).double().tolist()
-    problems = [nonfinite_problem(values[i * per_client:(i + 1) * per_client], c) for i, c in enumerate(clients)]
-    return "; ".join(f"non-finite {('loss', 'gradient')[p - 1]} on client {i}" for i, p in enumerate(problems) if p)
+class SkippedSteps:
+    """simulate(skip_nonfinite=True): a step whose loss or gradient is NaN or infinite on any client,
+    checked before any client updates (finite.nonfinite_problem, as a rank checks its own), is skipped
+    by every client, as ranks skip it; more than MAX_CONSECUTIVE_SKIPS in a row stop the run."""
+
+    def __init__(self, clients: list[nn.Module], on_skip: Callable[[int, str], None] | None) -> None:
+        self.clients, self.on_skip, self.in_a_row = clients, on_skip, 0
+
+    def skips(self, step: int, losses: list[torch.Tensor]) -> bool:
+        """Whether `step` is skipped, given each micro-batch's loss, client by client; if so, every
+        client's gradient is cleared and `on_skip(step, what)` told."""
+        per_client = len(losses) // len(self.clients)
+        values = torch.stack(losses).double().tolist()
+        problems = [nonfinite_problem(values[i * per_client:(i + 1) * per_client], c)
+                    for i, c in enumerate(self.clients)]
+        if not any(problems):
+            self.in_a_row = 0
+            return False
+        for client in self.clients:
+            client.zero_grad(set_to_none=True)
+        self.in_a_row += 1
+        if self.in_a_row > MAX_CONSECUTIVE_SKIPS:
+            raise ValueError(f"{self.in_a_row} consecutive steps non-finite up to step {step}: the simulation has "
+                             "diverged and stops here (a smaller lr)")
+        if self.on_skip is not None:
+            self.on_skip(step, "; ".join(f"non-finite {('loss', 'gradient')[p - 1]} on client {i}"
+                                         for i, p in enumerate(problems) if p))
+        return True
 
 
 def check_finite(losses: list[float], updates: list[float], where: dict) -> None:

@@ -74,8 +74,8 @@ def check_layout(world_size: int, ranks_per_client: int, n_clients: int | None) 
     n = world_size // ranks_per_client
     if n_clients is not None and n_clients != n:
         raise ValueError(f"--clients {n_clients} but world size {world_size} with G={ranks_per_client} "
-                         f"makes {n} clients: start {n_clients * ranks_per_client} ranks (deepspeed --num_gpus, "
-                         "torchrun --nproc-per-node), or leave --clients out")
+                         f"makes {n} client{'s' if n != 1 else ''}: start {n_clients * ranks_per_client} ranks "
+                         "(deepspeed --num_gpus, torchrun --nproc-per-node), or leave --clients out")
     return n
 
 
