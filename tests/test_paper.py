@@ -13,7 +13,7 @@ import yaml
 
 from deca_ds.files import write_json
 from deca_ds.reproduce import GridError, build_grid
-from deca_ds.reproduce.cells import FINAL
+from deca_ds.reproduce.cells import BASE, FINAL, cell_settings
 from deca_ds.reproduce.grid import Cell, load_grid
 from deca_ds.reproduce.paper import models, published_cells, reference, reference_tables, to_csv, to_markdown
 from deca_ds.reproduce.report import TABLES, build_comparison, build_generation_comparison, write_report
@@ -443,3 +443,63 @@ def test_results_json_files_merge_into_one_report_with_figures_and_refuse_other_
     assert (f"fine-tuned from different weights of the grid's base model: 3 cell(s) from aaaaaaaa… ({keys[0]}, …); "
             f"1 cell(s) from bbbbbbbb… ({lora[0]}, …)") in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_compare_sets_each_finished_cell_beside_a_results_json_and_exits_3_where_one_differs(tmp_path, capsys):
+    """--compare: every finished cell (of --only's) beside the same cell of a results.json, the same to
+    the bit or the final metrics that differ, and the cells fine-tuned from another base named; exit 3
+    where one differs. Checked before anything runs: not with a mode that reads no cells, nor a file of
+    other settings."""
+    from deca_ds.reproduce.cli import main
+
+    grid = {"name": "g", "runs_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "first"),
+            "options": {"model": "tiny", "clients": 3, "steps_per_block": 2, "rounds": 1, "layers_per_block": 1},
+            "tasks": {"agnews": {}}, "methods": ["deca", "no_bma"], "seeds": [0, 1]}
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(grid))
+    built = load_grid(path)
+    deca0, deca1, no_bma0, no_bma1 = (c for c in sorted(built.cells, key=lambda c: (c.method, c.seed)))
+
+    def finish(c: Cell, accuracy: float, loss_end: float, base: str, wall_s: float) -> None:
+        d = built.cell_dir(c)
+        d.mkdir(parents=True, exist_ok=True)
+        write_json(d / "cell.json", {"settings": cell_settings(built, c, None) | {BASE: base}})
+        write_json(d / FINAL, {"accuracy": accuracy, "macro_f1": 0.4, "loss_end": loss_end, "wall_s": wall_s})
+
+    for c in (deca0, deca1, no_bma0):  # no_bma at seed 1 unfinished there
+        finish(c, 0.5, 0.25, "a" * 64, wall_s=60.0)
+    write_report(built, command=["there"])
+    committed = str(tmp_path / "first" / "results.json")
+    finish(deca0, 0.5, 0.25, "a" * 64, wall_s=59.0)
+    finish(deca1, 0.5, 0.25 + 2**-40, "a" * 64, wall_s=60.0)  # its loss moved by rounding, its score not
+    finish(no_bma1, 0.7, 0.2, "a" * 64, wall_s=60.0)  # nothing there to set it beside
+
+    def compare(*extra: str) -> tuple[int, str]:
+        code = main([str(path), "--report-only", "--compare", committed, "--results-dir", str(tmp_path / "here"),
+                     *extra])
+        seen = capsys.readouterr()
+        assert code != 2, seen.err
+        return code, seen.out
+
+    code, out = compare("--only", "method=deca")
+    assert code == 3
+    assert f"| {deca0.key} | 0.5 / 0.5 | 0.4 / 0.4 | 0.25 / 0.25 | the same |" in out  # a time is not a result
+    assert f"| {deca1.key} | 0.5 / 0.5 | 0.4 / 0.4 | 0.25 / 0.25 | differs: loss_end |" in out
+    assert "1 of 2 cells score as in " + committed + ", to the bit; 1 differ." in out
+    assert no_bma0.key not in out and "other weights" not in out
+    assert "There: commit " in out
+
+    for c in (deca0, deca1, no_bma0, no_bma1):  # the same numbers from another base (its cells all alike)
+        finish(c, 0.5, 0.25, "b" * 64, wall_s=60.0)
+    code, out = compare("--only", "method=no_bma")
+    assert code == 0 and deca0.key not in out.split("## Finished cells beside")[1]
+    assert f"| {no_bma0.key} | 0.5 / 0.5 | 0.4 / 0.4 | 0.25 / 0.25 | the same (another base) |" in out
+    assert "1 of 1 cells score as in" in out and "1 cell(s) were fine-tuned from other weights" in out
+
+    for mode in ("--dry-run", "--estimate"):
+        assert main([str(path), mode, "--compare", committed]) == 2
+        assert "--compare: with a run of the grid or --report-only" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({**grid, "options": {**grid["options"], "lr": 0.5}}))
+    assert main([str(path), "--compare", committed, "--results-dir", str(tmp_path / "none")]) == 2
+    assert "the grid's options changed since these results were written" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()

@@ -24,6 +24,7 @@ from .cells import (
     seconds_per_step,
     steps_done,
 )
+from .compare import compare_cells
 from .figures import write_figures
 from .footprint import estimate_cells
 from .generation import judge_cells
@@ -70,6 +71,10 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--fetch", action="store_true",
                       help="download the hub models and tasks the cells read into the Hugging Face caches, for "
                            "compute nodes without a network (then HF_HUB_OFFLINE=1); run nothing")
+    p.add_argument("--compare", metavar="RESULTS_JSON", type=os.path.expanduser,
+                   help="after the run (or with --report-only), each finished cell beside the same cell of this "
+                        "results.json of the grid (a committed one: reproduce/results/<grid>/results.json): scored "
+                        "the same to the bit or not, and by how much; exit 3 where one differs")
     p.add_argument("--no-judge", action="store_true",
                    help="leave the generation cells' answers unjudged in this run (compute nodes without a network "
                         "or the judge's key); a later run or --report-only judges them")
@@ -123,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         grid = load_grid(args.grid, runs_dir=args.runs_dir, results_dir=args.results_dir, jobs=args.jobs,
                          clients_per_gpu=args.clients_per_gpu, deepspeed_args=args.deepspeed_args,
                          backend=args.backend, ds_config=args.ds_config, options=parse_settings(args.set))
+        if args.compare and (args.tables_from or args.dry_run or args.estimate or args.fetch):
+            raise GridError("--compare: with a run of the grid or --report-only (it reads the finished cells)")
+        compared = recorded_results(grid, args.compare) if args.compare else None  # checked before any cell runs
         if args.tables_from:  # the results.json alone: the runs directory and the base model are not read
             recorded = recorded_results(grid, *args.tables_from)
         else:
@@ -187,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     if elsewhere:
         log(f"{elsewhere} cell(s) were running in other grid runs; their results join the tables once finished "
             "(--report-only)")
+    differ = 0
+    if compared is not None:
+        text, differ = compare_cells(grid, compared, args.compare, select)
+        log(text)
     failed = {k: v for k, v in status.items() if v.startswith("failed")}
     for key, why in failed.items():
         log(f"{key}: {why}")
-    return 1 if failed else 0
+    return 1 if failed else 3 if differ else 0

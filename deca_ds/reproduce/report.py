@@ -511,8 +511,8 @@ def _recorded(grid: Grid, path: Path) -> dict:
     source = record.get("source", {})
     changed = sorted(k for k in (set(source) | set(grid.source)) - NOT_RESULT if source.get(k) != grid.source.get(k))
     if changed:
-        raise GridError(f"{path}: the grid's {', '.join(changed)} changed since these results were written; their "
-                        "tables would mix settings")
+        raise GridError(f"{path}: the grid's {', '.join(changed)} changed since these results were written: they are "
+                        "of other settings")
     keys = {c.key for c in grid.cells}
     stray = [e["key"] for e in record.get("cells", []) if e["key"] not in keys]
     if stray:
