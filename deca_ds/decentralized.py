@@ -63,6 +63,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer, ABC):
     def done(self) -> bool:
         return self.global_step >= self.total_steps
 
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next local step: a preset's schedule (stepped after each step, as
+        DeepSpeed's engine steps it) sets every group's alike."""
+        return self.param_groups[0]["lr"]
+
     @abstractmethod
     def where(self) -> dict:
         """Where the schedule stands, for logs: round, block (None: every trainable tensor), r."""

@@ -1176,6 +1176,9 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
         d = built.cell_dir(cell)
         assert f"{cell.key} ... (resuming from its checkpoint at step 4)" in out, out
         assert_resumed_as_reference(d, reference.cell_dir(cell), 4)
+        lrs = [json.loads(line)["lr"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+        lr = grid["options"]["lr"]  # each step's, as the cosine schedule gives it after that many steps
+        assert lrs == pytest.approx([lr * (1 + math.cos(math.pi * t / 12)) / 2 for t in range(12)], rel=1e-12, abs=0)
         assert not (d / "checkpoint.pt").exists() and not (d / "checkpoint.json").exists()
         assert not list(d.glob(".*")), list(d.glob(".*"))
     # a checkpoint whose clients drew their masks from one generator (older code) is not gone on from

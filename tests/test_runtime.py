@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import math
 import os
 import shutil
 import signal
@@ -218,7 +219,8 @@ def test_a_resumed_run_goes_on_along_its_presets_lr_schedule(tmp_path):
     """A preset's `scheduler` (torch's cosine annealing, which computes each step's lr from the one
     before; every step's lr differs): the run resumed from its checkpoint at step 2 of 6 ends with
     the bits of the run that went through. Before, the schedule started over at the resume, and a
-    torch schedule was given a DeepSpeed schedule's state, which it kept beside its own."""
+    torch schedule was given a DeepSpeed schedule's state, which it kept beside its own. Each step's
+    record has the lr it used: the closed form's after that many steps, the same after the resume."""
     preset = write_preset(tmp_path, scheduler={"type": "CosineAnnealingLR", "params": {"T_max": 7}})
     args = ["--ds_config", preset, "--layers-per-block", "2", "--steps-per-block", "3", "--rounds", "1",
             "--micro-batch", "4", "--lr", "1e-3", "--max-seq-len", "32", "--eval-limit", "16",
@@ -238,6 +240,10 @@ def test_a_resumed_run_goes_on_along_its_presets_lr_schedule(tmp_path):
     assert "resumed from step 2 of 6" in run(resumed, "--resume")
     got, want = (load_file(out / "consensus" / "model.safetensors") for out in (resumed, whole))
     assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+    lrs = [[json.loads(line)["lr"] for line in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
+           for out in (whole, resumed)]
+    assert lrs[0] == pytest.approx([1e-3 * (1 + math.cos(math.pi * t / 7)) / 2 for t in range(6)], rel=1e-12, abs=0)
+    assert lrs[1] == lrs[0]
 
 
 @pytest.mark.parametrize("spec", [

@@ -190,7 +190,7 @@ def run_simulated(d: Path) -> dict:
     # and in log.txt as deca-train prints it, with the mean of the clients' losses
     progress = Progress(opts.total_steps(partition), saved["step"] if saved else 0, opts.method, show=True)
 
-    distance = {}  # the step's, measured as it begins
+    begun = {}  # what a step's record takes as it begins: its lr, and its consensus distance when measured
     skipped = saved.get("nonfinite_skipped", 0) if saved else 0  # skip_nonfinite: steps skipped, as a rank counts
 
     def on_skip(step: int, what: str) -> None:
@@ -198,9 +198,11 @@ def run_simulated(d: Path) -> dict:
         skipped += 1
         print(f"skip_nonfinite: skipped step {step}: {what}; {skipped} skipped so far", flush=True)
 
-    def before_step(step: int) -> None:  # where deca-train's ranks measure it: before the step's update
+    def before_step(step: int) -> None:  # where deca-train's ranks measure them: before the step's update
+        begun.clear()
+        begun["lr"] = recording.optimizers[0].lr
         if opts.consensus_interval and step % opts.consensus_interval == 0:
-            distance["consensus_distance"] = sum(_distances([o.consensus_vector() for o in recording.optimizers])) / n
+            begun["consensus_distance"] = sum(_distances([o.consensus_vector() for o in recording.optimizers])) / n
 
     def on_step(info) -> None:
         # wall_s: seconds since the cell started, at the end of the step (beside other cells on one
@@ -208,8 +210,7 @@ def run_simulated(d: Path) -> dict:
         recording.step()
         rec = {"step": info.step, "round": info.round, "block": info.block, "r": info.step_in_block,
                "loss": sum(info.losses) / len(info.losses), "wall_s": round(time.perf_counter() - start, 3),
-               **distance, **({"nonfinite_skipped": skipped} if skipped else {})}
-        distance.clear()
+               **begun, **({"nonfinite_skipped": skipped} if skipped else {})}
         lead = recording.optimizers[0]
         metrics.write(json.dumps(rec, allow_nan=False) + "\n")
         progress.update({"round": info.round, "block": info.block, "r": info.step_in_block}, rec["loss"],

@@ -474,7 +474,7 @@ class Job:
     def _step(self, step: int, where: dict, start: float) -> bool:
         """step()'s work, begun at `start` (time.perf_counter()); False when --skip-nonfinite skipped it."""
         opts, optimizer, mixer, offload, layout = self.opts, self.optimizer, self.mixer, self.offload, self.layout
-        record = {"step": step, **where}
+        record = {"step": step, **where, "lr": optimizer.lr}  # the lr this step uses, before a schedule's step
         sent, exchanged = mixer.total_bytes_sent, mixer.total_exchange_s
         streamed = offload.bytes_streamed if offload.enabled else 0
         self.heartbeat.beat(step)
