@@ -460,19 +460,19 @@ def test_compare_sets_each_finished_cell_beside_a_results_json_and_exits_3_where
     built = load_grid(path)
     deca0, deca1, no_bma0, no_bma1 = (c for c in sorted(built.cells, key=lambda c: (c.method, c.seed)))
 
-    def finish(c: Cell, accuracy: float, loss_end: float, base: str, wall_s: float) -> None:
+    def finish(c: Cell, accuracy: float, loss_end: float, base: str, **extra) -> None:
         d = built.cell_dir(c)
         d.mkdir(parents=True, exist_ok=True)
         write_json(d / "cell.json", {"settings": cell_settings(built, c, None) | {BASE: base}})
-        write_json(d / FINAL, {"accuracy": accuracy, "macro_f1": 0.4, "loss_end": loss_end, "wall_s": wall_s})
+        write_json(d / FINAL, {"accuracy": accuracy, "macro_f1": 0.4, "loss_end": loss_end, "wall_s": 60.0, **extra})
 
     for c in (deca0, deca1, no_bma0):  # no_bma at seed 1 unfinished there
-        finish(c, 0.5, 0.25, "a" * 64, wall_s=60.0)
+        finish(c, 0.5, 0.25, "a" * 64)
     write_report(built, command=["there"])
     committed = str(tmp_path / "first" / "results.json")
-    finish(deca0, 0.5, 0.25, "a" * 64, wall_s=59.0)
-    finish(deca1, 0.5, 0.25 + 2**-40, "a" * 64, wall_s=60.0)  # its loss moved by rounding, its score not
-    finish(no_bma1, 0.7, 0.2, "a" * 64, wall_s=60.0)  # nothing there to set it beside
+    finish(deca0, 0.5, 0.25, "a" * 64, wall_s=59.0, resumed_from=[4])  # stopped, gone on from a checkpoint
+    finish(deca1, 0.5, 0.25 + 2**-40, "a" * 64)  # its loss moved by rounding, its score not
+    finish(no_bma1, 0.7, 0.2, "a" * 64)  # nothing there to set it beside
 
     def compare(*extra: str) -> tuple[int, str]:
         code = main([str(path), "--report-only", "--compare", committed, "--results-dir", str(tmp_path / "here"),
@@ -483,14 +483,14 @@ def test_compare_sets_each_finished_cell_beside_a_results_json_and_exits_3_where
 
     code, out = compare("--only", "method=deca")
     assert code == 3
-    assert f"| {deca0.key} | 0.5 / 0.5 | 0.4 / 0.4 | 0.25 / 0.25 | the same |" in out  # a time is not a result
+    assert f"| {deca0.key} | 0.5 / 0.5 | 0.4 / 0.4 | 0.25 / 0.25 | the same |" in out  # its time is no result
     assert f"| {deca1.key} | 0.5 / 0.5 | 0.4 / 0.4 | 0.25 / 0.25 | differs: loss_end |" in out
     assert "1 of 2 cells score as in " + committed + ", to the bit; 1 differ." in out
     assert no_bma0.key not in out and "other weights" not in out
     assert "There: commit " in out
 
     for c in (deca0, deca1, no_bma0, no_bma1):  # the same numbers from another base (its cells all alike)
-        finish(c, 0.5, 0.25, "b" * 64, wall_s=60.0)
+        finish(c, 0.5, 0.25, "b" * 64)
     code, out = compare("--only", "method=no_bma")
     assert code == 0 and deca0.key not in out.split("## Finished cells beside")[1]
     assert f"| {no_bma0.key} | 0.5 / 0.5 | 0.4 / 0.4 | 0.25 / 0.25 | the same (another base) |" in out

@@ -489,8 +489,8 @@ def _deepspeed_command(grid: Grid, cell: Cell, d: Path, launch: Launch, *, resum
 
 
 def collect_deepspeed(d: Path, *, wall_s: float) -> None:
-    """deca-train's outputs (train/) as the cell's files: mean loss over clients per step and the
-    mean consensus distance, the run config and the consensus model's metrics."""
+    """deca-train's outputs (train/) as the cell's files: mean loss over clients per step, the step's
+    lr and the mean consensus distance, the run config and the consensus model's metrics."""
     from ..runtime.metrics import read_client_metrics
 
     train = d / "train"
@@ -501,6 +501,8 @@ def collect_deepspeed(d: Path, *, wall_s: float) -> None:
         first = step_records[0]
         rec = {k: first[k] for k in ("step", "round", "block", "r")}
         rec["loss"] = sum(r["loss"] for r in step_records) / len(step_records)
+        if "lr" in first:  # the step's, every client's alike (deca-train logs it since b11fff9)
+            rec["lr"] = first["lr"]
         if "consensus_distance" in first:
             rec["consensus_distance"] = sum(r["consensus_distance"] for r in step_records) / len(step_records)
         if "nonfinite_skipped" in first:  # skip_nonfinite: steps every client skipped so far

@@ -13,9 +13,10 @@ from .cells import BASE, FINAL, read_json, saved_settings
 from .grid import Cell, Grid
 
 SHOWN = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"), ("loss_end", "loss end"))
-# what a cell's final.json holds that no two runs need share: its time, and the grid's judge's grades
-# (results.json keeps them with the cell; final.json does not)
-NOT_COMPARED = {"wall_s", "judged"}
+# what a cell's final.json holds that no two runs need share: its time, the checkpoints a stopped cell
+# went on from (to the same bits), and the grid's judge's grades (results.json keeps them with the
+# cell; final.json does not)
+NOT_COMPARED = {"wall_s", "resumed_from", "judged"}
 
 
 def _number(value) -> str:
