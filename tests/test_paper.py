@@ -458,7 +458,7 @@ def test_compare_sets_each_finished_cell_beside_a_results_json_and_exits_3_where
     path = tmp_path / "g.yaml"
     path.write_text(yaml.safe_dump(grid))
     built = load_grid(path)
-    deca0, deca1, no_bma0, no_bma1 = (c for c in sorted(built.cells, key=lambda c: (c.method, c.seed)))
+    deca0, deca1, no_bma0, no_bma1 = sorted(built.cells, key=lambda c: (c.method, c.seed))
 
     def finish(c: Cell, accuracy: float, loss_end: float, base: str, **extra) -> None:
         d = built.cell_dir(c)

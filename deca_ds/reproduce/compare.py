@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .cells import BASE, FINAL, read_json, saved_settings
+from .cells import BASE, saved_settings
 from .grid import Cell, Grid
+from .report import finished_results
 
 SHOWN = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"), ("loss_end", "loss end"))
-# what a cell's final.json holds that no two runs need share: its time, the checkpoints a stopped cell
-# went on from (to the same bits), and the grid's judge's grades (results.json keeps them with the
-# cell; final.json does not)
+# what a finished cell holds that no two runs need share: its time, the checkpoints a stopped cell went
+# on from (to the same bits), and the grades of the grid's judge (a model outside, not the cell's result)
 NOT_COMPARED = {"wall_s", "resumed_from", "judged"}
 
 
@@ -30,15 +30,14 @@ def compare_cells(grid: Grid, record: dict, name: str, select: Callable[[Cell], 
     text and the number of cells that differ."""
     entries = {e["key"]: e for e in record["cells"] if "final" in e}
     rows, differ, bases, made = [], 0, 0, set()
-    for cell in filter(select, grid.cells):
-        d = grid.cell_dir(cell)
-        if not (d / FINAL).is_file() or cell.key not in entries:
+    for cell, here in finished_results(grid).items():
+        if not select(cell) or cell.key not in entries:
             continue
         provenance = entries[cell.key].get("provenance", record.get("provenance", {}))
         made.add(f"commit {provenance.get('commit')}, {provenance.get('device')}")
-        here, there = read_json(d / FINAL), entries[cell.key]["final"]
+        there = entries[cell.key]["final"]
         changed = sorted(k for k in (set(here) | set(there)) - NOT_COMPARED if here.get(k) != there.get(k))
-        other_base = (saved_settings(d) or {}).get(BASE) != entries[cell.key].get(BASE)
+        other_base = (saved_settings(grid.cell_dir(cell)) or {}).get(BASE) != entries[cell.key].get(BASE)
         differ += bool(changed)
         bases += other_base
         shown = [f"{_number(here.get(k))} / {_number(there.get(k))}" for k, _ in SHOWN]
