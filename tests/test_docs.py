@@ -42,7 +42,7 @@ def test_every_relative_link_resolves(page):
 def test_readme_first_screen_holds_the_two_commands_and_the_gpu_command():
     readme = (ROOT / "README.md").read_text()
     first_screen = readme.splitlines()[:40]
-    for command in ("bash launch/demo.sh", ".venv/bin/python -m pytest -q tests"):
+    for command in ("bash launch/demo.sh", ".venv/bin/python -m pytest -q -n 2 tests"):
         assert command in first_screen, f"README's first 40 lines lack the line {command!r}"
     assert any(line.startswith("deepspeed --num_gpus") for line in first_screen)
     assert len(readme.encode()) < 6 * 1024, f"README.md is {len(readme.encode())} bytes"
