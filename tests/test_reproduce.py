@@ -137,8 +137,13 @@ def test_tiny_grid_end_to_end_then_resume(pretrained, tmp_path):
     # --only seed=0 first (the tables' first whole seed), then the rest
     status = run_grid(grid, log=lambda *_: None, select=grid.select(["seed=0"]))
     assert status == {c.key: "done" if c.seed == 0 else "not selected" for c in grid.cells}, status
-    status = run_grid(grid, log=lambda *_: None)
+    lines = []
+    status = run_grid(grid, log=lines.append)
     assert status == {c.key: "skipped" if c.seed == 0 else "done" for c in grid.cells}, status
+    # the first of the two to finish says how long the other has left, at the seed-0 cells' seconds a step
+    ends = [line for line in lines if re.search(r": done \(\d+ s\)", line)]
+    assert len(ends) == 2 and "cell time left at the finished cells' seconds a step" in ends[0]
+    assert ends[1].endswith(" s)"), lines
     written = write_report(grid, command=["test"]) + write_figures(grid)
     names = {p.name for p in written}
     # what check_results_dir guards is every name the report writes
@@ -1450,3 +1455,39 @@ def test_dry_run_says_a_stopped_cell_without_a_checkpoint_starts_afresh(tmp_path
     assert f"{stopped.key}: {steps} steps x 4 examples per client step, tables ['main'], to run afresh (an earlier " \
            f"run stopped at step 3 of {steps}, 0.75 s a step)\n" in out
     assert f"{fresh.key}: {steps} steps x 4 examples per client step, tables ['main'], to run\n" in out
+
+
+def test_time_left_counts_the_cells_to_run_at_the_finished_cells_seconds_a_step(tmp_path, capsys):
+    """Each cell to run takes the seconds a step of the finished cells like it (method, task, clients,
+    layers per block), else of its method, over the steps it has left; the dry run says so, and a
+    cell of a method with no finished cell is named as not counted."""
+    from deca_ds.reproduce.cells import step_seconds, time_left
+    from deca_ds.reproduce.cli import main
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_grid("tiny", runs_dir=str(tmp_path / "runs"), seeds=[0, 1, 2], jobs=2,
+                                             sweeps=[{"table": "main"}, {"table": "clients", "methods": ["deca"],
+                                                                         "clients": [2, 3]}])))
+    grid = load_grid(str(path))
+    cell = {(c.method, c.clients, c.seed): c for c in grid.cells}
+    assert {grid.budgets[c.key][0] for c in grid.cells} == {8}
+    # DECA with 3 clients: 1600 and 2400 s over 8 steps, 250 s a step on average; with 2 clients, 100 s
+    finished = [cell["deca", 3, 0], cell["deca", 3, 1], cell["deca", 2, 0]]
+    for c, wall_s in zip(finished, (1600.0, 2400.0, 800.0)):
+        (started_cell(grid, c) / "final.json").write_text(json.dumps({"wall_s": wall_s}))
+    rates = step_seconds(grid, finished)
+    assert rates == {("deca", "synthetic", 3, 1): 250.0, ("deca", "synthetic", 2, 1): 100.0, "deca": 200.0}
+    # to run: DECA, 3 clients, seed 2, from step 2: 6 x 250 s; 2 clients, seed 1, afresh: 8 x 100 s;
+    # Dec-LoRA's three cells: no finished cell of the method
+    left = {cell["deca", 3, 2]: 2, cell["deca", 2, 1]: 0, **{cell["dec_lora", 3, s]: 0 for s in (0, 1, 2)}}
+    assert time_left(grid, left, rates) == (  # 2300 s; two at a time max(2300 / 2, 1500) s
+        "about 38 min of cell time left at the finished cells' seconds a step (25 min at 2 at a time); 3 cell(s) "
+        "of a method with no finished cell not counted")
+    assert time_left(grid, {cell["deca", 3, 2]: 0}, rates) == (  # one cell: 2000 s
+        "about 33 min of cell time left at the finished cells' seconds a step")
+    assert time_left(grid, left, {}) is None  # nothing finished, nothing to go by
+
+    # the dry run: DECA's cells with 2 clients left to run, seeds 1 and 2, at 100 s a step
+    assert main([str(path), "--dry-run", "--only", "method=deca", "clients=2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "about 27 min of cell time left at the finished cells' seconds a step (13 min at 2 at a time)"

@@ -188,8 +188,15 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
     log(f"{grid.name}: {len(grid.cells)} cells, {len(done)} finished, {len(todo)} to run ({grid.backend}"
         + (f", {grid.jobs} at a time" if grid.jobs > 1 else "") + f", on {place.where})")
     running = Running()
+    remaining = Remaining(grid, todo, done)
 
     def run(i: int, cell: Cell) -> str:
+        try:
+            return attempt(i, cell)
+        finally:
+            remaining.end(cell)
+
+    def attempt(i: int, cell: Cell) -> str:
         d = grid.cell_dir(cell)
         with claim(d) as held:
             if held:
@@ -206,8 +213,11 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
                 start = time.perf_counter()
                 log(f"[{i}/{len(todo)}] {cell.key} ..." if resume is None else
                     f"[{i}/{len(todo)}] {cell.key} ... (resuming from its checkpoint at step {resume})")
+                remaining.start(cell)
                 result = _run_one(grid, cell, d, running, launch, resume=resume is not None)
-                log(f"[{i}/{len(todo)}] {cell.key}: {result} ({time.perf_counter() - start:.0f} s)")
+                line = remaining.end(cell, done=result == "done")
+                log(f"[{i}/{len(todo)}] {cell.key}: {result} ({time.perf_counter() - start:.0f} s)"
+                    + (f"; {line}" if line else ""))
                 return result
 
     # threads only wait: each cell is a process of its own
@@ -229,6 +239,33 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
             running.stop_all()
             raise
     return {c.key: status[c.key] for c in grid.cells}
+
+
+class Remaining:
+    """The cells a grid run has yet to end, for the time left whenever one has finished (time_left, at
+    the rates of the cells finished before the run and in it). The cells' threads report to it."""
+
+    def __init__(self, grid: Grid, todo: list[Cell], done: list[Cell]) -> None:
+        self.grid, self.lock = grid, threading.Lock()
+        self.todo, self.started, self.finished = set(todo), set(), list(done)
+
+    def start(self, cell: Cell) -> None:
+        with self.lock:
+            self.started.add(cell)
+
+    def end(self, cell: Cell, *, done: bool = False) -> str | None:
+        """`cell` has ended (again: nothing); if `done`, time_left of the others."""
+        with self.lock:
+            if cell not in self.todo:
+                return None
+            self.todo.remove(cell)
+            if not done or not self.todo:
+                return None
+            self.finished.append(cell)
+            # a cell that has started counts the steps it has logged in this run as done
+            cells = {c: steps_done(self.grid.cell_dir(c)) if c in self.started else 0 for c in self.todo}
+            rates = step_seconds(self.grid, self.finished)
+        return time_left(self.grid, cells, rates)
 
 
 def base_state(grid: Grid) -> str | None:
@@ -332,6 +369,50 @@ def seconds_per_step(cell_dir: Path) -> float | None:
     lines = path.read_text().splitlines() if path.is_file() else []
     last = json.loads(lines[-1]) if lines else {}
     return last["wall_s"] / len(lines) if "wall_s" in last else None
+
+
+def _alike(cell: Cell) -> tuple:
+    """What a cell's seconds a step are taken from first: finished cells of its method, task, clients and
+    layers per block (otherwise of its method)."""
+    return cell.method, cell.task, cell.clients, cell.layers_per_block
+
+
+def step_seconds(grid: Grid, finished: list[Cell]) -> dict:
+    """The mean seconds a step took in the `finished` cells (final.json's wall_s, setup and scoring
+    included, over the cell's steps), by _alike and by method: what time_left counts at. They are what
+    those cells took where they ran (machine, backend, cells at a time), nothing more."""
+    rates: dict = {}
+    for cell in finished:
+        wall_s = read_json(grid.cell_dir(cell) / FINAL).get("wall_s")
+        if wall_s:
+            for key in (_alike(cell), cell.method):
+                rates.setdefault(key, []).append(wall_s / grid.budgets[cell.key][0])
+    return {key: sum(r) / len(r) for key, r in rates.items()}
+
+
+def time_left(grid: Grid, cells: dict[Cell, int], rates: dict) -> str | None:
+    """`cells` (each with the steps it has done) still to run, as a line: their seconds at `rates`
+    (step_seconds) one after another, and `grid.jobs` at a time (no less than the longest cell), and
+    how many no finished cell of their method times; None without a rate."""
+    if not rates:
+        return None
+    seconds, unknown = [], 0
+    for cell, done in cells.items():
+        rate = rates.get(_alike(cell), rates.get(cell.method))
+        if rate is None:
+            unknown += 1
+        else:
+            seconds.append(rate * (grid.budgets[cell.key][0] - done))
+    text = f"about {_duration(sum(seconds))} of cell time left at the finished cells' seconds a step"
+    if grid.jobs > 1 and len(seconds) > 1:
+        text += f" ({_duration(max(sum(seconds) / grid.jobs, max(seconds)))} at {grid.jobs} at a time)"
+    return text + (f"; {unknown} cell(s) of a method with no finished cell not counted" if unknown else "")
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return (f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min" if minutes
+            else f"{seconds:.0f} s")
 
 
 class Running:

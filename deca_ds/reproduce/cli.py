@@ -22,7 +22,9 @@ from .cells import (
     resume_step,
     run_grid,
     seconds_per_step,
+    step_seconds,
     steps_done,
+    time_left,
 )
 from .compare import compare_cells
 from .figures import write_figures
@@ -91,13 +93,15 @@ def parser() -> argparse.ArgumentParser:
 def list_cells(grid: Grid, select: Callable[[Cell], bool], todo: list[Cell], done: list[Cell],
                base: str | None, place: Placement, *, log: Callable[[str], object]) -> None:
     """--dry-run: the base model's state, then each cell's budget, tables and state (finished, running
-    where and how far, to run from a checkpoint or afresh), and what a run would do."""
+    where and how far, to run from a checkpoint or afresh), what a run would do and, where cells have
+    finished, about how long the rest take at their seconds a step (cells.time_left)."""
     if base:
         log(f"model {grid.pretrain.output_dir}: {base}" + (f" ({grid.pretrain.steps} steps, before the first "
                                                             "cell)" if base == "to pretrain" else ""))
         if base == "pretrained" and (note := kernels_note(grid.pretrain.output_dir)):
             log(note)
     sha = base_weights(grid)
+    left: dict[Cell, int] = {}  # the selected cells not finished, with their steps done
     for cell in grid.cells:
         steps, examples = grid.budgets[cell.key]
         d = grid.cell_dir(cell)
@@ -105,9 +109,11 @@ def list_cells(grid: Grid, select: Callable[[Cell], bool], todo: list[Cell], don
         if cell in done or not select(cell):
             state = "finished" if cell in done else "not selected"
         elif held:
-            state = f"running ({held}), step {steps_done(d)} of {steps}"
+            left[cell] = steps_done(d)
+            state = f"running ({held}), step {left[cell]} of {steps}"
         else:
             resume = resume_step(grid, cell, d, sha)
+            left[cell] = resume or 0
             logged = steps_done(d) if resume is None and d.is_dir() else 0  # a stopped run, no checkpoint
             rate = seconds_per_step(d) if logged else None
             state = (f"to run from its checkpoint at step {resume} of {steps}" if resume is not None else
@@ -119,6 +125,8 @@ def list_cells(grid: Grid, select: Callable[[Cell], bool], todo: list[Cell], don
             f"{len(grid.cells)} cells")
     log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
         f"timeout {grid.cell_timeout_s:g} s per cell, on {place.where})")
+    if left and (line := time_left(grid, left, step_seconds(grid, done))):
+        log(line)
 
 
 def main(argv: list[str] | None = None) -> int:
