@@ -34,6 +34,7 @@ from deca_ds.reproduce.report import (
     marks,
     paired_csv,
     paired_markdown,
+    paired_p,
     per_seed_markdown,
     to_csv,
     to_markdown,
@@ -261,15 +262,24 @@ def test_per_seed_table_and_paired_differences_against_hand_computed_numbers():
     # t1: mean 5.00, sample std sqrt(((0.05)²·2 + (0.10)²)/2) = 0.0866; ahead on 2 seeds, behind on 1;
     # t2: ahead on one seed, tied on two
     assert "| w/o BMA | 3 | 5.00 ± 8.66 | 2.50 ± 4.33 | 3.33 ± 5.77 |" in md
-    assert md.rstrip().endswith("| 2 / 1 | 1 / 0 | 3 / 0 |")
+    # the paired t-test, two seeds of freedom, where Student's t has the closed form P(|T| > t) =
+    # 1 − t/√(2 + t²): t1's Δ (mean 0.05, std 0.0866) and t2's (mean 0.0333, std 0.0577) both give
+    # t = mean/(std/√3) = 1, p = 1 − 1/√3 = 0.42; the Average's (mean 0.04167, std 0.01443) t = 5,
+    # p = 1 − 5/√27 = 0.038; Dec-LoRA's one seed has none
+    assert md.rstrip().endswith("| 2 / 1 | 1 / 0 | 3 / 0 | 0.42 | 0.42 | 0.038 |")
+    assert "| Dec-LoRA | 1 | 50.00 | 25.00 | 60.00 | 30.00 | 55.00 | 27.50 | 1 / 0 | 1 / 0 | 1 / 0 | – | – | – |" in md
+    assert "t1 DECA ahead / behind | t2 DECA ahead / behind | Average DECA ahead / behind | t1 p | t2 p | Average p |" \
+        in md
+    assert paired_p([0.05, 0.025, 0.05]) == pytest.approx(1 - 5 / math.sqrt(27))
+    assert paired_p([0.1, 0.1, 0.1]) is None and paired_p([0.7 - 0.6, 0.8 - 0.7]) is None  # no spread
     table = per_seed_markdown(results, ("dec_lora", "deca", "no_bma"))
     assert "| Method | t1 seed 0 | t1 seed 1 | t1 seed 2 | t2 seed 0 | t2 seed 1 | t2 seed 2 |" in table
     assert "| Dec-LoRA | 10.0 / 5.0 | 30.0 / 15.0 | – | 20.0 / 10.0 | – | – |" in table
     assert "| w/o BMA | 50.0 / 25.0 | 75.0 / 37.5 | 40.0 / 20.0 | 80.0 / 40.0 | 60.0 / 30.0 | 90.0 / 45.0 |" in table
     rows = list(csv.DictReader(io.StringIO(paired_csv([paired]))))
     t1 = next(r for r in rows if r["method"] == "w/o BMA" and r["column"] == "t1 Δ Acc.")
-    assert (t1["table"], t1["seeds"], t1["mean"], t1["std"], t1["deca_ahead"], t1["deca_behind"]) == (
-        "main", "0 1 2", "5.0000", "8.6603", "2", "1")
+    assert (t1["table"], t1["seeds"], t1["mean"], t1["std"], t1["deca_ahead"], t1["deca_behind"], t1["p_paired_t"]) \
+        == ("main", "0 1 2", "5.0000", "8.6603", "2", "1", f"{1 - 1 / math.sqrt(3):.4g}")
 
 
 def test_sweep_cells_paired_with_deca_per_row_of_their_table():
@@ -287,8 +297,10 @@ def test_sweep_cells_paired_with_deca_per_row_of_their_table():
     md = paired_markdown(paired)
     assert md.startswith("### DECA against each method, seed by seed (percentage points): topologies")
     assert "| Topology | Method | Seeds |" in md
-    assert "| Ring | Dec-LoRA | 2 | 7.50 ± 17.68 | 7.50 ± 17.68 | 1 / 1 |" in md
-    assert "| ER | Dec-LoRA | 1 | 10.00 | 10.00 | 1 / 0 |" in md
+    # one degree of freedom (Cauchy): p = 1 − (2/π)·atan(t), t = 0.075/(0.1768/√2) = 0.6
+    p = 1 - 2 / math.pi * math.atan(0.6)
+    assert f"| Ring | Dec-LoRA | 2 | 7.50 ± 17.68 | 7.50 ± 17.68 | 1 / 1 | {p:.2f} |" in md
+    assert "| ER | Dec-LoRA | 1 | 10.00 | 10.00 | 1 / 0 | – |" in md
 
 
 def test_granularity_paired_against_the_main_tables_layers_per_block():
@@ -303,7 +315,7 @@ def test_granularity_paired_against_the_main_tables_layers_per_block():
     md = paired_markdown(paired)
     assert "DECA at the main table's 2 layers per block − DECA at the row's" in md
     assert "| Layers per block | Method | Seeds | t Δ Acc. | t Δ F1 | t lpb 2 ahead / behind |" in md
-    assert "| 1 | DECA | 2 | 2.50 ± 10.61 | 2.50 ± 10.61 | 1 / 1 |" in md
+    assert f"| 1 | DECA | 2 | 2.50 ± 10.61 | 2.50 ± 10.61 | 1 / 1 | {1 - 2 / math.pi * math.atan(1 / 3):.1f} |" in md
     assert "| 4 | DECA | 1 | 30.00 | 30.00 | 1 / 0 |" in md
     # without the main table's granularity among the sweep's cells there is nothing to pair with
     assert build_granularity_paired({c: r for c, r in results.items() if "main" not in c.tables}) is None
@@ -804,13 +816,20 @@ def test_paper_grids_check_and_launch_one_rank_per_client(tmp_path):
 @pytest.mark.parametrize("results", sorted(p.name for p in (ROOT / "reproduce" / "results").iterdir()))
 def test_results_readmes_quote_their_generated_tables(results):
     """Every mean ± std and every per-seed accuracy / macro-F1 of a results README's tables is one
-    that the grid's report wrote into tables.md (the README may order and label rows its own way)."""
+    that the grid's report wrote into tables.md (the README may order and label rows its own way),
+    and a paired row's Δ, seeds ahead / behind and p (paired t) are those of one of its paired rows."""
     folder = ROOT / "reproduce" / "results" / results
     tables = " ".join((folder / "tables.md").read_text().split())
     rows = [line for line in (folder / "README.md").read_text().splitlines() if line.startswith("|")]
     quoted = [n for line in rows for n in re.findall(r"\d+\.\d+ ± \d+\.\d+|\d+\.\d / \d+\.\d", line)]
     assert quoted, f"{results}/README.md quotes no numbers of its tables"
     assert [n for n in quoted if n not in tables] == []
+    row_p = re.compile(r"\| (-?\d+\.\d+ ± \d+\.\d+) \| (\d+ / \d+) \| (< 0\.001|\d[\d.e-]*) \|$")
+    paired = [m.groups() for line in rows if (m := row_p.search(line))]
+    assert len(paired) == 6 or "p (paired t)" not in " ".join(rows)  # one for each method but DECA
+    reported = (folder / "tables.md").read_text().splitlines()
+    for delta, ahead, p in paired:
+        assert any(f"| {delta} |" in line and line.endswith(f"| {ahead} | {p} |") for line in reported), (delta, p)
 
 
 def started_cell(grid, cell) -> Path:

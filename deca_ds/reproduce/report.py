@@ -313,16 +313,18 @@ def build_comparison(name: str, title: str, results: dict[Cell, dict], methods: 
 
 
 PAIRED_TITLE = "DECA against each method, seed by seed (percentage points)"
+P_NOTE = ("p: the two-sided paired t-test of a zero mean Δ over those seeds (– for one seed, or where every seed's "
+          "Δ is the same); with few seeds, weak evidence either way.")
 PAIRED_NOTE = ("Δ = DECA − method, mean ± std over the seeds both finished; the cells of one seed share the data "
                "split and the graph, so each seed is a paired comparison. Ahead: the seeds on which DECA's "
-               "accuracy is higher (behind: lower).")
+               "accuracy is higher (behind: lower). " + P_NOTE)
 # the tables whose cells are paired with DECA's, and how their paired table's title names them
 PAIRED_TABLES = {"main": "", "topology": "topologies", "clients": "numbers of clients"}
 GRANULARITY_TITLE = "DECA's granularity, seed by seed (percentage points)"
 GRANULARITY_NOTE = ("Δ = DECA at the main table's {ref} layers per block − DECA at the row's, mean ± std over the "
                     "seeds both finished (one seed: one data split and graph for both). Ahead: the seeds on which "
                     "{ref} layers per block score higher (behind: lower). The step budget T·B·R is not equal across "
-                    "rows: B changes with the granularity.")
+                    "rows: B changes with the granularity. " + P_NOTE)
 
 
 @dataclass
@@ -419,16 +421,34 @@ def _ahead(diffs: list[float]) -> tuple[int, int]:
     return sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
 
 
+def paired_p(diffs: list[float]) -> float | None:
+    """The two-sided p-value of the paired t-test that the seeds' mean Δ is zero (Student's t with
+    n − 1 degrees of freedom); None for one seed, or where every seed's Δ is the same (no spread: within
+    1e-9, as the differences of equal scores' differences round)."""
+    if len(diffs) < 2 or max(diffs) - min(diffs) <= 1e-9:
+        return None
+    from scipy import stats
+
+    return float(stats.ttest_1samp(diffs, 0.0).pvalue)
+
+
+def _p_text(p: float | None) -> str:
+    return "–" if p is None else "< 0.001" if p < 0.001 else f"{p:.2g}"
+
+
 def paired_markdown(paired: Paired) -> str:
-    """Each Δ column as mean ± std, then per accuracy column the seeds ahead and behind."""
+    """Each Δ column as mean ± std, then per accuracy column the seeds ahead and behind, and the
+    paired t-test's p."""
     grouped = any(group for group, _, _, _ in paired.rows)
     accuracy = [i for i, c in enumerate(paired.columns) if c.endswith(METRICS_SHOWN[0][1])]
     head = ([paired.group_name] if grouped else []) + ["Method", "Seeds"] + paired.columns + [
-        paired.columns[i].replace("Δ Acc.", f"{paired.ahead} ahead / behind") for i in accuracy]
+        paired.columns[i].replace("Δ Acc.", f"{paired.ahead} ahead / behind") for i in accuracy] + [
+        paired.columns[i].replace("Δ Acc.", "p") for i in accuracy]
     lines = [f"### {paired.title}", "", paired.note, "", "| " + " | ".join(head) + " |",
              "| " + " | ".join([":--"] * (2 + grouped) + ["--:"] * (len(head) - 2 - grouped)) + " |"]
     for group, method, seeds, values in paired.rows:
-        cells = [cell_text(v) for v in values] + ["{} / {}".format(*_ahead(values[i])) for i in accuracy]
+        cells = ([cell_text(v) for v in values] + ["{} / {}".format(*_ahead(values[i])) for i in accuracy]
+                 + [_p_text(paired_p(values[i])) for i in accuracy])
         lines.append("| " + " | ".join(([group] if grouped else []) + [method, str(len(seeds))] + cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -437,13 +457,15 @@ def paired_csv(tables: list[Paired]) -> str:
     """One row per (table, group, method, column) of the paired tables."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["table", "setting", "method", "seeds", "column", "mean", "std", "deca_ahead", "deca_behind"])
+    w.writerow(["table", "setting", "method", "seeds", "column", "mean", "std", "deca_ahead", "deca_behind",
+                "p_paired_t"])
     for paired in tables:
         for group, method, seeds, values in paired.rows:
             for column, v in zip(paired.columns, values):
                 mean, std = mean_std(v)
+                p = paired_p(v)
                 w.writerow([paired.name, group, method, " ".join(map(str, seeds)), column, f"{100 * mean:.4f}",
-                            "" if std is None else f"{100 * std:.4f}", *_ahead(v)])
+                            "" if std is None else f"{100 * std:.4f}", *_ahead(v), "" if p is None else f"{p:.4g}"])
     return buf.getvalue()
 
 
