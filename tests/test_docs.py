@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import deca_ds
+from deca_ds.reproduce.report import paired_p
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -118,6 +119,12 @@ def deca_against(cells: list[dict], method: str, tables: set[str]) -> tuple[int,
     return sum(d > o for d, o in pairs), sum(d < o for d, o in pairs), len(pairs)
 
 
+def deca_minus(cells: list[dict], method: str) -> list[float]:
+    """DECA's accuracy less `method`'s in the main table, seed by seed (the paired t-test's input)."""
+    accuracy = {(c["method"], c["seed"]): c["final"]["accuracy"] for c in cells if "main" in c["tables"]}
+    return [a - accuracy[(method, seed)] for (m, seed), a in sorted(accuracy.items()) if m == "deca"]
+
+
 def granularity_order(cells: list[dict]) -> list[int]:
     """DECA's layers per block, from the best mean accuracy over the seeds to the worst."""
     by_lpb = {}
@@ -135,8 +142,9 @@ def test_readme_cpu_grid_orderings_are_the_committed_cells():
     main, sweeps, peft = {"main"}, {"topology", "clients"}, ("dec_lora", "dec_adapter", "decaf")
     for method in ("no_bma", "trivial_bma", *peft):
         assert deca_against(ag, method, main) == (5, 0, 5), method
-    assert "beats DECA without BMA, with trivial BMA and every decentralized PEFT baseline on each of the five seeds" \
-        in text
+    p = [paired_p(deca_minus(ag, method)) for method in ("no_bma", "trivial_bma", *peft)]
+    assert "beats DECA without BMA, with trivial BMA and every decentralized PEFT baseline on each of the five seeds " \
+           f"(paired t-test p {min(p):.2g} to {max(p):.2g})" in text
     ahead, _, pairs = map(sum, zip(*(deca_against(ag, method, sweeps) for method in peft)))
     assert ahead == pairs
     assert f"every PEFT baseline on each seed of every topology and number of clients ({ahead} of {pairs} paired " \
@@ -148,9 +156,11 @@ def test_readme_cpu_grid_orderings_are_the_committed_cells():
     for method in ("trivial_bma", "decaf", "dec_adapter"):
         assert deca_against(synthetic, method, main) == (5, 0, 5), method
     (_, no_bma, seeds), (_, lora, _) = (deca_against(synthetic, method, main) for method in ("no_bma", "dec_lora"))
+    p_no_bma, p_lora = (paired_p(deca_minus(synthetic, method)) for method in ("no_bma", "dec_lora"))
+    assert p_no_bma > 0.5 and p_lora > 0.5  # "no clear difference"
     assert f"it beats trivial BMA, DeCAF and Dec-Adapter on every seed, but is behind DECA without BMA on {no_bma} " \
-           f"of {seeds} seeds and Dec-LoRA on {lora}, and {granularity_order(synthetic)[0]} layers per block is best" \
-           in text
+           f"of {seeds} seeds and Dec-LoRA on {lora} (p {p_no_bma:.2g} and {p_lora:.2g}: no clear difference), and " \
+           f"{granularity_order(synthetic)[0]} layers per block is best" in text
     # behind as many seeds on each task (ahead on AG News none, one seed a tie; on the synthetic task one)
     (behind, seeds), = {deca_against(cells, "dadam", main)[1:] for cells in (ag, synthetic)}
     assert f"D-Adam (not in the paper) beats DECA on {behind} of {seeds} seeds on each task" in text
