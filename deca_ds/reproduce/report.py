@@ -4,7 +4,9 @@ Every number is mean ± sample standard deviation (ddof 1) over the seeds: a per
 the judge's grades of the generation table (1-10, as the paper prints them); the Average column
 averages a seed's tasks first, then takes mean ± std over seeds. In each group of rows (a
 topology, a number of clients) the best mean of a column is **bold** and the second best
-<u>underlined</u>, as in the paper (ties share the mark).
+<u>underlined</u>, as in the paper (ties share the mark). The paired tables set DECA against each
+method seed by seed: the differences' mean ± std, the seeds ahead and behind, and the paired
+t-test's p.
 """
 
 from __future__ import annotations
@@ -423,8 +425,8 @@ def _ahead(diffs: list[float]) -> tuple[int, int]:
 
 def paired_p(diffs: list[float]) -> float | None:
     """The two-sided p-value of the paired t-test that the seeds' mean Δ is zero (Student's t with
-    n − 1 degrees of freedom); None for one seed, or where every seed's Δ is the same (no spread: within
-    1e-9, as the differences of equal scores' differences round)."""
+    n − 1 degrees of freedom); None for one seed, or where every seed's Δ is the same (the seeds' Δ
+    within 1e-9 of each other: rounding leaves equal differences of scores that far apart, not more)."""
     if len(diffs) < 2 or max(diffs) - min(diffs) <= 1e-9:
         return None
     from scipy import stats
