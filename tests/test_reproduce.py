@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 
 import matplotlib.image as mpimg
@@ -1496,6 +1497,14 @@ def test_time_left_counts_the_cells_to_run_at_the_finished_cells_seconds_a_step(
         (started_cell(grid, c) / "final.json").write_text(json.dumps({"wall_s": wall_s}))
     rates = step_seconds(grid, finished)
     assert rates == {("deca", "synthetic", 3, 1): 250.0, ("deca", "synthetic", 2, 1): 100.0, "deca": 200.0}
+    # a deepspeed cell (deca-train's train/) resumed from step 4 timed its last attempt only: 1200 s over 4
+    # steps; a simulated one (no train/) timed every step
+    resumed = started_cell(grid, cell["deca", 3, 2])
+    (resumed / "final.json").write_text(json.dumps({"wall_s": 1200.0, "resumed_from": [2, 4]}))
+    assert step_seconds(grid, [cell["deca", 3, 2]]) == {("deca", "synthetic", 3, 1): 150.0, "deca": 150.0}
+    (resumed / "train").mkdir()
+    assert step_seconds(grid, [cell["deca", 3, 2]]) == {("deca", "synthetic", 3, 1): 300.0, "deca": 300.0}
+    shutil.rmtree(resumed)
     # to run: DECA, 3 clients, seed 2, from step 2: 6 x 250 s; 2 clients, seed 1, afresh: 8 x 100 s;
     # Dec-LoRA's three cells: no finished cell of the method
     left = {cell["deca", 3, 2]: 2, cell["deca", 2, 1]: 0, **{cell["dec_lora", 3, s]: 0 for s in (0, 1, 2)}}

@@ -379,14 +379,18 @@ def _alike(cell: Cell) -> tuple:
 
 def step_seconds(grid: Grid, finished: list[Cell]) -> dict:
     """The mean seconds a step took in the `finished` cells (final.json's wall_s, setup and scoring
-    included, over the cell's steps), by _alike and by method: what time_left counts at. They are what
-    those cells took where they ran (machine, backend, cells at a time), nothing more."""
+    included, over the steps it timed), by _alike and by method: what time_left counts at. They are
+    what those cells took where they ran (machine, backend, cells at a time), nothing more."""
     rates: dict = {}
     for cell in finished:
-        wall_s = read_json(grid.cell_dir(cell) / FINAL).get("wall_s")
-        if wall_s:
+        d = grid.cell_dir(cell)
+        final = read_json(d / FINAL)
+        steps = grid.budgets[cell.key][0]
+        if final.get("resumed_from") and (d / "train").is_dir():  # deca-train's wall_s: its last attempt's (finish)
+            steps -= final["resumed_from"][-1]
+        if final.get("wall_s") and steps > 0:
             for key in (_alike(cell), cell.method):
-                rates.setdefault(key, []).append(wall_s / grid.budgets[cell.key][0])
+                rates.setdefault(key, []).append(final["wall_s"] / steps)
     return {key: sum(r) / len(r) for key, r in rates.items()}
 
 
