@@ -107,22 +107,26 @@ def finished_cells(grid: str) -> list[dict]:
     return [c for c in cells if c["finished"]]
 
 
-def deca_against(cells: list[dict], method: str, tables: set[str]) -> tuple[int, int, int]:
-    """(seeds DECA is ahead on, behind on, pairs) against `method` in the cells of these tables, each
-    DECA cell paired with the method's cell of its topology, clients, layers per block and seed, as
-    tables.md pairs them; a cell in two tables (the main setting's) counts once."""
+def paired_accuracy(cells: list[dict], method: str, tables: set[str]) -> list[tuple[float, float]]:
+    """(DECA's accuracy, `method`'s) of each DECA cell of these tables and the method's cell of its
+    topology, clients, layers per block and seed, as tables.md pairs them; a cell in two tables (the
+    main setting's) counts once."""
     def setting(c):
         return c["topology"], c["clients"], c["layers_per_block"], c["seed"]
 
     accuracy = {(c["method"], setting(c)): c["final"]["accuracy"] for c in cells if tables & set(c["tables"])}
-    pairs = [(accuracy[("deca", s)], accuracy[(m, s)]) for m, s in accuracy if m == method and ("deca", s) in accuracy]
+    return [(accuracy[("deca", s)], accuracy[(m, s)]) for m, s in accuracy if m == method and ("deca", s) in accuracy]
+
+
+def deca_against(cells: list[dict], method: str, tables: set[str]) -> tuple[int, int, int]:
+    """(seeds DECA is ahead on, behind on, pairs) against `method` in the cells of these tables."""
+    pairs = paired_accuracy(cells, method, tables)
     return sum(d > o for d, o in pairs), sum(d < o for d, o in pairs), len(pairs)
 
 
 def deca_minus(cells: list[dict], method: str) -> list[float]:
     """DECA's accuracy less `method`'s in the main table, seed by seed (the paired t-test's input)."""
-    accuracy = {(c["method"], c["seed"]): c["final"]["accuracy"] for c in cells if "main" in c["tables"]}
-    return [a - accuracy[(method, seed)] for (m, seed), a in sorted(accuracy.items()) if m == "deca"]
+    return [d - o for d, o in paired_accuracy(cells, method, {"main"})]
 
 
 def granularity_order(cells: list[dict]) -> list[int]:

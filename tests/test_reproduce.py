@@ -1481,7 +1481,7 @@ def test_time_left_counts_the_cells_to_run_at_the_finished_cells_seconds_a_step(
     """Each cell to run takes the seconds a step of the finished cells like it (method, task, clients,
     layers per block), else of its method, over the steps it has left; the dry run says so, and a
     cell of a method with no finished cell is named as not counted."""
-    from deca_ds.reproduce.cells import step_seconds, time_left
+    from deca_ds.reproduce.cells import finished_rates, time_left
     from deca_ds.reproduce.cli import main
 
     path = tmp_path / "tiny.yaml"
@@ -1495,15 +1495,15 @@ def test_time_left_counts_the_cells_to_run_at_the_finished_cells_seconds_a_step(
     finished = [cell["deca", 3, 0], cell["deca", 3, 1], cell["deca", 2, 0]]
     for c, wall_s in zip(finished, (1600.0, 2400.0, 800.0)):
         (started_cell(grid, c) / "final.json").write_text(json.dumps({"wall_s": wall_s}))
-    rates = step_seconds(grid, finished)
+    rates = finished_rates(grid, finished)
     assert rates == {("deca", "synthetic", 3, 1): 250.0, ("deca", "synthetic", 2, 1): 100.0, "deca": 200.0}
     # a deepspeed cell (deca-train's train/) resumed from step 4 timed its last attempt only: 1200 s over 4
     # steps; a simulated one (no train/) timed every step
     resumed = started_cell(grid, cell["deca", 3, 2])
     (resumed / "final.json").write_text(json.dumps({"wall_s": 1200.0, "resumed_from": [2, 4]}))
-    assert step_seconds(grid, [cell["deca", 3, 2]]) == {("deca", "synthetic", 3, 1): 150.0, "deca": 150.0}
+    assert finished_rates(grid, [cell["deca", 3, 2]]) == {("deca", "synthetic", 3, 1): 150.0, "deca": 150.0}
     (resumed / "train").mkdir()
-    assert step_seconds(grid, [cell["deca", 3, 2]]) == {("deca", "synthetic", 3, 1): 300.0, "deca": 300.0}
+    assert finished_rates(grid, [cell["deca", 3, 2]]) == {("deca", "synthetic", 3, 1): 300.0, "deca": 300.0}
     shutil.rmtree(resumed)
     # to run: DECA, 3 clients, seed 2, from step 2: 6 x 250 s; 2 clients, seed 1, afresh: 8 x 100 s;
     # Dec-LoRA's three cells: no finished cell of the method

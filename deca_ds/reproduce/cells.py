@@ -264,7 +264,7 @@ class Remaining:
             self.finished.append(cell)
             # a cell that has started counts the steps it has logged in this run as done
             cells = {c: steps_done(self.grid.cell_dir(c)) if c in self.started else 0 for c in self.todo}
-            rates = step_seconds(self.grid, self.finished)
+            rates = finished_rates(self.grid, self.finished)
         return time_left(self.grid, cells, rates)
 
 
@@ -377,7 +377,7 @@ def _alike(cell: Cell) -> tuple:
     return cell.method, cell.task, cell.clients, cell.layers_per_block
 
 
-def step_seconds(grid: Grid, finished: list[Cell]) -> dict:
+def finished_rates(grid: Grid, finished: list[Cell]) -> dict:
     """The mean seconds a step took in the `finished` cells (final.json's wall_s, setup and scoring
     included, over the steps it timed), by _alike and by method: what time_left counts at. They are
     what those cells took where they ran (machine, backend, cells at a time), nothing more."""
@@ -396,7 +396,7 @@ def step_seconds(grid: Grid, finished: list[Cell]) -> dict:
 
 def time_left(grid: Grid, cells: dict[Cell, int], rates: dict) -> str | None:
     """`cells` (each with the steps it has done) still to run, as a line: their seconds at `rates`
-    (step_seconds) one after another, and `grid.jobs` at a time (no less than the longest cell), and
+    (finished_rates) one after another, and `grid.jobs` at a time (no less than the longest cell), and
     how many no finished cell of their method times; None without a rate."""
     if not rates:
         return None

@@ -16,13 +16,13 @@ from .cells import (
     base_state,
     base_weights,
     check_finished,
+    finished_rates,
     holder,
     is_finished,
     pretrain_base,
     resume_step,
     run_grid,
     seconds_per_step,
-    step_seconds,
     steps_done,
     time_left,
 )
@@ -125,7 +125,7 @@ def list_cells(grid: Grid, select: Callable[[Cell], bool], todo: list[Cell], don
             f"{len(grid.cells)} cells")
     log(f"{len(grid.cells)} cells, {sum(map(select, todo))} to run ({grid.backend}, {grid.jobs} at a time, "
         f"timeout {grid.cell_timeout_s:g} s per cell, on {place.where})")
-    if left and (line := time_left(grid, left, step_seconds(grid, done))):
+    if left and (line := time_left(grid, left, finished_rates(grid, done))):
         log(line)
 
 
