@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import deca_ds
-from deca_ds.reproduce.report import paired_p
+from deca_ds.reproduce.paired import paired_p
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

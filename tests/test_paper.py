@@ -16,7 +16,8 @@ from deca_ds.reproduce import GridError, build_grid
 from deca_ds.reproduce.cells import BASE, FINAL, cell_settings
 from deca_ds.reproduce.grid import Cell, load_grid
 from deca_ds.reproduce.paper import models, published_cells, reference, reference_tables, to_csv, to_markdown
-from deca_ds.reproduce.report import TABLES, build_comparison, build_generation_comparison, write_report
+from deca_ds.reproduce.report import write_report
+from deca_ds.reproduce.tables import TABLES, build_comparison, build_generation_comparison
 
 
 def test_the_papers_tables_as_printed():

@@ -26,21 +26,16 @@ from deca_ds.reporting import commit, kernels_of, pin_cpu_kernels
 from deca_ds.reproduce import GridError, PretrainOptions, build_grid, check_finished, pretrain, run_grid
 from deca_ds.reproduce.figures import smooth, write_figures
 from deca_ds.reproduce.grid import Cell, Grid, load_grid, step_budget
-from deca_ds.reproduce.report import (
-    REPORT_FILE,
-    Table,
+from deca_ds.reproduce.paired import (
     build_granularity_paired,
     build_paired,
-    build_table,
-    marks,
     paired_csv,
     paired_markdown,
     paired_p,
     per_seed_markdown,
-    to_csv,
-    to_markdown,
-    write_report,
 )
+from deca_ds.reproduce.report import REPORT_FILE, write_report
+from deca_ds.reproduce.tables import Table, build_table, marks, to_csv, to_markdown
 from helpers import assert_umask_modes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,8 @@
-"""Reproducing the paper's accuracy results: a grid file of tasks x methods x settings x seeds
-(grid), each cell run and recorded (cells), the tables and JSON (report), the paper's published
-numbers beside them (paper), the loss figures (figures), the answers and judge's grades of
-generation cells (generation), and the small pretrained Llama of the scaled protocol (pretrain)."""
+"""Reproducing the paper's accuracy results: a grid file of tasks x methods x settings x seeds (grid),
+each cell run and recorded (cells), the tables (tables, paired) written with the JSON (report), the
+paper's published numbers beside them (paper), the loss figures (figures), the answers and judge's
+grades of generation cells (generation), and the small pretrained Llama of the scaled protocol
+(pretrain)."""
 
 from .cells import check_finished, run_grid
 from .figures import write_figures

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..reporting import pyplot, save_figure
 from .grid import METHODS, Grid
-from .report import LABELS
+from .tables import LABELS
 
 
 def series(curves: list[dict], key: str) -> tuple[np.ndarray, np.ndarray] | None:
