@@ -8,7 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .runtime.options import build_parser, default_text, option_groups, type_text
+from .runtime.options import option_groups
+from .runtime.parsing import build_parser, default_text, type_text
 from .runtime.presets import HONORED, preset_names
 
 OPTIONS_MD = Path("docs") / "options.md"

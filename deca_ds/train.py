@@ -18,7 +18,7 @@ import sys
 import traceback
 
 from .runtime import cleanup
-from .runtime.options import build_parser, dump_config, resolve
+from .runtime.parsing import build_parser, dump_config, resolve
 
 # How long at most rank 0, failing because of a peer, keeps the rendezvous store up for the others
 # to read the heartbeat board (they post their own failure within a few step times).

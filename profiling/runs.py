@@ -112,7 +112,7 @@ def metrics(out: Path) -> list[list[dict]]:
 def estimate(run_config: dict):
     """The memory estimate (deca_ds.memory; deca_ds.baseline_memory for a baseline) of the run
     run_config.json describes; None for the built-in tiny model or a hub id whose config is not here."""
-    from deca_ds.runtime.options import estimate_run
+    from deca_ds.runtime.footprint import estimate_run
 
     opts = run_config["options"]
     if not opts["from_config"] and not Path(opts["model"]).is_dir():

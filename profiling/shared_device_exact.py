@@ -24,7 +24,7 @@ import deca_ds
 import runs
 from deca_ds.runtime import trainer
 from deca_ds.runtime.dist import local_device, to_device
-from deca_ds.runtime.options import parse_args as parse_train_args
+from deca_ds.runtime.parsing import parse_args as parse_train_args
 from deca_ds.topology import make_topology
 from report import emit, provenance
 

@@ -12,7 +12,8 @@ import torch
 
 from deca_ds.datasets import load_task, to_features
 from deca_ds.models import load_model, load_tokenizer
-from deca_ds.runtime.options import RunOptions, client_path, parse_args, per_client
+from deca_ds.runtime.options import RunOptions, client_path, per_client
+from deca_ds.runtime.parsing import parse_args
 from deca_ds.runtime.split import main as split_main
 from deca_ds.runtime.split import write_split
 from deca_ds.runtime.task import build_task, client_counts, load_records, merge_counts

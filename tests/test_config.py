@@ -21,7 +21,8 @@ import yaml
 from deca_ds import estimate as estimate_module
 from deca_ds.mapping_files import load_json, load_yaml
 from deca_ds.runtime import options as options_module
-from deca_ds.runtime.options import RunOptions, default_text, dump_config, parse_args
+from deca_ds.runtime.options import RunOptions
+from deca_ds.runtime.parsing import build_parser, default_text, dump_config, parse_args
 from deca_ds.runtime.presets import PRESET_DIR, preset_names
 from deca_ds.train import main as train_main
 from helpers import HAS_BNB, needs_bnb
@@ -89,7 +90,7 @@ def test_a_path_options_tilde_is_the_home_wherever_no_shell_expands_it(tmp_path,
         export_parser(): ["--run=~/r", "--checkpoint=latest", "--out=~/o"],
         reproduce_parser(): ["g.yaml", "--tables-from=~/results.json"],
         split_parser(): ["--out=~/sites"],
-        options_module.build_parser(): ["--config=~/run.yaml"],
+        build_parser(): ["--config=~/run.yaml"],
     }
     for parser, argv in flags.items():
         parsed = vars(parser.parse_args(argv))
@@ -386,7 +387,7 @@ def test_wheel_ships_the_presets_grids_and_commands(tmp_path):
                  "deca-reproduce = deca_ds.reproduce.cli:main", "deca-pretrain = deca_ds.reproduce.pretrain:main"):
         assert line in entry_points
     # the unpacked wheel, away from this checkout, finds its presets and grids by name
-    code = ("from deca_ds.runtime.options import parse_args\nimport deca_ds\n"
+    code = ("from deca_ds.runtime.parsing import parse_args\nimport deca_ds\n"
             "print(deca_ds.__file__)\nprint(parse_args(['--preset', 'cpu_demo'])[0].max_seq_len)\n"
             "from deca_ds.reproduce.cli import main\nmain(['paper_qwen2.5-3b', '--dry-run'])\n")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},

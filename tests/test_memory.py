@@ -421,8 +421,8 @@ def test_offload_weights_and_streamed_bytes_with_kept_layers():
 def test_offload_budget_keeps_the_most_layers_that_fit():
     from dataclasses import asdict
 
-    from deca_ds.runtime.options import estimate_run, offload_keep_for_budget, parse_args
-
+    from deca_ds.runtime.footprint import estimate_run, offload_keep_for_budget
+    from deca_ds.runtime.parsing import parse_args
     config = ModelSpec.from_config(CONFIGS / "llama-3.1-8b-instruct.json")
     opts, ds = parse_args(["--ds_config", str(ROOT / "ds_configs" / "profile_bf16.json"), "--offload", "frozen",
                            "--steps-per-block", "48", "--offload-budget", "1"])

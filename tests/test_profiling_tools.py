@@ -173,7 +173,7 @@ def test_a_stopped_tool_stops_its_ranks_and_shows_their_last_output(tmp_path, mo
 def test_save_init_writes_the_model_and_tokenizer_the_run_draws(tmp_path):
     """profiling/save_init.py: loaded as a checkpoint (--model DIR), the directory gives the model a
     --from-config run draws, bit for bit and in its working dtype, and the same encoded examples."""
-    from deca_ds.runtime.options import parse_args
+    from deca_ds.runtime.parsing import parse_args
     from deca_ds.runtime.trainer import build_model, build_task
 
     LlamaConfig(**{**TINY.to_dict(), "vocab_size": 512}).save_pretrained(tmp_path / "config")
@@ -295,7 +295,7 @@ def test_every_gpu_check_command_parses(tmp_path, monkeypatch):
     import subprocess
 
     from deca_ds.reproduce import cli
-    from deca_ds.runtime.options import parse_args as parse_run_args
+    from deca_ds.runtime.parsing import parse_args as parse_run_args
 
     # bg: the steps after it, in the background
     steps = ("exact table9 memory offload setup terms ckpt trains matmul update aggshare compile aggpreset trace "
@@ -404,7 +404,7 @@ def test_device_peak_is_a_gpu_runs_peak_beside_its_estimate(tmp_path, monkeypatc
     from deca_ds.baseline_memory import estimate_method
     from deca_ds.memory import GiB, Workload
     from deca_ds.methods import AdamConfig, DecLoRA
-    from deca_ds.runtime.options import parse_args
+    from deca_ds.runtime.parsing import parse_args
 
     config = ROOT / "profiling" / "configs" / "qwen2-1.5b.json"
     opts, ds = parse_args(["--preset", "rtx5090_qwen2-1.5b", "--from-config", "--model", str(config),

@@ -41,7 +41,7 @@ from deca_ds.runtime.dist import (
     init_process_group,
     torchrun_env,
 )
-from deca_ds.runtime.options import parse_args
+from deca_ds.runtime.parsing import parse_args
 from deca_ds.train import main as train_main
 from helpers import RANK_THREADS, assert_only_run_outputs, run_script, torch_threads
 from ranks import Rank, start_rank, wait_all
@@ -1070,7 +1070,7 @@ def test_a_cpu_run_counts_its_steps_as_the_estimator_does(tmp_path, monkeypatch,
     adds a byte. The summary has each client's peak after training (mem_end_peak)."""
     from deca_ds.memory import GiB
     from deca_ds.runtime.allocated import COUNT_ON_CPU
-    from deca_ds.runtime.options import estimate_run
+    from deca_ds.runtime.footprint import estimate_run
 
     monkeypatch.setenv(COUNT_ON_CPU, "1")
     out = tmp_path / "run"

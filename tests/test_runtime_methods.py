@@ -25,7 +25,7 @@ from deca_ds.runtime import checkpoint as ckpt
 from deca_ds.runtime import evaluate, trainer
 from deca_ds.runtime.checkpoint_consensus import checkpoint_model, checkpoint_step
 from deca_ds.runtime.evaluate import load_export
-from deca_ds.runtime.options import parse_args
+from deca_ds.runtime.parsing import parse_args
 from helpers import assert_umask_modes, torch_threads
 from ranks import wait_all
 from test_runtime import PRESET, N, client_params, start_ranks

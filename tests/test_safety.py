@@ -267,7 +267,7 @@ def test_a_latin1_csv_is_named_with_its_encoding(tmp_path):
 
 def test_the_dirichlet_minimum_names_options_the_cli_has():
     from deca_ds.data import dirichlet_partition
-    from deca_ds.runtime.options import parse_args
+    from deca_ds.runtime.parsing import parse_args
 
     with pytest.raises(ValueError) as info:
         dirichlet_partition([0, 0, 1, 1], 4, 0.01, min_size=2, max_tries=3)
@@ -339,7 +339,7 @@ def test_resume_refuses_when_no_step_verifies_everywhere(tmp_path):
 def test_resume_refuses_every_change_that_alters_the_result(diverged, monkeypatch):
     import dataclasses
 
-    from deca_ds.runtime.options import parse_args
+    from deca_ds.runtime.parsing import parse_args
     from deca_ds.runtime.task import build_task
 
     out, _, _ = diverged

@@ -258,7 +258,7 @@ def _setup_order(rank: int, out: str) -> list[str]:
     import deca_ds.evaluation.classification as classification
     from deca_ds.optimizer import DecaOptimizer
     from deca_ds.runtime import trainer
-    from deca_ds.runtime.options import parse_args
+    from deca_ds.runtime.parsing import parse_args
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="0")  # port 0: rank 0's store binds any free port, and no one else joins

@@ -217,7 +217,7 @@ def test_distributed_run_through_host_staging_equals_simulator(tmp_path, monkeyp
     import deca_ds
     from deca_ds.data import ClientStream
     from deca_ds.runtime import trainer
-    from deca_ds.runtime.options import parse_args
+    from deca_ds.runtime.parsing import parse_args
     from ranks import wait_all
     from test_runtime import PRESET, client_params, start_ranks
 
@@ -264,8 +264,8 @@ def test_the_one_gpu_preset_fits_eight_clients_on_an_h100_and_the_estimator_says
     from dataclasses import asdict
 
     from deca_ds.memory import GiB
-    from deca_ds.runtime.options import estimate_run, parse_args
-
+    from deca_ds.runtime.footprint import estimate_run
+    from deca_ds.runtime.parsing import parse_args
     opts, ds = parse_args(["--ds_config", str(ROOT / "ds_configs" / "one_gpu_8x_qwen2-1.5b.json")])
     assert opts.transport == "gloo" and opts.topology == "ring"
     est = estimate_run(asdict(opts), ROOT / "profiling" / "configs" / "qwen2-1.5b.json", ds, n_neighbors=2,
@@ -369,7 +369,7 @@ def test_nccl_without_gpus_is_refused_before_anything_is_written(tmp_path, monke
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     from deca_ds.runtime import trainer
-    from deca_ds.runtime.options import parse_args
+    from deca_ds.runtime.parsing import parse_args
     from test_runtime import PRESET
 
     monkeypatch.setenv("WORLD_SIZE", "2")

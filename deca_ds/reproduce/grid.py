@@ -37,7 +37,8 @@ import yaml
 from ..mapping_files import load_yaml, repeated
 from ..models import TINY_LLAMA
 from ..reporting import CPU_KERNELS
-from ..runtime.options import TRAINS, RunOptions, convert_options, option_defaults
+from ..runtime.options import TRAINS, RunOptions, option_defaults
+from ..runtime.parsing import convert_options
 from ..runtime.presets import STEP_KEYS, load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS, task_kind
 from . import paper

@@ -18,7 +18,8 @@ from ..methods import Method
 from ..mixing import ClientView
 from ..optimizer import model_partition
 from . import checkpoint as ckpt
-from .options import RunOptions, convert_options, read_options
+from .options import RunOptions, read_options
+from .parsing import convert_options
 
 
 def run_options(root: Path) -> tuple[RunOptions, int]:

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .options import RunOptions, add_option, convert_options, read_options
+from .options import RunOptions, read_options
+from .parsing import add_option, convert_options
 
 if TYPE_CHECKING:
     import torch

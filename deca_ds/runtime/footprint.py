@@ -5,7 +5,8 @@ It reads what the run's memory depends on as the run reads it: the model's confi
 the task (its tokenizer and data, so the LM head's positions are the answer's tokens, as in
 training, and whether rank 0 scores x̄ before training; the tokenized set is cached for the run),
 the graph (its largest neighbourhood), and --offload-budget's choice of --offload-keep. Nothing is
-trained and nothing is written but the token cache.
+trained and nothing is written but the token cache. `estimate_run` (the estimate for a set of
+options) and `offload_keep_for_budget` serve the trainer and the profiling tools too.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..evaluation.classification import SCORE_BATCH
-from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate, ModelSpec
+from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate, ModelSpec, Workload, estimate_memory
 from ..topology import make_topology
 from .dist import check_layout, launch_rank
-from .options import RunOptions, estimate_run, offload_keep_for_budget
+from .options import TRAINS, RunOptions
 from .transport import parse_device_map
 
 
@@ -36,6 +37,52 @@ def model_config(opts: RunOptions, vocab_size: int):
     if Path(opts.model).exists():  # RunOptions expanded its ~
         return load_config(opts.model, trust_remote_code=opts.trust_remote_code)
     return AutoConfig.from_pretrained(opts.model, trust_remote_code=opts.trust_remote_code)
+
+
+def estimate_run(options: dict, model_config, ds_config: dict, *, n_neighbors: int, loss_positions: int,
+                 offload_keep: int | None = None, eval_batch: int = 0, eval_positions: int = 2) -> MemoryEstimate:
+    """deca_ds.memory's estimate of a round's peak for a run with `options` (RunOptions as a dict,
+    micro-batch resolved) on the model of `model_config` (a config, its path, or a ModelSpec);
+    `eval_batch` > 0: rank 0's evaluation before training, that many sequences per forward with
+    the LM head at `eval_positions` of each. A baseline's (`options["method"]`) is
+    deca_ds.baseline_memory's for the method the run builds."""
+    workload = Workload(working_dtype=options["working_dtype"], transfer_dtype=options["mix_dtype"],
+                        n_neighbors=n_neighbors, micro_batch=options["micro_batch"], seq_len=options["max_seq_len"],
+                        checkpointing="activation_checkpointing" in ds_config,
+                        deepspeed_allreduce=options["ranks_per_client"] > 1, loss_positions=loss_positions,
+                        loss_chunk=options["loss_chunk"], eval_batch=eval_batch, eval_positions=eval_positions)
+    spec = ModelSpec.from_config(model_config, trust_remote_code=options["trust_remote_code"])
+    if options["method"] != "deca":
+        from ..baseline_memory import estimate_method
+
+        # its default step budget (DECA's T·B·R on this model) does not change its memory
+        run = RunOptions(**options)
+        method = run.build_method(spec.partition(options["layers_per_block"], **run.trains()))
+        return estimate_method(spec, method, workload)
+    return estimate_memory(
+        spec, options["layers_per_block"], workload, master_dtype=options["master_dtype"],
+        offload=options["offload"], offload_keep=options["offload_keep"] if offload_keep is None else offload_keep,
+        variant=options["variant"], state_bits=options["state_bits"], fused_update=options["fused_update"],
+        steps_per_block=options["steps_per_block"], grad_accum=options["grad_accum"],
+        **{name: options.get(name, False) for name in TRAINS})  # a run recorded before they existed: off
+
+
+def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_neighbors: int,
+                            loss_positions: int) -> int:
+    """The most top decoder layers --offload frozen can keep resident within --offload-budget GB of
+    estimated peak: a binary search, as every layer kept adds to the peak."""
+    spec = ModelSpec.from_config(model_config, trust_remote_code=options["trust_remote_code"])
+    budget = options["offload_budget"] * 1e9
+    peak = lambda keep: estimate_run(options, spec, ds_config, n_neighbors=n_neighbors,  # noqa: E731
+                                     loss_positions=loss_positions, offload_keep=keep).peak
+    if peak(0) > budget:
+        raise ValueError(f"--offload-budget {options['offload_budget']:g} GB: even with every frozen decoder layer "
+                         f"offloaded the estimated peak is {peak(0) / 1e9:.2f} GB")
+    fits, over = 0, spec.num_layers + 1  # peak(fits) <= budget; every keep >= over is past it
+    while over - fits > 1:
+        keep = (fits + over) // 2
+        fits, over = (keep, over) if peak(keep) <= budget else (fits, keep)
+    return fits
 
 
 def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from .. import __version__
 from ..files import atomic_write, write_json
-from .options import RunOptions, build_parser, dump_config, resolve
+from .options import RunOptions
+from .parsing import build_parser, dump_config, resolve
 
 SPLIT_OPTIONS = ("dataset", "data_files", "text_column", "text_pair_column", "label_column", "label_names",
                  "response_column", "partition_key", "iid", "dirichlet_alpha", "seed", "micro_batch", "clients")

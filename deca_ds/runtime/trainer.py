@@ -67,7 +67,7 @@ from .dist import (
     to_device,
 )
 from .ds_engine import ClientMPU, initialize
-from .footprint import model_config
+from .footprint import model_config, offload_keep_for_budget
 from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize, summary_table
 from .nonfinite import (
     NonFiniteError,
@@ -77,7 +77,8 @@ from .nonfinite import (
     stop_if_nonfinite,
     update_finite,
 )
-from .options import RunOptions, dump_config, offload_keep_for_budget
+from .options import RunOptions
+from .parsing import dump_config
 from .progress import Progress
 from .same_start import check_same_start, start_fingerprint
 from .task import Task, build_task, check_questions, own_clients, share_counts
