@@ -13,7 +13,7 @@ import torch
 
 from deca_ds.finite import MAX_CONSECUTIVE_SKIPS, finite, nonfinite_problem
 from deca_ds.reporting import commit
-from deca_ds.runtime import nonfinite, outputs, trainer
+from deca_ds.runtime import checkpoint, nonfinite, outputs, trainer
 from deca_ds.train import main as train_main
 from ranks import wait_all
 from test_runtime import PRESET, start_ranks
@@ -280,10 +280,6 @@ def test_the_dirichlet_minimum_names_options_the_cli_has():
 # ---- 5. a checkpoint is complete only when its manifest verifies ---------------------------------
 
 def saved_steps(root: Path, steps=(3, 6), ranks_per_client: int = 2):
-    import torch
-
-    from deca_ds.runtime import checkpoint
-
     model = torch.nn.Linear(4, 3)
     for step in steps:
         for local_rank in range(ranks_per_client):
@@ -299,8 +295,6 @@ def saved_steps(root: Path, steps=(3, 6), ranks_per_client: int = 2):
     ("no_manifest", r"manifest_1\.json is missing or unreadable .*not finished"),
 ])
 def test_a_damaged_checkpoint_is_skipped_with_its_reason(tmp_path, damage, reason):
-    from deca_ds.runtime import checkpoint
-
     client_dir = saved_steps(tmp_path)
     d = client_dir(tmp_path, 6, 0)
     if damage == "truncate_model":
@@ -315,23 +309,23 @@ def test_a_damaged_checkpoint_is_skipped_with_its_reason(tmp_path, damage, reaso
     complete, problems = checkpoint.scan_steps(tmp_path, 0, 2)
     assert complete == [3] and set(problems) == {6}
     assert re.search(reason, problems[6]), problems[6]
-    start, lines = trainer.choose_resume_step([complete, complete], [problems, problems], 2)
+    start, lines = checkpoint.choose_resume_step([complete, complete], [problems, problems], 2)
     assert start == 3
     assert re.search(r"skipped checkpoint step 6 \(client 0: .*" + reason, lines[0]), lines
     assert "resuming from step 3" in lines[-1]
 
 
 def test_resume_refuses_when_no_step_verifies_everywhere(tmp_path):
-    start, lines = trainer.choose_resume_step([[3, 6], [3, 6]], [{}, {}], 1)
+    start, lines = checkpoint.choose_resume_step([[3, 6], [3, 6]], [{}, {}], 1)
     assert (start, lines) == (6, [])
-    start, lines = trainer.choose_resume_step([[3, 6], [3]], [{}, {6: "x is missing"}], 1)
+    start, lines = checkpoint.choose_resume_step([[3, 6], [3]], [{}, {6: "x is missing"}], 1)
     assert start == 3 and "client 1: x is missing" in lines[0]
-    start, lines = trainer.choose_resume_step([[3, 6], [3, 6], [3], [3]], [{}, {}, {}, {}], 2)  # 2 ranks a client
+    start, lines = checkpoint.choose_resume_step([[3, 6], [3, 6], [3], [3]], [{}, {}, {}, {}], 2)  # 2 ranks a client
     assert start == 3 and lines[0] == "skipped checkpoint step 6 (client 1: not written)", lines
     with pytest.raises(ValueError, match=r"no checkpoint is complete for every client \(client 1: step 3: bad\)"):
-        trainer.choose_resume_step([[3], []], [{}, {3: "bad"}], 1)
+        checkpoint.choose_resume_step([[3], []], [{}, {3: "bad"}], 1)
     with pytest.raises(ValueError, match=r"the run wrote no checkpoint \(--checkpoint-interval N .*--overwrite"):
-        trainer.choose_resume_step([[], []], [{}, {}], 1)
+        checkpoint.choose_resume_step([[], []], [{}, {}], 1)
 
 
 # ---- 4. --resume refuses a different run, accepts and records harmless changes -------------------

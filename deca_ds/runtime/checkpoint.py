@@ -110,6 +110,29 @@ def why_incomplete(step: int, complete: list[list[int]], problems: list[dict[int
                    for i, (c, p) in enumerate(zip(complete, problems)) if step not in c})
 
 
+def choose_resume_step(complete: list[list[int]], problems: list[dict[int, str]],
+                       ranks_per_client: int) -> tuple[int, list[str]]:
+    """From every rank's verified steps and reasons: the newest step complete everywhere, and a
+    line for each newer step skipped (client and reason)."""
+    common = set.intersection(*(set(c) for c in complete))
+    if not any(complete) and not any(problems):
+        raise ValueError("--resume: the run wrote no checkpoint (--checkpoint-interval N writes one every N steps); "
+                         "--overwrite starts it afresh")
+    if not common:
+        reasons = "; ".join(f"client {r // ranks_per_client}: step {s}: {why}"
+                            for r, p in enumerate(problems) for s, why in sorted(p.items()))
+        raise ValueError(f"--resume: no checkpoint is complete for every client{f' ({reasons})' if reasons else ''}")
+    start = max(common)
+    newer = sorted({s for c in complete for s in c} | {s for p in problems for s in p})
+    skipped = []
+    for step in (s for s in newer if s > start):
+        why = why_incomplete(step, complete, problems, ranks_per_client)
+        skipped.append(f"skipped checkpoint step {step} ({'; '.join(why)})")
+    if skipped:
+        skipped.append(f"resuming from step {start}, the newest checkpoint complete for every client")
+    return start, skipped
+
+
 def complete_steps(root: Path, client: int, ranks_per_client: int, *, hashes: bool = True) -> list[int]:
     """Checkpoint steps whose every file of `client` verifies, ascending."""
     return scan_steps(root, client, ranks_per_client, hashes=hashes)[0]

@@ -157,34 +157,12 @@ def _resume_step(root: Path, layout: ClientLayout) -> int:
     mine, problems = ckpt.scan_steps(root, layout.client, layout.ranks_per_client)
     everyone = [None] * layout.world_size
     dist.all_gather_object(everyone, (mine, problems))
-    start, skipped = choose_resume_step([e[0] for e in everyone], [e[1] for e in everyone], layout.ranks_per_client)
+    start, skipped = ckpt.choose_resume_step([steps for steps, _ in everyone], [why for _, why in everyone],
+                                             layout.ranks_per_client)
     if layout.rank == 0:
         for line in skipped:
             print(f"--resume: {line}", flush=True)
     return start
-
-
-def choose_resume_step(complete: list[list[int]], problems: list[dict[int, str]],
-                       ranks_per_client: int) -> tuple[int, list[str]]:
-    """From every rank's verified steps and reasons: the newest step complete everywhere, and a
-    line for each newer step skipped (client and reason)."""
-    common = set.intersection(*(set(c) for c in complete))
-    if not any(complete) and not any(problems):
-        raise ValueError("--resume: the run wrote no checkpoint (--checkpoint-interval N writes one every N steps); "
-                         "--overwrite starts it afresh")
-    if not common:
-        reasons = "; ".join(f"client {r // ranks_per_client}: step {s}: {why}"
-                            for r, p in enumerate(problems) for s, why in sorted(p.items()))
-        raise ValueError(f"--resume: no checkpoint is complete for every client{f' ({reasons})' if reasons else ''}")
-    start = max(common)
-    newer = sorted({s for c in complete for s in c} | {s for p in problems for s in p})
-    skipped = []
-    for step in (s for s in newer if s > start):
-        why = ckpt.why_incomplete(step, complete, problems, ranks_per_client)
-        skipped.append(f"skipped checkpoint step {step} ({'; '.join(why)})")
-    if skipped:
-        skipped.append(f"resuming from step {start}, the newest checkpoint complete for every client")
-    return start, skipped
 
 
 @contextmanager
