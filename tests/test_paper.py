@@ -13,7 +13,7 @@ import yaml
 
 from deca_ds.files import write_json
 from deca_ds.reproduce import GridError, build_grid
-from deca_ds.reproduce.cells import BASE, FINAL, cell_settings
+from deca_ds.reproduce.cell_dir import BASE, FINAL, cell_settings
 from deca_ds.reproduce.grid import Cell, load_grid
 from deca_ds.reproduce.paper import models, published_cells, reference, reference_tables, to_csv, to_markdown
 from deca_ds.reproduce.report import write_report

@@ -408,7 +408,7 @@ def test_a_presets_clipping_and_schedule_are_a_cells_settings(tmp_path):
     either backend, so a finished cell run without them is not taken for one with them; a schedule
     DeepSpeed cannot build is refused when the grid is read, before any cell runs."""
     preset = json.loads((ROOT / "ds_configs" / "cpu_demo.json").read_text())
-    from deca_ds.reproduce.cells import settings_changed
+    from deca_ds.reproduce.cell_dir import settings_changed
 
     runs = tmp_path / "runs"
     keys = {"gradient_clipping": 0.5, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
@@ -629,7 +629,8 @@ def test_a_set_aten_cpu_capability_wins_over_the_grids_kernels_with_a_note(monke
 
 
 def test_cells_fine_tuned_from_other_base_weights_never_share_a_table(tmp_path):
-    from deca_ds.reproduce.cells import CELL, FINAL, base_weights, cell_settings, check_finished, pretrain_base
+    from deca_ds.reproduce.cell_dir import CELL, FINAL, base_weights, cell_settings
+    from deca_ds.reproduce.cells import check_finished, pretrain_base
 
     grid = build_grid(tiny_grid(str(tmp_path / "base"), pretrain=TINY_PRETRAIN), runs_dir=tmp_path / "runs")
     first, second = grid.cells[:2]
@@ -830,7 +831,8 @@ def test_results_readmes_quote_their_generated_tables(results):
 
 def started_cell(grid, cell) -> Path:
     """The cell's directory as a grid run starts the cell, before its first step."""
-    from deca_ds.reproduce.cells import _prepare, base_weights
+    from deca_ds.reproduce.cell_dir import base_weights
+    from deca_ds.reproduce.cells import _prepare
 
     assert _prepare(grid, cell, grid.cell_dir(cell), base_weights(grid)) is None
     return grid.cell_dir(cell)
@@ -1098,7 +1100,7 @@ def test_an_interrupted_deepspeed_cell_resumes_from_its_checkpoint(tmp_path, cap
 
     import psutil
 
-    from deca_ds.reproduce.cells import resume_step
+    from deca_ds.reproduce.cell_dir import resume_step
     from deca_ds.reproduce.cli import main
 
     grid = tiny_grid("tiny", backend="deepspeed", ds_config="ds_configs/cpu_demo.json", methods=["deca"], seeds=[0],
@@ -1153,7 +1155,7 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
     the first in the next run of the grid, logs the steps after it again, and ends with the metrics
     and scores of an uninterrupted run, to the bit; its preset's torch schedule (each lr computed
     from the one before) goes on from where it was."""
-    from deca_ds.reproduce import cells, simulated
+    from deca_ds.reproduce import cell_dir, cells, simulated
     from deca_ds.reproduce.cli import main
     from helpers import torch_threads
 
@@ -1183,7 +1185,8 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
         with monkeypatch.context() as stopped, torch_threads(), pytest.raises(Stop):
             stopped.setattr(simulated, "save_checkpoint", save_or_stop)
             simulated.run_simulated(d)
-        assert cells.resume_step(built, cell, d, None) == 4 and len((d / "metrics.jsonl").read_text().splitlines()) == 8
+        assert cell_dir.resume_step(built, cell, d, None) == 4
+        assert len((d / "metrics.jsonl").read_text().splitlines()) == 8
     capsys.readouterr()
     assert main([str(files["stopped"]), "--dry-run"]) == 0
     out = capsys.readouterr().out
@@ -1206,9 +1209,9 @@ def test_an_interrupted_simulated_cell_goes_on_from_its_checkpoint_to_the_same_b
     old.mkdir()
     (old / "checkpoint.pt").write_bytes(b"x")
     (old / "checkpoint.json").write_text(json.dumps({"step": 4, "bytes": 1}))
-    assert cells.simulated_checkpoint(old) is None
-    (old / "checkpoint.json").write_text(json.dumps({"step": 4, "bytes": 1, "rng": cells.RNG}))
-    assert cells.simulated_checkpoint(old) == 4
+    assert cell_dir.simulated_checkpoint(old) is None
+    (old / "checkpoint.json").write_text(json.dumps({"step": 4, "bytes": 1, "rng": cell_dir.RNG}))
+    assert cell_dir.simulated_checkpoint(old) == 4
 
 
 def test_a_simulated_cell_compiles_its_layers_where_asked(tmp_path, monkeypatch):
@@ -1370,7 +1373,7 @@ def test_two_grid_runs_on_one_runs_dir_run_each_cell_once(tmp_path):
 
 
 def test_deepspeed_outputs_become_the_cell_files(tmp_path):
-    from deca_ds.reproduce.cells import collect_deepspeed
+    from deca_ds.reproduce.cell_dir import collect_deepspeed
 
     train = tmp_path / "train"
     (train / "metrics").mkdir(parents=True)
@@ -1395,7 +1398,7 @@ def test_deepspeed_outputs_become_the_cell_files(tmp_path):
 
 
 def test_settings_changed_compares_what_changes_a_result():
-    from deca_ds.reproduce.cells import settings_changed
+    from deca_ds.reproduce.cell_dir import settings_changed
 
     now = {"key": "k", "options": {"method": "deca", "lr": 1e-3, "transport": "auto", "skip_nonfinite": False,
                                    "eval_limit": 100}}
@@ -1476,8 +1479,8 @@ def test_time_left_counts_the_cells_to_run_at_the_finished_cells_seconds_a_step(
     """Each cell to run takes the seconds a step of the finished cells like it (method, task, clients,
     layers per block), else of its method, over the steps it has left; the dry run says so, and a
     cell of a method with no finished cell is named as not counted."""
-    from deca_ds.reproduce.cells import finished_rates, time_left
     from deca_ds.reproduce.cli import main
+    from deca_ds.reproduce.time_left import finished_rates, time_left
 
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_grid("tiny", runs_dir=str(tmp_path / "runs"), seeds=[0, 1, 2], jobs=2,

@@ -1,18 +1,8 @@
-"""Running the grid's cells, each in a child process with a time limit, each into its own directory.
-
-A cell directory holds cell.json (its settings, written first), run_config.json (what the run
-resolved: topology, client sizes, trainable parameters, budget), metrics.jsonl (one record per
-model update step: the clients' mean training loss, the consensus distance every
-`consensus_interval` steps and, in simulated cells, the seconds since the cell started) and, once
-it has finished, final.json (accuracy and macro-F1 of the consensus model x̄, losses, wall time).
-A simulated cell with `checkpoint_interval` also holds checkpoint.pt (every client's model and
-optimizer, the data streams' positions and each client's random state) and checkpoint.json (its
-step and size, written after it) while it runs: a stopped cell goes on from there, to the same bits.
-A cell with final.json and the same settings is skipped; one with other settings stops the grid
-before anything runs. Where the grid makes its base model
-(`pretrain`), the settings include the sha256 of its weights: cells fine-tuned from other weights
-(pretrained again elsewhere, on another device) never share a table. A grid run claims a cell (a lock
-file beside its directory, .<seed>.lock) before it runs it, so that several runs can share a grid.
+"""Running the grid's cells, each in a child process with a time limit, each into its own directory
+(cell_dir.py: what it holds). Finished cells with the grid's settings are skipped; one with other
+settings, or a directory no grid run wrote, stops the grid before anything runs. A grid run claims a
+cell (a lock file beside its directory, .<seed>.lock) before it runs it, so that several runs can
+share a grid.
 
 Backends: `simulate` runs the N clients of a cell in one child process (simulated.py) through
 deca_ds.simulate (small models, many clients on one device); `deepspeed` runs deca-train
@@ -23,7 +13,6 @@ files.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import re
@@ -38,93 +27,29 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from ..files import atomic_directory, leftovers, remove, sha256, vacant, write_json, write_text
+from ..files import atomic_directory, leftovers, remove, vacant, write_json, write_text
 from ..reporting import REPO
-from ..runtime.metrics import loss_ends
 from ..runtime.presets import preset_path
-from .generation import ANSWERS
+from .cell_dir import (
+    BASE,
+    CELL,
+    LOG,
+    base_weights,
+    cell_settings,
+    collect_deepspeed,
+    finished_changes,
+    read_json,
+    resume_step,
+    saved_settings,
+    steps_done,
+)
 from .grid import Cell, Grid, GridError
 from .placement import Launch, Placement, placement
-from .pretrain import WEIGHTS, kernels_note, pretrain, pretrained_state
+from .pretrain import kernels_note, pretrain, pretrained_state
+from .time_left import Remaining
 
-CELL, RUN_CONFIG, METRICS, FINAL, LOG = "cell.json", "run_config.json", "metrics.jsonl", "final.json", "log.txt"
 ANY_NAME = re.compile(".+")  # a cell's directory is the grid's, every entry of it
-CHECKPOINT, CHECKPOINT_META = "checkpoint.pt", "checkpoint.json"  # a simulated cell's
-# how the checkpoint's clients drew their dropout masks: from generators of their own (rng.ClientGenerators);
-# an older checkpoint, whose clients drew from one, is not gone on from (the cell starts afresh)
-RNG = "per client"
 STOPPED = "stopped: the grid was stopped before this cell started"
-
-
-def read_json(path: Path):
-    return json.loads(path.read_text())
-
-
-def is_finished(cell_dir: Path) -> bool:
-    return (cell_dir / FINAL).is_file()
-
-
-BASE = "base_sha256"  # settings' key: the weights of the model the grid's `pretrain` made
-ANSWERED = "answered"  # settings' key: the question sets a generation cell's model answers
-
-
-def settings_changed(saved: dict | None, now: dict) -> list[str]:
-    """The options in which a finished cell's saved settings and the grid's differ in what they
-    compute. Options that change no result (runtime.options.NOT_RESULT, and those the cell's method
-    does not read) are not compared, and an option the cell's code did not have yet counts as its
-    default: a new option's default keeps the old behaviour. The base model's weights are compared
-    where both settings know them, and the preset's keys that change a step (presets.STEP_KEYS)."""
-    from ..runtime.options import NOT_RESULT, option_defaults, unread_in
-
-    if saved is None or saved.get("key") != now["key"]:
-        return ["no settings saved" if saved is None else "key"]
-    defaults = json.loads(json.dumps(option_defaults(), allow_nan=False))
-    old, new = saved["options"], now["options"]
-    changed = sorted(k for k in (set(old) | set(new)) - NOT_RESULT - unread_in(new)
-                     if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
-    old_ds, new_ds = saved.get("deepspeed", {}), now.get("deepspeed", {})
-    changed += [f"the preset's {k}" for k in sorted(set(old_ds) | set(new_ds)) if old_ds.get(k) != new_ds.get(k)]
-    if None not in (saved.get(BASE), now.get(BASE)) and saved[BASE] != now[BASE]:
-        changed.append("the base model's weights")
-    if saved.get(ANSWERED) != now.get(ANSWERED):
-        changed.append("the questions answered")
-    return changed
-
-
-def cell_settings(grid: Grid, cell: Cell, base: str | None) -> dict:
-    """What decides the cell's result: its options, where the grid makes its base model the sha256
-    `base` of that model's weights (None while it is not made), and for a generation cell the
-    questions its model answers (Generation.settings)."""
-    answered = {ANSWERED: grid.generation.settings} if grid.generates(cell) else {}
-    return cell.settings() | ({BASE: base} if base else {}) | answered
-
-
-def base_weights(grid: Grid) -> str | None:
-    """sha256 of the weights the grid's `pretrain` made; None without the section or the model."""
-    path = Path(grid.pretrain.output_dir) / WEIGHTS if grid.pretrain else None
-    if path is None or not path.is_file():
-        return None
-    stat = path.stat()
-    return _sha256(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _sha256(path: str, mtime_ns: int, size: int) -> str:
-    """Once per version of the file (the grid checks its cells several times a run)."""
-    return sha256(Path(path))
-
-
-def finished_changes(grid: Grid, cell: Cell, base: str | None) -> list[str] | None:
-    """None while the cell is unfinished; once finished, the settings in which its results differ
-    from the grid's ([] when they are the grid's); `base` as cell_settings."""
-    d = grid.cell_dir(cell)
-    if not is_finished(d):
-        return None
-    return settings_changed(saved_settings(d), cell_settings(grid, cell, base))
-
-
-def saved_settings(cell_dir: Path) -> dict | None:
-    return read_json(cell_dir / CELL)["settings"] if (cell_dir / CELL).is_file() else None
 
 
 def check_finished(grid: Grid) -> tuple[list[Cell], list[Cell]]:
@@ -241,33 +166,6 @@ def run_grid(grid: Grid, *, log=print, select: Callable[[Cell], bool] | None = N
     return {c.key: status[c.key] for c in grid.cells}
 
 
-class Remaining:
-    """The cells a grid run has yet to end, for the time left whenever one has finished (time_left, at
-    the rates of the cells finished before the run and in it). The cells' threads report to it."""
-
-    def __init__(self, grid: Grid, todo: list[Cell], done: list[Cell]) -> None:
-        self.grid, self.lock = grid, threading.Lock()
-        self.todo, self.started, self.finished = set(todo), set(), list(done)
-
-    def start(self, cell: Cell) -> None:
-        with self.lock:
-            self.started.add(cell)
-
-    def end(self, cell: Cell, *, done: bool = False) -> str | None:
-        """`cell` has ended (again: nothing); if `done`, time_left of the others."""
-        with self.lock:
-            if cell not in self.todo:
-                return None
-            self.todo.remove(cell)
-            if not done or not self.todo:
-                return None
-            self.finished.append(cell)
-            # a cell that has started counts the steps it has logged in this run as done
-            cells = {c: steps_done(self.grid.cell_dir(c)) if c in self.started else 0 for c in self.todo}
-            rates = finished_rates(self.grid, self.finished)
-        return time_left(self.grid, cells, rates)
-
-
 def base_state(grid: Grid) -> str | None:
     """None when the grid fine-tunes a model it does not make; else 'pretrained' (earlier, with the
     grid's `pretrain` options) or 'to pretrain'. GridError for a directory holding anything else."""
@@ -352,73 +250,6 @@ def holder(cell_dir: Path) -> str | None:
         return None
 
 
-def steps_done(cell_dir: Path) -> int:
-    """Model update steps a cell has logged: its metrics.jsonl (simulate), or deca-train's
-    first client's metrics (deepspeed) while it runs."""
-    from ..runtime.metrics import metrics_path
-
-    for path in (cell_dir / METRICS, metrics_path(cell_dir / "train", 0)):
-        if path.is_file():
-            return sum(1 for line in path.read_text().splitlines() if line)
-    return 0
-
-
-def seconds_per_step(cell_dir: Path) -> float | None:
-    """A simulated cell's mean seconds per step so far, from its metrics' `wall_s` (None without)."""
-    path = cell_dir / METRICS
-    lines = path.read_text().splitlines() if path.is_file() else []
-    last = json.loads(lines[-1]) if lines else {}
-    return last["wall_s"] / len(lines) if "wall_s" in last else None
-
-
-def _alike(cell: Cell) -> tuple:
-    """What a cell's seconds a step are taken from first: finished cells of its method, task, clients and
-    layers per block (otherwise of its method)."""
-    return cell.method, cell.task, cell.clients, cell.layers_per_block
-
-
-def finished_rates(grid: Grid, finished: list[Cell]) -> dict:
-    """The mean seconds a step took in the `finished` cells (final.json's wall_s, setup and scoring
-    included, over the steps it timed), by _alike and by method: what time_left counts at. They are
-    what those cells took where they ran (machine, backend, cells at a time), nothing more."""
-    rates: dict = {}
-    for cell in finished:
-        d = grid.cell_dir(cell)
-        final = read_json(d / FINAL)
-        steps = grid.budgets[cell.key][0]
-        if final.get("resumed_from") and (d / "train").is_dir():  # deca-train's wall_s: its last attempt's (finish)
-            steps -= final["resumed_from"][-1]
-        if final.get("wall_s") and steps > 0:
-            for key in (_alike(cell), cell.method):
-                rates.setdefault(key, []).append(final["wall_s"] / steps)
-    return {key: sum(r) / len(r) for key, r in rates.items()}
-
-
-def time_left(grid: Grid, cells: dict[Cell, int], rates: dict) -> str | None:
-    """`cells` (each with the steps it has done) still to run, as a line: their seconds at `rates`
-    (finished_rates) one after another, and `grid.jobs` at a time (no less than the longest cell), and
-    how many no finished cell of their method times; None without a rate."""
-    if not rates:
-        return None
-    seconds, unknown = [], 0
-    for cell, done in cells.items():
-        rate = rates.get(_alike(cell), rates.get(cell.method))
-        if rate is None:
-            unknown += 1
-        else:
-            seconds.append(rate * (grid.budgets[cell.key][0] - done))
-    text = f"about {_duration(sum(seconds))} of cell time left at the finished cells' seconds a step"
-    if grid.jobs > 1 and len(seconds) > 1:
-        text += f" ({_duration(max(sum(seconds) / grid.jobs, max(seconds)))} at {grid.jobs} at a time)"
-    return text + (f"; {unknown} cell(s) of a method with no finished cell not counted" if unknown else "")
-
-
-def _duration(seconds: float) -> str:
-    minutes = round(seconds / 60)
-    return (f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min" if minutes
-            else f"{seconds:.0f} s")
-
-
 class Running:
     """The cells' processes running now. Each has a session of its own (so a cell over its time is
     stopped with every rank it started), which also keeps a terminal's Ctrl-C from reaching it: the
@@ -469,37 +300,6 @@ def kill_session(proc: subprocess.Popen) -> None:
         except ProcessLookupError:  # its session is gone already
             pass
     proc.wait(timeout=60)
-
-
-def resume_step(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
-    """The checkpoint step an unfinished cell goes on from, where it was started with the grid's
-    settings: a simulated cell's checkpoint (simulated_checkpoint), or for the deepspeed backend the
-    newest one complete for every client in its train/ (deca-train's --checkpoint-interval; files
-    checked by size here, deca-train --resume checks their sha256 as well and goes back to an older
-    step where one fails). None: the cell starts afresh."""
-    from ..runtime.checkpoint import complete_steps
-
-    train = d / "train"
-    ran = (d if grid.backend == "simulate" else train) / RUN_CONFIG
-    if not ran.is_file() or settings_changed(saved_settings(d), cell_settings(grid, cell, base)):
-        return None
-    if grid.backend == "simulate":
-        return simulated_checkpoint(d)
-    common = set.intersection(*(set(complete_steps(train, c, cell.ranks_per_client, hashes=False))
-                                for c in range(cell.clients)))
-    return max(common, default=None)
-
-
-def simulated_checkpoint(d: Path) -> int | None:
-    """The step of a simulated cell's checkpoint, None without a whole one of this code's (RNG):
-    checkpoint.json, written after checkpoint.pt and removed before it is replaced, must give
-    checkpoint.pt's size."""
-    try:
-        meta = read_json(d / CHECKPOINT_META)
-        whole = (d / CHECKPOINT).stat().st_size == meta["bytes"] and meta.get("rng") == RNG
-        return int(meta["step"]) if whole else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _prepare(grid: Grid, cell: Cell, d: Path, base: str | None) -> int | None:
@@ -573,50 +373,3 @@ def _deepspeed_command(grid: Grid, cell: Cell, d: Path, launch: Launch, *, resum
             "--no-export", "--resume" if resume else "--overwrite", *launch.train_args]
 
 
-def collect_deepspeed(d: Path, *, wall_s: float) -> None:
-    """deca-train's outputs (train/) as the cell's files: mean loss over clients per step, the step's
-    lr and the mean consensus distance, the run config and the consensus model's metrics."""
-    from ..runtime.metrics import read_client_metrics
-
-    train = d / "train"
-    config = read_json(train / RUN_CONFIG)
-    records = [read_client_metrics(train, c) for c in range(config["n_clients"])]
-    lines = []
-    for step_records in zip(*records):
-        first = step_records[0]
-        rec = {k: first[k] for k in ("step", "round", "block", "r")}
-        rec["loss"] = sum(r["loss"] for r in step_records) / len(step_records)
-        if "lr" in first:  # the step's, every client's alike (deca-train logs it since b11fff9)
-            rec["lr"] = first["lr"]
-        if "consensus_distance" in first:
-            rec["consensus_distance"] = sum(r["consensus_distance"] for r in step_records) / len(step_records)
-        if "nonfinite_skipped" in first:  # skip_nonfinite: steps every client skipped so far
-            rec["nonfinite_skipped"] = first["nonfinite_skipped"]
-        lines.append(json.dumps(rec, allow_nan=False) + "\n")
-    write_text(d / METRICS, "".join(lines))
-    write_json(d / RUN_CONFIG, config)
-    summary = read_json(train / "summary.json")
-    evaluation = summary["consensus_eval"]
-    if "consensus_answers" in summary:  # a generation cell: its answers beside a simulated cell's
-        shutil.copytree(train / ANSWERS, d / ANSWERS, dirs_exist_ok=True)
-        evaluation = {"answered": summary["consensus_answers"]}
-    finish(d, evaluation, wall_s=wall_s,
-           final_distance=sum(summary["final_consensus_distance"]) / len(summary["final_consensus_distance"]))
-
-
-def finish(d: Path, evaluation: dict, *, wall_s: float, final_distance: float) -> dict:
-    """final.json from the cell's metrics and the consensus model's evaluation. A resumed deepspeed
-    cell's wall_s is that of its last attempt (a simulated one's, of every attempt's steps up to its
-    checkpoint), and `resumed_from` names the checkpoint steps it went on from."""
-    records = [json.loads(line) for line in (d / METRICS).read_text().splitlines() if line]
-    loss_start, loss_end = loss_ends([r["loss"] for r in records])
-    final = {**evaluation, "loss_start": loss_start, "loss_end": loss_end, "steps": len(records),
-             "final_consensus_distance": final_distance, "wall_s": wall_s}
-    skipped = records[-1].get("nonfinite_skipped") if records else None
-    if skipped:  # skip_nonfinite: the steps taken again on other batches
-        final["nonfinite_skipped"] = skipped
-    resumed = read_json(d / CELL).get("resumed_from")
-    if resumed:
-        final["resumed_from"] = resumed
-    write_json(d / FINAL, final)
-    return final

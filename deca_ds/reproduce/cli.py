@@ -12,20 +12,8 @@ from typing import Callable
 
 from ..reporting import invocation, pin_cpu_kernels
 from ..runtime.fetch import fetch_hub
-from .cells import (
-    base_state,
-    base_weights,
-    check_finished,
-    finished_rates,
-    holder,
-    is_finished,
-    pretrain_base,
-    resume_step,
-    run_grid,
-    seconds_per_step,
-    steps_done,
-    time_left,
-)
+from .cell_dir import base_weights, is_finished, resume_step, seconds_per_step, steps_done
+from .cells import base_state, check_finished, holder, pretrain_base, run_grid
 from .compare import compare_cells
 from .figures import write_figures
 from .footprint import estimate_cells
@@ -35,6 +23,7 @@ from .paper import published_cells
 from .placement import Placement, placement
 from .pretrain import kernels_note
 from .report import check_results_dir, recorded_results, write_report
+from .time_left import finished_rates, time_left
 
 
 def parser() -> argparse.ArgumentParser:
@@ -94,7 +83,7 @@ def list_cells(grid: Grid, select: Callable[[Cell], bool], todo: list[Cell], don
                base: str | None, place: Placement, *, log: Callable[[str], object]) -> None:
     """--dry-run: the base model's state, then each cell's budget, tables and state (finished, running
     where and how far, to run from a checkpoint or afresh), what a run would do and, where cells have
-    finished, about how long the rest take at their seconds a step (cells.time_left)."""
+    finished, about how long the rest take at their seconds a step (time_left.time_left)."""
     if base:
         log(f"model {grid.pretrain.output_dir}: {base}" + (f" ({grid.pretrain.steps} steps, before the first "
                                                             "cell)" if base == "to pretrain" else ""))

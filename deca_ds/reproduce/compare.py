@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .cells import BASE, saved_settings
+from .cell_dir import BASE, saved_settings
 from .grid import Cell, Grid
 from .report import finished_results
 

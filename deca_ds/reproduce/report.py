@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import reporting
 from ..files import write_text
 from . import paper
-from .cells import BASE, FINAL, METRICS, RUN_CONFIG, read_json, saved_settings
+from .cell_dir import BASE, FINAL, METRICS, RUN_CONFIG, read_json, saved_settings
 from .generation import judged
 from .grid import METHODS, NOT_RESULT, Cell, Grid, GridError
 from .paired import (

@@ -35,7 +35,7 @@ from ..runtime.task import build_task
 from ..runtime.trainer import build_model
 from ..simulate import simulate
 from ..topology import make_topology
-from .cells import (
+from .cell_dir import (
     CELL,
     CHECKPOINT,
     CHECKPOINT_META,
