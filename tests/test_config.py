@@ -586,6 +586,33 @@ def test_an_option_the_method_does_not_read_is_refused():
                     RunOptions(method=method, **{name: value})
 
 
+def test_the_random_graphs_options_with_another_graph_are_refused():
+    """--er-p and --topology-seed draw the Erdős–Rényi graph's edges and nothing else's: every other
+    graph is the same whatever they say (so RANDOM_GRAPH is what the graphs read), and a run of one
+    with either set is refused before it starts, naming both."""
+    import numpy as np
+
+    from deca_ds.topology import TOPOLOGIES, make_topology
+
+    assert options_module.RANDOM_GRAPH == ("er_p", "topology_seed")
+    assert not np.array_equal(make_topology("erdos_renyi", 8, p=0.3).W, make_topology("erdos_renyi", 8).W)
+    assert not np.array_equal(make_topology("erdos_renyi", 8, seed=5).W, make_topology("erdos_renyi", 8).W)
+    for topology in (t for t in TOPOLOGIES if t != "erdos_renyi"):
+        assert np.array_equal(make_topology(topology, 8, p=0.3, seed=5).W, make_topology(topology, 8).W), topology
+        with pytest.raises(ValueError, match=f"--topology {topology} does not read --er-p \\(read by --topology "
+                                             "erdos_renyi only\\), --topology-seed \\(.*\\): leave them at their "
+                                             "defaults \\(in a grid, they go to its erdos_renyi cells only\\)"):
+            RunOptions(topology=topology, er_p=0.3, topology_seed=5)
+        RunOptions(topology=topology)
+    RunOptions(er_p=0.3, topology_seed=5)  # the default graph, Erdős–Rényi's
+    # with a method's refusal, the grid's hint is the method's
+    with pytest.raises(ValueError, match=r"--method dadam does not read --variant .*; --topology ring does not read "
+                                         r"--er-p .*: leave them at their defaults \(in a grid, under method_options"):
+        RunOptions(method="dadam", variant="no_bma", topology="ring", er_p=0.3)
+    # a run recorded before they were refused is read without them (deca-eval, deca-export)
+    assert options_module.read_options({"topology": "ring", "er_p": 0.3, "lr": 0.5}) == {"topology": "ring", "lr": 0.5}
+
+
 def test_an_option_the_task_or_split_does_not_read_is_refused():
     """What names a user's data, beside the built-in synthetic task (`--data-files train=mine.jsonl`
     without `--dataset files` trained on the synthetic task), and the Dirichlet split's settings

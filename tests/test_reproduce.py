@@ -335,6 +335,10 @@ def test_smooth_is_a_trailing_mean():
     ({"tasks": {"synthetic": {"max_seq_len": 1.5}}}, r"tasks.synthetic: max_seq_len: expected an integer, got 1.5"),
     ({"options": {"model": "tiny", "clients": 3, "dirichlet_alpha": 0}}, r"dirichlet_alpha must be > 0"),
     ({"options": {"model": "tiny"}}, r"clients must be integers >= 1, got \[None\]"),
+    # no erdos_renyi cell to take it: every cell would have been a ring whatever er_p said
+    ({"options": {"model": "tiny", "clients": 3, "topology": "ring", "er_p": 0.3}},
+     r"cell synthetic/ring-n3-lpb2/deca/seed0: --topology ring does not read --er-p \(read by --topology erdos_renyi "
+     r"only\): leave it at its default \(in a grid, they go to its erdos_renyi cells only\)"),
     ({"seeds": []}, r"seeds is empty"),
     ({"seeds": [0, "a"]}, r"seeds must be integers >= 0, got \['a'\]"),
     # numpy's generators take no negative seed: the cell failed at its start with "expected non-negative integer"
@@ -425,6 +429,20 @@ def test_a_presets_clipping_and_schedule_are_a_cells_settings(tmp_path):
     with pytest.raises(GridError, match=r"ds_config: .*scheduler .*unexpected keyword argument 'warmup_steps'"):
         build_grid(tiny_grid("tiny", backend="simulate", ds_config=str(path)), runs_dir=runs)
     assert not runs.exists()
+
+
+def test_a_topology_sweep_gives_the_graph_options_to_its_erdos_renyi_cells(tmp_path):
+    """er_p and topology_seed in a grid's options reach its erdos_renyi cells only (deca-train refuses
+    them with another graph), so the ring cells are the ring a grid without them runs."""
+    sweeps = [{"table": "topology", "topology": ["ring", "erdos_renyi"], "methods": ["deca"], "seeds": [0]}]
+    grid = tiny_grid("tiny", sweeps=sweeps)
+    grid["options"].update(er_p=0.3, topology_seed=5)
+    cells = {c.topology: c for c in build_grid(grid, runs_dir=tmp_path).cells}
+    assert (cells["erdos_renyi"].options["er_p"], cells["erdos_renyi"].options["topology_seed"]) == (0.3, 5)
+    assert (cells["ring"].options["er_p"], cells["ring"].options["topology_seed"]) == (0.5, 0)  # the defaults
+    plain = tiny_grid("tiny", sweeps=sweeps)
+    assert [c.options for c in build_grid(plain, runs_dir=tmp_path).cells if c.topology == "ring"] == [
+        cells["ring"].options]
 
 
 def test_a_client_of_several_ranks_is_refused_on_the_simulate_backend(tmp_path):

@@ -37,7 +37,7 @@ import yaml
 from ..mapping_files import load_yaml, repeated
 from ..models import TINY_LLAMA
 from ..reporting import CPU_KERNELS
-from ..runtime.options import TRAINS, RunOptions, option_defaults
+from ..runtime.options import RANDOM_GRAPH, TRAINS, RunOptions, option_defaults
 from ..runtime.parsing import convert_options
 from ..runtime.presets import STEP_KEYS, load_ds_config, shipped_file, shipped_names
 from ..runtime.task import DATASETS, task_kind
@@ -371,9 +371,11 @@ def build_grid(data: dict, *, runs_dir=None, results_dir=None, jobs=None, client
     sweeps = [_sweep(raw, f"{where}: sweeps[{i}]", tasks, methods, seeds, axis_defaults)
               for i, raw in enumerate(data.get("sweeps") or [{"table": "main"}])]
     runs = Path(runs_dir or data.get("runs_dir") or f"runs/{grid_name}").expanduser()
+    # a grid with erdos_renyi cells gives them its graph options (er_p, topology_seed); its other cells do not read them
+    random_graph = any("erdos_renyi" in s.topology for s in sweeps)
     cells = _expand(sweeps, lambda task, method, topo, n, lpb, seed, betas: _cell(
         task, method, topo, n, lpb, seed, preset, on_steps, base, tasks[task], method_options.get(method) or {}, runs,
-        where, betas))
+        where, betas, random_graph=random_graph))
     pretrain = _pretrain(data.get("pretrain"), cells, where)
     generation, generation_tasks = _generation(data.get("generation"), cells, where)
     # a generation cell's x̄ answers the question sets (deca-train --questions)
@@ -589,8 +591,10 @@ def _bma_betas(values, methods: tuple[str, ...], where: str) -> tuple[tuple[floa
 
 
 def _cell(task, method, topology, clients, lpb, seed, preset, on_steps, base, task_opts, method_opts, runs, where,
-          betas: tuple[float, float] | None = None) -> Cell:
+          betas: tuple[float, float] | None = None, *, random_graph: bool = False) -> Cell:
     options = {**preset, **base, **task_opts, **method_opts}
+    if random_graph and topology != "erdos_renyi":
+        options = {k: v for k, v in options.items() if k not in RANDOM_GRAPH}
     options.setdefault("dataset", task)
     options.update(method="deca" if method in VARIANT_OF else method, variant=VARIANT_OF.get(method, "deca"),
                    topology=topology, clients=int(clients), layers_per_block=int(lpb), seed=seed)

@@ -49,17 +49,23 @@ READ_BY = {"variant": ("deca",), "bma_betas": ("deca",), "block_order": ("deca",
 TASK_DATA = ("data_files", "text_column", "text_pair_column", "label_column", "label_names", "response_column",
              "chat_template")
 DIRICHLET = ("dirichlet_alpha", "partition_key")
+# And for the graph: only the random one draws its edges (`--er-p 0.3 --topology ring` was a ring)
+RANDOM_GRAPH = ("er_p", "topology_seed")
 
 
-def unread_by(method: str, dataset: str | None = None, iid: bool = False) -> dict[str, dict[str, str]]:
-    """The options a run of `method` on `dataset` (split IID or not) does not read, by what leaves
-    them unread ('--method dadam', '--dataset synthetic', '--iid'), each with who does read it."""
+def unread_by(method: str, dataset: str | None = None, iid: bool = False,
+              topology: str = "erdos_renyi") -> dict[str, dict[str, str]]:
+    """The options a run of `method` on `dataset` (split IID or not) over `topology` does not read,
+    by what leaves them unread ('--method dadam', '--dataset synthetic', '--iid', '--topology
+    ring'), each with who does read it."""
     groups = {f"--method {method}": {name: f"read by {'/'.join(methods)} only"
                                       for name, methods in READ_BY.items() if method not in methods}}
     if dataset == "synthetic":
         groups["--dataset synthetic"] = dict.fromkeys(TASK_DATA, "read by --dataset files and the hub tasks")
     if iid:
         groups["--iid"] = dict.fromkeys(DIRICHLET, "the Dirichlet split's, which --iid replaces")
+    if topology != "erdos_renyi":
+        groups[f"--topology {topology}"] = dict.fromkeys(RANDOM_GRAPH, "read by --topology erdos_renyi only")
     return groups
 
 
@@ -68,7 +74,7 @@ def unread_in(options: dict) -> set[str]:
     asdict(RunOptions); one left out takes its default): they change none of its results (a run
     saved before they were refused may hold another value)."""
     defaults = option_defaults()
-    groups = unread_by(*(options.get(k, defaults[k]) for k in ("method", "dataset", "iid")))
+    groups = unread_by(*(options.get(k, defaults[k]) for k in ("method", "dataset", "iid", "topology")))
     return {name for names in groups.values() for name in names}
 
 
@@ -307,17 +313,19 @@ class RunOptions:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         self.adam_betas, self.bma_betas = tuple(self.adam_betas), tuple(self.bma_betas)
         defaults = option_defaults()
-        ignored, given = [], 0
-        for who, names in unread_by(self.method, self.dataset, self.iid).items():
+        ignored, given = {}, 0
+        for who, names in unread_by(self.method, self.dataset, self.iid, self.topology).items():
             flags = [f"--{name.replace('_', '-')} ({reader})" for name, reader in names.items()
                      if getattr(self, name) != defaults[name]]
             if flags:
-                ignored.append(f"{who} does not read {', '.join(flags)}")
+                ignored[who] = f"{who} does not read {', '.join(flags)}"
                 given += len(flags)
         if ignored:
             leave = "it at its default" if given == 1 else "them at their defaults"
-            raise ValueError(f"{'; '.join(ignored)}: leave {leave} (in a grid, under method_options or the task's "
-                             "options)")
+            graph_only = all(who.startswith("--topology") for who in ignored)
+            where = ("in a grid, they go to its erdos_renyi cells only" if graph_only
+                     else "in a grid, under method_options or the task's options")
+            raise ValueError(f"{'; '.join(ignored.values())}: leave {leave} ({where})")
         if self.offload == "frozen":
             # Evaluating x̄ mid-run swaps every weight in and out on the device, which offloading
             # exists to avoid; offloading streams the decoder layers DECA's blocks freeze.
