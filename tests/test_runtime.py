@@ -517,6 +517,8 @@ BAD_INPUTS = {
     # which tensors decay, without a decay: it did nothing, silently
     "weight_decay_on_alone": (lambda t: ["--weight-decay-on", "matrices"],
                               r"--weight-decay-on needs --weight-decay \(it chooses the tensors that one decays\)"),
+    "keep_checkpoints_alone": (lambda t: ["--keep-checkpoints", "3"], r"--keep-checkpoints needs "
+                               r"--checkpoint-interval \(it prunes the checkpoints that one writes\)"),
     "gpu_memory_without_gpu": (lambda t: ["--gpu-memory-gb", "31"],
                                "--gpu-memory-gb 31 caps the CUDA allocator, but this rank runs on the CPU"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),

@@ -58,12 +58,12 @@ def test_clients_that_start_elsewhere_are_named():
 def test_a_site_with_other_options_is_refused_naming_them():
     """Result options, and those that decide when the ranks talk, must agree; paths, memory
     placement and what a site keeps need not."""
-    base = RunOptions(eval_interval=10)
+    base = RunOptions(eval_interval=10, checkpoint_interval=5)
     mine = shared_options(base, {"gradient_clipping": 0.0, "steps_per_print": 10})
-    site = RunOptions(eval_interval=10, output_dir="/elsewhere/run", model="tiny", token_cache="none", timeout=60,
-                      keep_checkpoints=1, save_clients=True)
+    site = RunOptions(eval_interval=10, checkpoint_interval=5, output_dir="/elsewhere/run", model="tiny",
+                      token_cache="none", timeout=60, keep_checkpoints=1, save_clients=True)
     assert shared_options(site, {"gradient_clipping": 0.0, "steps_per_print": 99}) == mine
-    theirs = shared_options(RunOptions(eval_interval=0, lr=1e-3), {"gradient_clipping": 1.0})
+    theirs = shared_options(RunOptions(eval_interval=0, checkpoint_interval=5, lr=1e-3), {"gradient_clipping": 1.0})
     fingerprint = {"weights": "w", "tokenizer": "t"}
     with pytest.raises(ValueError) as refused:
         compare_starts([{**fingerprint, "options": mine}] * 2 + [{**fingerprint, "options": theirs}], 1)

@@ -82,7 +82,8 @@ def unread_in(options: dict) -> set[str]:
 NEEDS = {"trace_start": ("trace_steps", "it is the first of the steps that one traces"),
          "eval_clients": ("eval_interval", "it scores each client at the steps that one scores x̄ at"),
          "max_new_tokens": ("questions", "it bounds the answers to that one's question sets"),
-         "weight_decay_on": ("weight_decay", "it chooses the tensors that one decays")}
+         "weight_decay_on": ("weight_decay", "it chooses the tensors that one decays"),
+         "keep_checkpoints": ("checkpoint_interval", "it prunes the checkpoints that one writes")}
 
 
 def read_options(saved: dict) -> dict:
