@@ -192,8 +192,8 @@ class RunOptions:
     gpu_memory_gb: float = _opt(0.0, "cap this rank's CUDA allocator at this many GB: run as on a smaller card, "
                                 "e.g. 33 for an RTX 5090 (see docs/memory.md; 0 = off)")
     topology: str = _opt("erdos_renyi", "communication graph", choices=(*TOPOLOGIES, "file"))
-    er_p: float = _opt(0.5, "Erdős–Rényi edge probability")
-    topology_seed: int = _opt(0, "seed of random graphs")
+    er_p: float = _opt(0.5, "Erdős–Rényi edge probability (--topology erdos_renyi only)")
+    topology_seed: int = _opt(0, "seed of the Erdős–Rényi graph (--topology erdos_renyi only)")
     weights: str = _opt("metropolis_hastings", "mixing weights", choices=WEIGHT_SCHEMES)
     matrix_file: str | None = _opt(None, "mixing matrix file (.json, .csv, .npy) for --topology file",
                                      path=PATH)
@@ -259,7 +259,7 @@ class RunOptions:
     eval_interval: int = _opt(0, "steps between evaluations of the consensus model x̄ (0 = at the end only)")
     eval_clients: bool = _opt(False, "at those steps also evaluate each client's own model")
     checkpoint_interval: int = _opt(0, "steps between checkpoints, and one at the last step (0 = none)")
-    keep_checkpoints: int = _opt(2, "complete checkpoints kept")
+    keep_checkpoints: int = _opt(2, "complete checkpoints kept (with --checkpoint-interval)")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --output-dir")
     export: bool = _opt(True, "write the consensus model at the end (--no-export: evaluate it in memory only, "
                         "as the profiling tools do)")
