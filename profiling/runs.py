@@ -68,7 +68,7 @@ def stop(procs: list) -> None:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+            p.wait(timeout=60)  # reaped at once once SIGKILLed; bounded as every wait is
 
 
 def train(args: list[str], ranks: int, out: Path, timeout: float, what: str) -> Path:
