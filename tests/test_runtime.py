@@ -519,6 +519,12 @@ BAD_INPUTS = {
                               r"--weight-decay-on needs --weight-decay \(it chooses the tensors that one decays\)"),
     "keep_checkpoints_alone": (lambda t: ["--keep-checkpoints", "3"], r"--keep-checkpoints needs "
                                r"--checkpoint-interval \(it prunes the checkpoints that one writes\)"),
+    # without checkpoints every requeue would start the run over
+    "auto_resume_alone": (lambda t: ["--auto-resume"], r"--auto-resume needs --checkpoint-interval \(it resumes "
+                          r"from the checkpoints that one writes\)"),
+    "auto_resume_and_overwrite": (lambda t: ["--auto-resume", "--checkpoint-interval", "2", "--overwrite"],
+                                  "--auto-resume chooses between continuing the run and starting it: leave out "
+                                  "--overwrite"),
     "gpu_memory_without_gpu": (lambda t: ["--gpu-memory-gb", "31"],
                                "--gpu-memory-gb 31 caps the CUDA allocator, but this rank runs on the CPU"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),

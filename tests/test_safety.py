@@ -53,6 +53,9 @@ def test_a_directory_without_a_run_is_refused_and_left_alone(user_dir, capsys):
     # --overwrite does not make its metrics/ the run's: it is named and kept
     err = refused([*TINY, "--output-dir", str(user_dir), "--overwrite"], capsys)
     assert "holds no deca-ds run but has metrics" in err, err
+    # a requeueable job's first start, too
+    err = refused([*TINY, "--output-dir", str(user_dir), "--auto-resume", "--checkpoint-interval", "4"], capsys)
+    assert "is not empty and holds no deca-ds run" in err, err
     assert snapshot(user_dir) == before
 
 
@@ -327,6 +330,58 @@ def test_resume_refuses_when_no_step_verifies_everywhere(tmp_path):
     with pytest.raises(ValueError, match=r"the run wrote no checkpoint \(--checkpoint-interval N .*--overwrite"):
         checkpoint.choose_resume_step([[], []], [{}, {}], 1)
 
+
+
+def test_auto_resume_starts_resumes_or_refuses_as_the_nodes_hold_the_run(tmp_path):
+    def choose(holds, hosts, complete, problems, ranks_per_client=1):
+        return checkpoint.choose_auto_start(holds, hosts, complete, problems, ranks_per_client, root=tmp_path)
+
+    assert choose([False, False], ["a", "b"], [[], []], [{}, {}]) == (None, [])  # the first start
+    # killed before its first checkpoint: nothing a step made is there to keep
+    assert choose([True, True], ["a", "b"], [[], []], [{}, {}]) == (
+        None, [f"the run in {tmp_path} wrote no checkpoint yet: starting it from step 0"])
+    start, lines = choose([True] * 4, list("aabb"), [[3, 6], [3, 6], [3], [3]], [{}] * 4, 2)  # as --resume
+    assert start == 3 and lines[0] == "skipped checkpoint step 6 (client 1: not written)", lines
+    # requeued onto a node without its files: starting over would replace client 0's checkpoints
+    with pytest.raises(ValueError, match=r"holds the run on some nodes but not for client 1 \(node7\): .*--overwrite"):
+        choose([True, True, False, False], ["node3", "node3", "node7", "node7"], [[3], [3], [], []], [{}] * 4, 2)
+    # a checkpoint some client did not finish is kept, as --resume keeps it
+    with pytest.raises(ValueError, match=r"no checkpoint is complete for every client \(client 1: step 3: bad\)"):
+        choose([True, True], ["a", "a"], [[3], []], [{}, {3: "bad"}])
+
+
+def test_auto_resume_is_one_command_for_the_first_start_and_every_requeue(tmp_path):
+    """The same command each time: it starts the run (in a directory a run killed in its set-up left),
+    starts it again from step 0 when it was killed before its first checkpoint, and resumes it from
+    its checkpoint after that; the run ends with the same x̄ and metrics every time."""
+    from helpers import assert_only_run_outputs
+    from ranks import start_rank
+    from test_runtime import ROOT, unlaunched_env
+
+    out = tmp_path / "run"
+    outputs.claim(out, resume=False)  # what a run killed before its run_config.json leaves
+    args = [*TINY, "--checkpoint-interval", "4", "--auto-resume", "--output-dir", str(out)]
+    for name in ("first", "requeued", "requeued again"):
+        rank = start_rank(args, unlaunched_env(), ROOT, tmp_path / f"{name}.out", tmp_path / f"{name}.err")
+        assert wait_all([rank], timeout=300) == [0], (tmp_path / f"{name}.err").read_text()[-3000:]
+        said = (tmp_path / f"{name}.out").read_text()
+        metrics = (out / "metrics" / "client_000.jsonl").read_text()
+        if name == "first":
+            assert "resumed from" not in said and "--auto-resume:" not in said, said
+            assert "accuracy before training" in said, said
+            before = snapshot(out / "consensus"), metrics
+            shutil.rmtree(out / "checkpoints")  # as if killed before its first checkpoint
+            continue
+        steps = len(before[1].splitlines())
+        if name == "requeued":
+            assert f"--auto-resume: the run in {out} wrote no checkpoint yet: starting it from step 0" in said, said
+            assert "resumes" not in json.loads((out / "run_config.json").read_text())
+        else:
+            assert f"resumed from step {steps} of {steps}" in said, said
+            assert len(json.loads((out / "run_config.json").read_text())["resumes"]) == 1
+        assert snapshot(out / "consensus") == before[0]
+        assert len(metrics.splitlines()) == steps
+        assert_only_run_outputs(out)
 
 # ---- 4. --resume refuses a different run, accepts and records harmless changes -------------------
 

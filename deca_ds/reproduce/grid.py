@@ -225,6 +225,9 @@ def _options(where: str, values) -> dict:
     fixed = sorted(set(values) & set(CELL_KEYS) - set(AXES))
     if fixed:
         raise GridError(f"{where}: {fixed} are set per cell by the grid (methods, seeds, runs_dir), not as options")
+    own = sorted(set(values) & {"resume", "overwrite", "auto_resume"})
+    if own:
+        raise GridError(f"{where}: {own} are the grid's: it resumes a cell's run, or starts it over, itself")
     answering = sorted(set(values) & {"questions", "max_new_tokens"})
     if answering:
         raise GridError(f"{where}: {answering} are the `generation` section's (questions, max_new_tokens), not options")

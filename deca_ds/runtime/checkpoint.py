@@ -133,22 +133,40 @@ def choose_resume_step(complete: list[list[int]], problems: list[dict[int, str]]
     return start, skipped
 
 
+def choose_auto_start(holds: list[bool], hosts: list[str], complete: list[list[int]], problems: list[dict[int, str]],
+                      ranks_per_client: int, *, root: Path) -> tuple[int | None, list[str]]:
+    """--auto-resume, from whether each rank's node holds the run and its verified steps and reasons:
+    None to start the run (no node holds it, or it wrote no checkpoint yet), else choose_resume_step's
+    step. Refused where only some nodes hold it: starting over would replace their checkpoints."""
+    if not any(holds):
+        return None, []
+    if not all(holds):
+        missing = sorted({f"client {r // ranks_per_client} ({hosts[r]})" for r, held in enumerate(holds) if not held})
+        raise ValueError(f"--auto-resume: {root} holds the run on some nodes but not for {', '.join(missing)}: "
+                         "give those nodes its files (a job requeued onto other nodes finds none), or start it "
+                         "afresh with --overwrite")
+    if not any(complete) and not any(problems):
+        return None, [f"the run in {root} wrote no checkpoint yet: starting it from step 0"]
+    return choose_resume_step(complete, problems, ranks_per_client)
+
+
 def complete_steps(root: Path, client: int, ranks_per_client: int, *, hashes: bool = True) -> list[int]:
     """Checkpoint steps whose every file of `client` verifies, ascending."""
     return scan_steps(root, client, ranks_per_client, hashes=hashes)[0]
 
 
-def resume_note(root: Path, client: int, ranks_per_client: int, interval: int) -> str:
-    """Where the same command with --resume would go on from, as far as `client` can tell now: its
-    newest step whose files have the sizes their manifests give (--resume then also checks their
-    sha256, and takes the newest step every client completed)."""
+def resume_note(root: Path, client: int, ranks_per_client: int, interval: int, *, auto: bool = False) -> str:
+    """Where the same command with --resume (`auto`: the same command, which has --auto-resume) would
+    go on from, as far as `client` can tell now: its newest step whose files have the sizes their
+    manifests give (a resume then also checks their sha256, and takes the newest step every client
+    completed)."""
     if not interval:
         return "it wrote no checkpoints (--checkpoint-interval 0): a run of it starts from the beginning"
     steps = complete_steps(root, client, ranks_per_client, hashes=False)
     if not steps:
         return f"no checkpoint was complete yet (one every {interval} steps): a run of it starts from the beginning"
     return (f"client {client}'s newest checkpoint is step {steps[-1]} ({step_dir(root, steps[-1])}): the same "
-            "command with --resume goes on from the newest step every client completed")
+            f"command{'' if auto else ' with --resume'} goes on from the newest step every client completed")
 
 
 def load_client(root: Path, step: int, client: int, local_rank: int, model: torch.nn.Module,

@@ -83,7 +83,8 @@ NEEDS = {"trace_start": ("trace_steps", "it is the first of the steps that one t
          "eval_clients": ("eval_interval", "it scores each client at the steps that one scores x̄ at"),
          "max_new_tokens": ("questions", "it bounds the answers to that one's question sets"),
          "weight_decay_on": ("weight_decay", "it chooses the tensors that one decays"),
-         "keep_checkpoints": ("checkpoint_interval", "it prunes the checkpoints that one writes")}
+         "keep_checkpoints": ("checkpoint_interval", "it prunes the checkpoints that one writes"),
+         "auto_resume": ("checkpoint_interval", "it resumes from the checkpoints that one writes")}
 
 
 def read_options(saved: dict) -> dict:
@@ -261,6 +262,8 @@ class RunOptions:
     checkpoint_interval: int = _opt(0, "steps between checkpoints, and one at the last step (0 = none)")
     keep_checkpoints: int = _opt(2, "complete checkpoints kept (with --checkpoint-interval)")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --output-dir")
+    auto_resume: bool = _opt(False, "continue the run in --output-dir if it holds one, else start it: one command "
+                             "for a job's first start and every requeue (docs/outputs.md)")
     export: bool = _opt(True, "write the consensus model at the end (--no-export: evaluate it in memory only, "
                         "as the profiling tools do)")
     save_clients: bool = _opt(False, "also export every client's model")
@@ -341,6 +344,10 @@ class RunOptions:
                 raise ValueError("--offload-budget chooses --offload-keep: give one of them")
         elif self.offload_keep or self.offload_budget:
             raise ValueError(f"--offload-{'keep' if self.offload_keep else 'budget'} needs --offload frozen")
+        if self.auto_resume and (self.resume or self.overwrite):
+            raise ValueError(f"--auto-resume chooses between continuing the run and starting it: leave out "
+                             f"--{'resume' if self.resume else 'overwrite'} (or give --no-auto-resume where a run "
+                             "file sets it)")
         for name, (needed, why) in NEEDS.items():
             if getattr(self, name) != defaults[name] and not getattr(self, needed):
                 raise ValueError(f"--{name.replace('_', '-')} needs --{needed.replace('_', '-')} ({why})")
@@ -473,10 +480,10 @@ def option_groups() -> list[tuple[str, list[dataclasses.Field]]]:
 # accepts a change to these and records it; a change to any other option is refused. Where the
 # frozen layers live and where the token cache is are memory and disk placement: an offloaded run
 # equals the resident one bit for bit (tests/test_runtime.py), so a resume may move to another card.
-NOT_RESULT = frozenset({"output_dir", "overwrite", "resume", "timeout", "consensus_interval", "eval_interval",
-                        "eval_clients", "eval_limit", "checkpoint_interval", "keep_checkpoints", "export",
-                        "save_clients", "tensorboard", "trace_steps", "trace_start", "phase_timing", "offload",
-                        "offload_keep", "offload_budget", "token_cache", "device_map", "gpu_memory_gb"})
+NOT_RESULT = frozenset({"output_dir", "overwrite", "resume", "auto_resume", "timeout", "consensus_interval",
+                        "eval_interval", "eval_clients", "eval_limit", "checkpoint_interval", "keep_checkpoints",
+                        "export", "save_clients", "tensorboard", "trace_steps", "trace_start", "phase_timing",
+                        "offload", "offload_keep", "offload_budget", "token_cache", "device_map", "gpu_memory_gb"})
 # DeepSpeed keys that only change logging
 NOT_RESULT_DS = frozenset({"steps_per_print", "wall_clock_breakdown"})
 # Options each site of a run may set for itself (deca_ds.runtime.same_start compares the rest

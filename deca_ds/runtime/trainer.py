@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -116,21 +117,24 @@ def upcoming_shards(stream: ClientStream, layout: ClientLayout, n: int) -> list[
     return shards
 
 
-def check_output_dir(opts: RunOptions, ds_config: dict, task: Task) -> tuple[Path, dict[str, list]]:
-    """The output directory, refused if the run may not write there; resuming, the options changed
-    since the saved run (refused if they change the result, as is other training data)."""
+def check_output_dir(opts: RunOptions, ds_config: dict, task: Task) -> tuple[Path, dict[str, list] | None]:
+    """The output directory, refused if the run may not write there, and whether this node resumes
+    the run in it: None to start, else the options changed since the saved run (refused if they change
+    the result, as is other training data). --auto-resume resumes where the directory holds a run."""
     out = Path(opts.output_dir)
-    outputs.check_output_dir(out, resume=opts.resume, overwrite=opts.overwrite)
-    changes = {}
-    if opts.resume:
-        try:
-            saved = json.loads((out / "run_config.json").read_text())
-        except ValueError as e:
-            raise ValueError(f"--resume: {out / 'run_config.json'} is not valid JSON: {e}") from None
-        defaults = asdict(RunOptions())
-        changes = outputs.resume_changes(saved, asdict(opts), ds_config, int(os.environ.get("WORLD_SIZE", "1")),
-                                         defaults)
-        outputs.check_same_data(saved, task.data_fingerprints)
+    resume = opts.resume or (opts.auto_resume and (out / "run_config.json").is_file())
+    # --auto-resume finding a run with no run_config.json: one killed in its set-up, before any step
+    outputs.check_output_dir(out, resume=resume, overwrite=opts.overwrite or (opts.auto_resume and outputs.is_run(out)))
+    if not resume:
+        return out, None
+    try:
+        saved = json.loads((out / "run_config.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"--resume: {out / 'run_config.json'} is not valid JSON: {e}") from None
+    defaults = asdict(RunOptions())
+    changes = outputs.resume_changes(saved, asdict(opts), ds_config, int(os.environ.get("WORLD_SIZE", "1")),
+                                     defaults)
+    outputs.check_same_data(saved, task.data_fingerprints)
     return out, changes
 
 
@@ -152,16 +156,19 @@ class Laps:
                 + ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items()))
 
 
-def _resume_step(root: Path, layout: ClientLayout) -> int:
-    """The newest step every client's checkpoint verifies for; each skipped newer step is named with why."""
-    mine, problems = ckpt.scan_steps(root, layout.client, layout.ranks_per_client)
+def _resume_step(root: Path, layout: ClientLayout, resume: bool, auto: bool) -> int | None:
+    """The newest step every client's checkpoint verifies for, each skipped newer step named with
+    why; None to start the run (--auto-resume where no node holds it, or it wrote no checkpoint yet).
+    `resume`: whether this node holds the run to resume."""
+    mine, problems = ckpt.scan_steps(root, layout.client, layout.ranks_per_client) if resume else ([], {})
     everyone = [None] * layout.world_size
-    dist.all_gather_object(everyone, (mine, problems))
-    start, skipped = ckpt.choose_resume_step([steps for steps, _ in everyone], [why for _, why in everyone],
-                                             layout.ranks_per_client)
+    dist.all_gather_object(everyone, (resume, socket.gethostname(), mine, problems))
+    holds, hosts, steps, why = (list(column) for column in zip(*everyone))
+    choose = partial(ckpt.choose_auto_start, holds, hosts, root=root) if auto else ckpt.choose_resume_step
+    start, lines = choose(steps, why, layout.ranks_per_client)
     if layout.rank == 0:
-        for line in skipped:
-            print(f"--resume: {line}", flush=True)
+        for line in lines:
+            print(f"--{'auto-' if auto else ''}resume: {line}", flush=True)
     return start
 
 
@@ -234,7 +241,7 @@ class Plan:
     method: Method
     trainable: int
     out: Path
-    resume_changes: dict[str, list]
+    resume_changes: dict[str, list] | None  # None: this node holds no run to resume (check_output_dir)
     laps: Laps  # the set-up's phases so far
 
 
@@ -320,10 +327,14 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     placement = {**plan.placement, "host_staging": mixer.staging is not None}
     laps("process group")
     start, state = 0, None
-    if opts.resume:  # the weights go into the model where it is now (host memory unless drawn on the device)
-        start = _resume_step(out, layout)
+    resume = plan.resume_changes is not None
+    if resume or opts.auto_resume:  # every rank, so that they agree
+        start = _resume_step(out, layout, resume, opts.auto_resume)
+        resume = start is not None
+    if resume:  # the weights go into the model where it is now (host memory unless drawn on the device)
         state = ckpt.load_client(out, start, layout.client, layout.local_rank, model, device)
         laps("checkpoint")
+    start = start or 0
     # Offloaded layers go to pinned host memory before the model moves, so the device never holds
     # them all; the first block the optimizer activates is made resident first.
     offload = FrozenLayerOffload(model, partition, device, mode=opts.offload, keep=opts.offload_keep,
@@ -340,7 +351,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     # forward and that state are never on the device together (the setup peak stays below training's).
     # Client 0's first record keeps it, so a resumed run's summary has it too.
     before = None
-    if rank == 0 and not opts.resume:
+    if rank == 0 and not resume:
         with frozen(model):
             before = task.evaluate(model, opts.eval_limit or None)
         if before:
@@ -362,7 +373,7 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     laps("optimizer and DeepSpeed")
     stream = task.stream(opts, layout.client)
 
-    if opts.resume:
+    if resume:
         if engine.lr_scheduler is not None:  # where the preset's schedule was, or it would start over
             lr_schedule.go_to(engine.lr_scheduler, start)
         optimizer.load_state_dict(state["optimizer"])
@@ -373,15 +384,15 @@ def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorByte
     if node_lead():
         # Every node's first rank, as nodes need not share a file system: the run_config.json
         # there is what --resume looks for on that node (same content everywhere, written atomically).
-        outputs.claim(out, resume=opts.resume)
-        if opts.resume:
+        outputs.claim(out, resume=resume)
+        if resume:
             outputs.record_resume(out, plan.resume_changes)
         else:
             write_run_config(out, opts, ds_config, plan.topology, partition, layout, task, plan.trainable, placement,
                              model.config._attn_implementation)
     if rank == 0:  # stopped by SIGTERM (a time limit, a scheduler): where a new run would go on from
         cleanup.set_resume(partial(ckpt.resume_note, out, layout.client, layout.ranks_per_client,
-                                   opts.checkpoint_interval))
+                                   opts.checkpoint_interval, auto=opts.auto_resume))
     dist.barrier()
     metrics = (MetricsWriter(out, layout.client, resume_step=start, tensorboard=opts.tensorboard)
                if layout.local_rank == 0 else None)
