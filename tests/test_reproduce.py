@@ -332,6 +332,7 @@ def test_smooth_is_a_trailing_mean():
     ({"options": {"model": "tiny", "seed": 3}}, r"\['seed'\] are set per cell by the grid"),
     # a cell's first start with resume set failed: it holds no run to continue
     ({"options": {"model": "tiny", "resume": True}}, r"options: \['resume'\] are the grid's: it resumes a cell's run"),
+    ({"options": {"model": "tiny", "time_limit": 60}}, r"options: time_limit stops a run before its end, and a grid's"),
     ({"speed": 3}, r"unknown key\(s\) \['speed'\]"),
     ({"options": {"model": "tiny", "lrr": 1}}, r"options: unknown option 'lrr' \(did you mean 'lr'\?\)"),
     ({"tasks": {"synthetic": {"max_seq_len": 1.5}}}, r"tasks.synthetic: max_seq_len: expected an integer, got 1.5"),

@@ -525,6 +525,7 @@ BAD_INPUTS = {
     "auto_resume_and_overwrite": (lambda t: ["--auto-resume", "--checkpoint-interval", "2", "--overwrite"],
                                   "--auto-resume chooses between continuing the run and starting it: leave out "
                                   "--overwrite"),
+    "negative_time_limit": (lambda t: ["--time-limit", "-5"], "time_limit must be >= 0, got -5.0"),
     "gpu_memory_without_gpu": (lambda t: ["--gpu-memory-gb", "31"],
                                "--gpu-memory-gb 31 caps the CUDA allocator, but this rank runs on the CPU"),
     "lora_targets": (lambda t: ["--method", "dec_lora", "--lora-targets", "no_such_proj"], "LoRA targets"),

@@ -383,6 +383,29 @@ def test_auto_resume_is_one_command_for_the_first_start_and_every_requeue(tmp_pa
         assert len(metrics.splitlines()) == steps
         assert_only_run_outputs(out)
 
+
+def test_a_run_stopped_by_its_time_limit_resumes_to_the_uninterrupted_ones_end(tmp_path):
+    """--time-limit stops every rank at the same step, each client's checkpoint written, nothing of
+    the end (x̄, summary) written; resumed, the run ends with the x̄ of one that went through."""
+    logs = tmp_path / "logs"
+    runs = {name: tmp_path / name for name in ("through", "stopped")}
+    for name, extra in (("through", []), ("stopped", ["--time-limit", "1e-6"]), ("resumed", ["--resume"])):
+        out = runs.get(name, runs["stopped"])
+        procs = start_ranks([*TINY, "--output-dir", str(out), *extra], 2, logs / name)
+        assert wait_all(procs, timeout=300) == [0, 0], (logs / name / "rank0.err").read_text()[-3000:]
+        said = (logs / name / "rank0.out").read_text()
+        if name == "stopped":  # one step takes longer than the limit
+            total = json.loads((runs["through"] / "summary.json").read_text())["steps"]
+            assert (f"--time-limit 1e-06 min: stopped after step 1 of {total}, its checkpoint written "
+                    f"({out / 'checkpoints' / 'step_00000001'}); the same command with --resume goes on") in said, said
+            assert [checkpoint.complete_steps(out, c, 1) for c in range(2)] == [[1], [1]]
+            logged = [(out / "metrics" / f"client_{c:03d}.jsonl").read_text().splitlines() for c in range(2)]
+            assert [len(lines) for lines in logged] == [1, 1]
+            assert not (out / "consensus").exists() and not (out / "summary.json").exists()
+    assert "resumed from step 1" in said, said
+    weights = [(runs[name] / "consensus" / "model.safetensors").read_bytes() for name in ("stopped", "through")]
+    assert weights[0] == weights[1]
+
 # ---- 4. --resume refuses a different run, accepts and records harmless changes -------------------
 
 def test_resume_refuses_every_change_that_alters_the_result(diverged, monkeypatch):

@@ -228,6 +228,9 @@ def _options(where: str, values) -> dict:
     own = sorted(set(values) & {"resume", "overwrite", "auto_resume"})
     if own:
         raise GridError(f"{where}: {own} are the grid's: it resumes a cell's run, or starts it over, itself")
+    if "time_limit" in values:
+        raise GridError(f"{where}: time_limit stops a run before its end, and a grid's cells run to theirs "
+                        "(cell_timeout_s bounds each)")
     answering = sorted(set(values) & {"questions", "max_new_tokens"})
     if answering:
         raise GridError(f"{where}: {answering} are the `generation` section's (questions, max_new_tokens), not options")

@@ -261,6 +261,8 @@ class RunOptions:
     eval_clients: bool = _opt(False, "at those steps also evaluate each client's own model")
     checkpoint_interval: int = _opt(0, "steps between checkpoints, and one at the last step (0 = none)")
     keep_checkpoints: int = _opt(2, "complete checkpoints kept (with --checkpoint-interval)")
+    time_limit: float = _opt(0.0, "minutes: stop, with a checkpoint, at the last step that ends before this long "
+                             "after the start (0 = none; docs/outputs.md)")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --output-dir")
     auto_resume: bool = _opt(False, "continue the run in --output-dir if it holds one, else start it: one command "
                              "for a job's first start and every requeue (docs/outputs.md)")
@@ -292,7 +294,7 @@ class RunOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_limit", "consensus_interval", "eval_interval", "checkpoint_interval", "offload_keep",
                      "offload_budget", "loss_chunk", "gpu_memory_gb", "trace_steps", "trace_start", "seed",
-                     "topology_seed"):
+                     "topology_seed", "time_limit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("micro_batch", "grad_accum", "clients", "steps"):
@@ -482,8 +484,9 @@ def option_groups() -> list[tuple[str, list[dataclasses.Field]]]:
 # equals the resident one bit for bit (tests/test_runtime.py), so a resume may move to another card.
 NOT_RESULT = frozenset({"output_dir", "overwrite", "resume", "auto_resume", "timeout", "consensus_interval",
                         "eval_interval", "eval_clients", "eval_limit", "checkpoint_interval", "keep_checkpoints",
-                        "export", "save_clients", "tensorboard", "trace_steps", "trace_start", "phase_timing",
-                        "offload", "offload_keep", "offload_budget", "token_cache", "device_map", "gpu_memory_gb"})
+                        "time_limit", "export", "save_clients", "tensorboard", "trace_steps", "trace_start",
+                        "phase_timing", "offload", "offload_keep", "offload_budget", "token_cache", "device_map",
+                        "gpu_memory_gb"})
 # DeepSpeed keys that only change logging
 NOT_RESULT_DS = frozenset({"steps_per_print", "wall_clock_breakdown"})
 # Options each site of a run may set for itself (deca_ds.runtime.same_start compares the rest

@@ -295,16 +295,18 @@ def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
 
 def train(opts: RunOptions, ds_config: dict) -> dict | None:
     """The whole run on this rank: the plan (nothing talks or writes before it is checked), the job
-    set up, its steps, then the consensus and the summary. Rank 0 holds the output directory
-    throughout (outputs.hold). A CPU rank counts its tensor memory from the start when asked
-    (DECA_COUNT_CPU_MEMORY=1, runtime.allocated)."""
+    set up, its steps, then the consensus and the summary (or, at --time-limit, a checkpoint). Rank
+    0 holds the output directory throughout (outputs.hold). A CPU rank counts its tensor memory from
+    the start when asked (DECA_COUNT_CPU_MEMORY=1, runtime.allocated)."""
+    started = time.monotonic()  # --time-limit counts the set-up too, as a scheduler's limit does
     counter = cpu_counter(local_device(opts.device_map))
     held = outputs.hold(Path(opts.output_dir)) if launch_rank() == 0 else nullcontext()
     with counting(counter), held:
         job = start_job(opts, ds_config, plan_run(opts, ds_config), counter)
-        while not job.optimizer.done:
+        job.deadline = started + 60 * opts.time_limit if opts.time_limit else None
+        while not job.optimizer.done and not job.stopped:
             job.step()
-        return job.finish()
+        return job.finish() if job.optimizer.done else job.stop()
 
 
 def start_job(opts: RunOptions, ds_config: dict, plan: Plan, counter: TensorBytes | None = None) -> Job:
@@ -444,6 +446,9 @@ class Job:
     skipped: int = 0  # --skip-nonfinite: steps skipped over the whole run
     consecutive: int = 0  # ... and in a row up to now
     last_step_s: float = 0.0
+    deadline: float | None = None  # --time-limit, by rank 0's time.monotonic()
+    stopped: bool = False  # ... reached: the run's checkpoint is written, its end is not
+    saved_at: int | None = None  # the step of the newest checkpoint this run wrote
 
     def step(self) -> None:
         """One step of the schedule: every micro-batch's forward and backward, the optimizer's step
@@ -455,6 +460,9 @@ class Job:
         try:
             if self._step(step, where, step_start):
                 self.last_step_s = time.perf_counter() - step_start
+            if self.deadline is not None and not self.optimizer.done and self._time_is_up():
+                self._save(self.optimizer.global_step)
+                self.stopped = True
         except RuntimeError as err:  # PeerError from mixing, or a collective that lost a rank
             # Live ranks post a step (or their own failure) within a few step times.
             grace = min(self.opts.timeout, max(3.0, 3 * self.last_step_s))
@@ -506,10 +514,42 @@ class Job:
         self.progress.update(where, loss, None if optimizer.done else optimizer.where())
         # the last step's too: a run whose end fails (x̄, its export, its evaluation) resumes straight to it
         if opts.checkpoint_interval and ((step + 1) % opts.checkpoint_interval == 0 or optimizer.done):
-            with offload.host_weights():
-                save_checkpoint(self.out, step + 1, layout, self.engine.module, optimizer, self.stream,
-                                opts.keep_checkpoints, self.skipped)
+            self._save(step + 1)
         return True
+
+    def _save(self, step: int) -> None:
+        """The checkpoint of `step` (the steps before it done), unless this run has written it."""
+        if step != self.saved_at:
+            with self.offload.host_weights():
+                save_checkpoint(self.out, step, self.layout, self.engine.module, self.optimizer, self.stream,
+                                self.opts.keep_checkpoints, self.skipped)
+            self.saved_at = step
+
+    def _time_is_up(self) -> bool:
+        """--time-limit: whether one more step, as long as the last, would end past it, by rank 0's
+        clock, which every rank learns (one all-reduce a step), so that all stop at the same step."""
+        up = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.layout.rank == 0:
+            up[0] = time.monotonic() + self.last_step_s >= self.deadline
+        with answered_within(self.opts.timeout, "the time limit's check (an all-reduce of every rank)"):
+            dist.all_reduce(up)
+        return bool(up.item())
+
+    def stop(self) -> None:
+        """--time-limit reached: the checkpoint is written (step()); the outputs closed, the process
+        group left, the consensus, its export and the summary left to the run that goes on."""
+        self.trace.close()
+        self.progress.close()
+        if self.metrics:
+            self.metrics.close()
+        step = self.optimizer.global_step
+        if self.layout.rank == 0:
+            print(f"--time-limit {self.opts.time_limit:g} min: stopped after step {step} of "
+                  f"{self.optimizer.total_steps}, its checkpoint written ({ckpt.step_dir(self.out, step)}); the "
+                  f"same command{'' if self.opts.auto_resume else ' with --resume'} goes on from it",
+                  flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
 
     def _fill_prefix(self, step: int) -> float | DeviceTime:
         """With offloaded layers, at a block's first step (or the first after resuming): the layers
