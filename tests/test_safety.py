@@ -343,7 +343,7 @@ def test_auto_resume_starts_resumes_or_refuses_as_the_nodes_hold_the_run(tmp_pat
     start, lines = choose([True] * 4, list("aabb"), [[3, 6], [3, 6], [3], [3]], [{}] * 4, 2)  # as --resume
     assert start == 3 and lines[0] == "skipped checkpoint step 6 (client 1: not written)", lines
     # requeued onto a node without its files: starting over would replace client 0's checkpoints
-    with pytest.raises(ValueError, match=r"holds the run on some nodes but not for client 1 \(node7\): .*--overwrite"):
+    with pytest.raises(ValueError, match=r"hold the run in .*, but not those of client 1 \(node7\): .*--overwrite"):
         choose([True, True, False, False], ["node3", "node3", "node7", "node7"], [[3], [3], [], []], [{}] * 4, 2)
     # a checkpoint some client did not finish is kept, as --resume keeps it
     with pytest.raises(ValueError, match=r"no checkpoint is complete for every client \(client 1: step 3: bad\)"):

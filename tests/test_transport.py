@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -361,6 +363,18 @@ def test_two_sites_that_share_no_files_train_summarize_and_resume(tmp_path, monk
         assert all(torch.equal(again[k], v) for k, v in first[c].items()), f"client {c} after resume"
     resumed = json.loads((outs[0] / "summary.json").read_text())
     assert [c["loss_end"] for c in resumed["clients"]] == [c["loss_end"] for c in summary["clients"]]
+
+    # requeued with node b on a machine without its files: --auto-resume must not start the run over on
+    # node a (its checkpoints replaced); every rank refuses, naming node b's clients and host
+    shutil.move(outs[1], sites[1] / "elsewhere")
+    before = {p: p.read_bytes() for p in outs[0].rglob("*") if p.is_file()}
+    codes = wait_all(start_nodes([*run, "--auto-resume"], sites, tmp_path / "logs_requeued"), timeout=600)
+    assert codes == [1] * 4, codes
+    err = (tmp_path / "logs_requeued" / "rank0.err").read_text()
+    host = re.escape(socket.gethostname())
+    assert re.search(rf"--auto-resume: some nodes hold the run in run, but not those of client 1 \({host}\), "
+                     rf"client 2 \({host}\), client 3 \({host}\): give those nodes its files", err), err[-3000:]
+    assert {p: p.read_bytes() for p in outs[0].rglob("*") if p.is_file()} == before
 
 
 # ---- bad input, before anything is written ------------------------------------------------------

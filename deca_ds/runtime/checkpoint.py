@@ -142,7 +142,7 @@ def choose_auto_start(holds: list[bool], hosts: list[str], complete: list[list[i
         return None, []
     if not all(holds):
         missing = sorted({f"client {r // ranks_per_client} ({hosts[r]})" for r, held in enumerate(holds) if not held})
-        raise ValueError(f"--auto-resume: {root} holds the run on some nodes but not for {', '.join(missing)}: "
+        raise ValueError(f"--auto-resume: some nodes hold the run in {root}, but not those of {', '.join(missing)}: "
                          "give those nodes its files (a job requeued onto other nodes finds none), or start it "
                          "afresh with --overwrite")
     if not any(complete) and not any(problems):
