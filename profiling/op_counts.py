@@ -47,7 +47,7 @@ from transformers import LlamaConfig
 from deca_ds.optimizer import model_partition
 from deca_ds.reproduce.grid import load_grid
 from deca_ds.runtime.options import RunOptions
-from deca_ds.runtime.trainer import build_model
+from deca_ds.runtime.plan import build_model
 from deca_ds.topology import make_topology
 from report import provenance, write_results
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from deca_ds.runtime.checkpoint import save_hf_model
 from deca_ds.runtime.parsing import parse_args as parse_run_args
-from deca_ds.runtime.trainer import build_model, build_task
+from deca_ds.runtime.plan import build_model, build_task
 
 
 def parse_args(argv=None):

@@ -64,7 +64,7 @@ def draw(config, *, dtype: str, device: torch.device):
 
 
 def start_model(config, *, dtype: str, load: str, device: torch.device, checkpoint: Path):
-    """The model as the trainer starts it (trainer.build_model, then .to(device)): drawn on the
+    """The model as the trainer starts it (plan.build_model, then .to(device)): drawn on the
     device from `config`, or `load="checkpoint"`: loaded from the safetensors checkpoint that
     `save_checkpoint` wrote to `checkpoint`."""
     from deca_ds.models import load_model

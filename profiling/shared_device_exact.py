@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 import deca_ds
 import runs
-from deca_ds.runtime import trainer
+from deca_ds.runtime import plan
 from deca_ds.runtime.dist import local_device, to_device
 from deca_ds.runtime.parsing import parse_args as parse_train_args
 from deca_ds.topology import make_topology
@@ -50,8 +50,8 @@ def main(argv=None) -> dict:
     opts, _ = parse_train_args([*run, "--output-dir", "unused"])
     device = local_device(opts.device_map)
     torch.set_num_threads(int(os.environ["DECA_RANK_THREADS"]))
-    task = trainer.build_task(opts, args.ranks)
-    model = trainer.build_model(opts, len(task.tokenizer))  # drawn on the device, as the ranks draw it
+    task = plan.build_task(opts, args.ranks)
+    model = plan.build_model(opts, len(task.tokenizer))  # drawn on the device, as the ranks draw it
     # each rank's own stream
     streams = [(to_device(b, device) for b in task.stream(opts, c)) for c in range(args.ranks)]
     simulated = deca_ds.simulate(model, streams, make_topology(opts.topology, args.ranks).W, opts.deca_config())

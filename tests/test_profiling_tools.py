@@ -174,7 +174,7 @@ def test_save_init_writes_the_model_and_tokenizer_the_run_draws(tmp_path):
     """profiling/save_init.py: loaded as a checkpoint (--model DIR), the directory gives the model a
     --from-config run draws, bit for bit and in its working dtype, and the same encoded examples."""
     from deca_ds.runtime.parsing import parse_args
-    from deca_ds.runtime.trainer import build_model, build_task
+    from deca_ds.runtime.plan import build_model, build_task
 
     LlamaConfig(**{**TINY.to_dict(), "vocab_size": 512}).save_pretrained(tmp_path / "config")
     run = ["--ds_config", str(ROOT / "ds_configs" / "cpu_demo.json"), "--seed", "3", "--working-dtype", "bf16"]

@@ -31,7 +31,7 @@ import deca_ds
 from deca_ds.memory import ModelSpec, Workload, estimate_block, offload_block_stream
 from deca_ds.models import tiny_config, tiny_llama
 from deca_ds.reporting import commit
-from deca_ds.runtime import trainer
+from deca_ds.runtime import plan, trainer
 from deca_ds.runtime.dist import (
     LAUNCH_VARS,
     ClientLayout,
@@ -130,8 +130,8 @@ def test_reference_run_file_is_the_command_line_and_is_written_back(reference_ru
 def test_distributed_run_equals_simulator(reference_run):
     out, _ = reference_run
     opts, _ = parse_args([*RUN, "--output-dir", "unused"])
-    task = trainer.build_task(opts, N)
-    model = trainer.build_model(opts, len(task.tokenizer))
+    task = plan.build_task(opts, N)
+    model = plan.build_model(opts, len(task.tokenizer))
     streams = [task.stream(opts, c) for c in range(N)]  # the trainer's own
     W = deca_ds.make_topology("ring", N).W
     with torch_threads():  # the ranks' count (DECA_RANK_THREADS)
@@ -170,8 +170,8 @@ def test_without_a_launcher_one_rank_trains_one_client_as_the_simulator_does(tmp
     assert wait_all([rank], timeout=300) == [0], (tmp_path / "err").read_text()[-3000:]
     assert json.loads((out / "run_config.json").read_text())["n_clients"] == 1
     opts, _ = parse_args([*args[:-2], "--output-dir", "unused"])
-    task = trainer.build_task(opts, 1)
-    model = trainer.build_model(opts, len(task.tokenizer))
+    task = plan.build_task(opts, 1)
+    model = plan.build_model(opts, len(task.tokenizer))
     config = dataclasses.replace(opts.deca_config(), grad_clip=1.0)
     with torch_threads():
         simulated = deca_ds.simulate(model, [task.stream(opts, 0)], np.ones((1, 1)), config)
@@ -196,8 +196,8 @@ def test_embeddings_final_norm_and_lm_head_train_as_blocks_of_their_own_offloade
     blocks = json.loads((out / "run_config.json").read_text())["blocks"]
     assert [b["name"] for b in blocks] == ["embeddings", "layers[0:2]", "layers[2:4]", "final_norm", "lm_head"]
     opts, _ = parse_args([*args[:-2], "--output-dir", "unused"])
-    task = trainer.build_task(opts, 1)
-    model = trainer.build_model(opts, len(task.tokenizer))
+    task = plan.build_task(opts, 1)
+    model = plan.build_model(opts, len(task.tokenizer))
     # what each block streamed (the norm's and the head's: every layer once, FrozenPrefix) is the estimator's
     # count; the embeddings' block's also has the layers the evaluation before training left on the device
     rows = [json.loads(line) for line in (out / "metrics" / "client_000.jsonl").read_text().splitlines()]
@@ -565,12 +565,10 @@ def test_bad_input_is_refused_before_anything_is_written(case, previous_run, tmp
 
 
 def test_a_context_too_short_is_refused_from_the_config_before_the_weights_load(previous_run, monkeypatch, capsys):
-    from deca_ds.runtime import trainer
-
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(trainer, "build_model", no_weights)
+    monkeypatch.setattr(plan, "build_model", no_weights)
     with pytest.raises(SystemExit):
         train_main(["--ds_config", PRESET, "--output-dir", str(previous_run), "--max-seq-len", "129"])
     assert "--max-seq-len 129 is longer than the model's context (max_position_embeddings 128)" in \
@@ -700,8 +698,8 @@ def test_ranks_per_client_do_data_parallelism_inside_the_client(tmp_path):
     args = [*RUN, "--output-dir", str(out), "--ranks-per-client", "2", "--checkpoint-interval", "0",
             "--rounds", "1"]
     opts, _ = parse_args(args)
-    task = trainer.build_task(opts, 2)
-    model = trainer.build_model(opts, len(task.tokenizer))
+    task = plan.build_task(opts, 2)
+    model = plan.build_model(opts, len(task.tokenizer))
     pad = task.tokenizer.pad_token_id
 
     def merged(c):
@@ -824,8 +822,8 @@ def test_client_exports_are_complete_model_directories(reference_run, tmp_path):
         "--model", str(client), "--dataset", "synthetic", "--max-seq-len", "32", "--eval-limit", "64",
         "--out", str(tmp_path / "eval.json")]))
     opts, _ = parse_args([*RUN, "--output-dir", "unused"])
-    task = trainer.build_task(opts, N)
-    model = trainer.build_model(opts, len(task.tokenizer))
+    task = plan.build_task(opts, N)
+    model = plan.build_model(opts, len(task.tokenizer))
     model.load_state_dict(client_params(out, 1), strict=False)
     assert result["classification"] == task.evaluate(model, 64)
     assert json.loads((tmp_path / "eval.json").read_text())["classification"]["n"] == 64

@@ -22,7 +22,7 @@ from deca_ds.methods import load_adapters, saved_adapters
 from deca_ds.optimizer import model_partition
 from deca_ds.rng import ClientGenerators
 from deca_ds.runtime import checkpoint as ckpt
-from deca_ds.runtime import evaluate, trainer
+from deca_ds.runtime import evaluate, plan
 from deca_ds.runtime.checkpoint_consensus import checkpoint_model, checkpoint_step
 from deca_ds.runtime.evaluate import load_export
 from deca_ds.runtime.parsing import parse_args
@@ -39,8 +39,8 @@ RUN = ["--ds_config", PRESET, "--topology", "ring", "--steps", str(STEPS), "--mi
 
 def simulated(args: list[str]):
     opts, _ = parse_args(args)
-    task = trainer.build_task(opts, N)
-    model = trainer.build_model(opts, len(task.tokenizer))
+    task = plan.build_task(opts, N)
+    model = plan.build_model(opts, len(task.tokenizer))
     method = opts.build_method(model_partition(model, opts.deca_config()))
     streams = [ClientStream(task.features, task.client_indices[c], opts.micro_batch,
                             pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c) for c in range(N)]
@@ -133,7 +133,7 @@ def test_baseline_runs_distributed_like_the_simulator_and_exports(name, tmp_path
     consensus = out / "consensus"
     if name in ("dec_lora", "decaf"):
         base = AutoModelForCausalLM.from_pretrained(consensus)  # the merged model, plain transformers
-        peft_model = PeftModel.from_pretrained(trainer.build_model(parse_args(args)[0], base.config.vocab_size),
+        peft_model = PeftModel.from_pretrained(plan.build_model(parse_args(args)[0], base.config.vocab_size),
                                                consensus / "adapter")
         ids = torch.arange(8)[None]
         torch.testing.assert_close(peft_model(input_ids=ids).logits, base(input_ids=ids).logits,

@@ -13,7 +13,7 @@ import torch
 
 from deca_ds.finite import MAX_CONSECUTIVE_SKIPS, finite, nonfinite_problem
 from deca_ds.reporting import commit
-from deca_ds.runtime import checkpoint, nonfinite, outputs, trainer
+from deca_ds.runtime import checkpoint, nonfinite, outputs, plan
 from deca_ds.train import main as train_main
 from ranks import wait_all
 from test_runtime import PRESET, start_ranks
@@ -420,17 +420,17 @@ def test_resume_refuses_every_change_that_alters_the_result(diverged, monkeypatc
     task = build_task(parse_args(same)[0], 2)
     opts, ds_config = parse_args([*same, "--micro-batch", "8", "--topology", "complete"])
     with pytest.raises(ValueError) as info:
-        trainer.check_output_dir(opts, ds_config, task)
+        plan.check_output_dir(opts, ds_config, task)
     message = str(info.value)
     for difference in ("micro_batch: 4 in the saved run, 8 now", "topology: 'ring' in the saved run, 'complete' now",
                        "ds_config.train_micro_batch_size_per_gpu: 4 in the saved run, 8 now"):
         assert difference in message, message
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="world_size: 2 in the saved run, 4 now"):
-        trainer.check_output_dir(*parse_args(same), task)
+        plan.check_output_dir(*parse_args(same), task)
     monkeypatch.setenv("WORLD_SIZE", "2")
     # timeouts, evaluation limits and intervals do not change the result: accepted, and named for the record
-    _, changes = trainer.check_output_dir(*parse_args([*same, "--timeout", "5", "--eval-limit", "8",
+    _, changes = plan.check_output_dir(*parse_args([*same, "--timeout", "5", "--eval-limit", "8",
                                                        "--consensus-interval", "3"]), task)
     assert changes == {"timeout": [60.0, 5.0], "eval_limit": [16, 8], "consensus_interval": [5, 3]}
     # other training data with the same options (a data file edited in place): refused, naming the client
@@ -442,7 +442,7 @@ def test_resume_refuses_every_change_that_alters_the_result(diverged, monkeypatc
     edited = dataclasses.replace(task, features=features, data_fingerprints=None)  # fingerprinted anew
     with pytest.raises(ValueError, match=r"--resume: the training data of client\(s\) \[1\] differ from the saved "
                                          r"run's \(its run_config.json's data_fingerprints"):
-        trainer.check_output_dir(*parse_args(same), edited)
+        plan.check_output_dir(*parse_args(same), edited)
 
 
 def test_a_resume_cut_off_while_it_trims_the_metrics_keeps_them(tmp_path, monkeypatch):

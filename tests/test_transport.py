@@ -218,7 +218,7 @@ def test_distributed_run_through_host_staging_equals_simulator(tmp_path, monkeyp
     buffers, as gloo on GPU ranks does) against the simulator at the ranks' thread count."""
     import deca_ds
     from deca_ds.data import ClientStream
-    from deca_ds.runtime import trainer
+    from deca_ds.runtime import plan
     from deca_ds.runtime.parsing import parse_args
     from ranks import wait_all
     from test_runtime import PRESET, client_params, start_ranks
@@ -234,8 +234,8 @@ def test_distributed_run_through_host_staging_equals_simulator(tmp_path, monkeyp
     assert config["host_staging"] is True and config["transport"] == "gloo" and config["clients_per_gpu"] == {}
 
     opts, _ = parse_args([*run, "--output-dir", "unused"])
-    task = trainer.build_task(opts, N)
-    model = trainer.build_model(opts, len(task.tokenizer))
+    task = plan.build_task(opts, N)
+    model = plan.build_model(opts, len(task.tokenizer))
     streams = [ClientStream(task.features, task.client_indices[c], opts.micro_batch,
                             pad_id=task.tokenizer.pad_token_id, seed=opts.seed, client=c) for c in range(N)]
     with torch_threads():  # the ranks' count (start_ranks sets DECA_RANK_THREADS)

@@ -30,9 +30,9 @@ from ..rng import ClientGenerators
 from ..runtime import lr_schedule
 from ..runtime.dist import local_device, to_device
 from ..runtime.options import RunOptions
+from ..runtime.plan import build_model
 from ..runtime.progress import Progress
 from ..runtime.task import build_task
-from ..runtime.trainer import build_model
 from ..simulate import simulate
 from ..topology import make_topology
 from .cell_dir import (

@@ -102,7 +102,7 @@ def form_consensus(root: Path, step: int, opts: RunOptions, n_clients: int, voca
     it, with the clients' mean weights, or for a method whose combination is not linear (DeCAF)
     client 0's with its own combination of every client's vector, as the run forms x̄ at its end.
     With `client`: that client's weights of the step instead."""
-    from .trainer import build_model
+    from .plan import build_model
 
     model = build_model(dataclasses.replace(opts, offload="none", device_map="auto"), vocab_size)
     method = opts.build_method(model_partition(model, opts.deca_config()))

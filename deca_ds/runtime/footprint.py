@@ -88,8 +88,8 @@ def offload_keep_for_budget(options: dict, model_config, ds_config: dict, *, n_n
 def estimate(opts: RunOptions, ds_config: dict) -> tuple[MemoryEstimate, dict]:
     """(the estimate of a round's peak block, what it was computed for)."""
     from ..models import check_positions
+    from .plan import loss_positions_max
     from .task import build_task, own_clients, task_kind
-    from .trainer import loss_positions_max
 
     if opts.clients is None and "WORLD_SIZE" not in os.environ:  # a launcher's ranks make the clients, as in the run
         raise ValueError("--estimate: give --clients N, the run's number of clients (its neighbourhoods and so its "

@@ -1,52 +1,34 @@
 """The training job behind deca-train (deca_ds/train.py): one DeepSpeed engine per rank, N clients, one method
 (DECA's Algorithm 1 or a baseline) on the same data, graph, mixing, metrics and checkpoints.
 
-Everything that can be wrong with the input is checked before the process group exists and
-before anything is written, so a bad run fails on every rank with the same message and leaves
-earlier outputs as they were.
+Everything that can be wrong with the input is checked first (plan.py), before the process group
+exists and before anything is written, so a bad run fails on every rank with the same message and
+leaves earlier outputs as they were; rank 0 writes the summary at the end (report.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
-import sys
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .. import __version__
-from ..blocks import Partition, find_decoder_layers
-from ..config import parse_dtype
 from ..data import ClientStream
-from ..datasets import write_partition_report
 from ..decentralized import DecentralizedOptimizer
-from ..evaluation import answer_sets
-from ..files import write_json, write_text
 from ..finite import MAX_CONSECUTIVE_SKIPS, finite, nonfinite_problem
-from ..memory import ModelSpec
 from ..methods import Method
-from ..models import (
-    causal_lm_loss,
-    check_plain_logits,
-    check_positions,
-    compile_layers,
-    enable_activation_checkpointing,
-    load_model,
-)
-from ..offload import FrozenLayerOffload, check_keep
-from ..optimizer import block_schedule, model_partition
+from ..models import causal_lm_loss, compile_layers, enable_activation_checkpointing
+from ..offload import FrozenLayerOffload
+from ..optimizer import block_schedule
 from ..prefix import FrozenPrefix
-from ..reporting import commit, cpu_kernels
 from ..rng import client_seed, random_state, restore_random_state
-from ..topology import Topology, make_topology
 from . import checkpoint as ckpt
 from . import cleanup, lr_schedule, outputs
 from .allocated import DeviceMemory, TensorBytes, counting, cpu_counter
@@ -58,8 +40,6 @@ from .dist import (
     Heartbeat,
     PeerError,
     answered_within,
-    cap_gpu_memory,
-    check_layout,
     host_staging,
     init_process_group,
     launch_local_rank,
@@ -68,8 +48,7 @@ from .dist import (
     to_device,
 )
 from .ds_engine import ClientMPU, initialize
-from .footprint import model_config, offload_keep_for_budget
-from .metrics import MetricsWriter, plot_losses, read_client_metrics, summarize, summary_table
+from .metrics import MetricsWriter
 from .nonfinite import (
     NonFiniteError,
     describe_nonfinite,
@@ -79,25 +58,13 @@ from .nonfinite import (
     update_finite,
 )
 from .options import RunOptions
-from .parsing import dump_config
+from .plan import Plan, plan_run, write_run_config
 from .progress import Progress
-from .same_start import check_same_start, start_fingerprint
-from .task import Task, build_task, check_questions, own_clients, share_counts
+from .report import answer_questions, final_report, gather_metrics
+from .same_start import check_same_start
+from .task import Task, share_counts
 from .timing import DeviceTime, Timer
-from .trace import StepTrace, check_window
-from .transport import check_placement, env_placement, resolve_transport, spans_nodes
-
-
-def build_model(opts: RunOptions, vocab_size: int):
-    # A random initialisation is drawn on the rank's device (on the CPU an 8B model takes minutes);
-    # offloaded, the model stays in host memory (the device never holds every layer), each module
-    # drawn on the device in turn: the same weights as a resident run's.
-    model = load_model(opts.model, dtype=parse_dtype(opts.working_dtype), trust_remote_code=opts.trust_remote_code,
-                       from_config=opts.from_config, vocab_size=vocab_size, seed=opts.seed,
-                       init_device=local_device(opts.device_map), host_memory=opts.offload != "none")
-    if opts.loss_chunk:
-        check_plain_logits(model.config)
-    return model
+from .trace import StepTrace
 
 
 def next_shard(stream: ClientStream, layout: ClientLayout) -> dict:
@@ -115,45 +82,6 @@ def upcoming_shards(stream: ClientStream, layout: ClientLayout, n: int) -> list[
     shards = [next_shard(stream, layout) for _ in range(n)]
     stream.load_state_dict(state)
     return shards
-
-
-def check_output_dir(opts: RunOptions, ds_config: dict, task: Task) -> tuple[Path, dict[str, list] | None]:
-    """The output directory, refused if the run may not write there, and whether this node resumes
-    the run in it: None to start, else the options changed since the saved run (refused if they change
-    the result, as is other training data). --auto-resume resumes where the directory holds a run."""
-    out = Path(opts.output_dir)
-    resume = opts.resume or (opts.auto_resume and (out / "run_config.json").is_file())
-    # --auto-resume finding a run with no run_config.json: one killed in its set-up, before any step
-    outputs.check_output_dir(out, resume=resume, overwrite=opts.overwrite or (opts.auto_resume and outputs.is_run(out)))
-    if not resume:
-        return out, None
-    try:
-        saved = json.loads((out / "run_config.json").read_text())
-    except ValueError as e:
-        raise ValueError(f"--resume: {out / 'run_config.json'} is not valid JSON: {e}") from None
-    defaults = asdict(RunOptions())
-    changes = outputs.resume_changes(saved, asdict(opts), ds_config, int(os.environ.get("WORLD_SIZE", "1")),
-                                     defaults)
-    outputs.check_same_data(saved, task.data_fingerprints)
-    return out, changes
-
-
-class Laps:
-    """Seconds of each phase of the set-up, for the line rank 0 prints: where a slow start goes (an
-    8B model drawn on the CPU, layers pinned in host memory)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def __call__(self, phase: str) -> None:
-        """`phase` ended now; it began where the previous one ended."""
-        now = time.perf_counter()
-        self.seconds[phase], self._last = now - self._last, now
-
-    def __str__(self) -> str:
-        return (f"set up in {sum(self.seconds.values()):.1f} s: "
-                + ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items()))
 
 
 def _resume_step(root: Path, layout: ClientLayout, resume: bool, auto: bool) -> int | None:
@@ -187,110 +115,9 @@ def frozen(model):
             p.requires_grad_(True)
 
 
-def loss_positions_max(opts: RunOptions, task: Task) -> int:
-    """The most positions the LM head runs at per micro-batch (models.causal_lm_loss: the union of the
-    rows' labelled positions)."""
-    return min(opts.max_seq_len, opts.micro_batch * task.answer_tokens)
-
-
-def write_run_config(out: Path, opts: RunOptions, ds_config: dict, topology: Topology, partition: Partition,
-                     layout: ClientLayout, task: Task, trainable: int, placement: dict, attention: str) -> None:
-    resolved = {
-        "options": asdict(opts), "ds_config": ds_config, "topology": topology.to_dict(),
-        "method": opts.method, "trainable_params": trainable,
-        # the most positions the LM head runs at per micro-batch (models.causal_lm_loss)
-        "loss_positions_max": loss_positions_max(opts, task),
-        "blocks": [asdict(b) for b in partition.blocks], "frozen": list(partition.frozen),
-        "world_size": layout.world_size, "n_clients": layout.n_clients, **placement,
-        "client_sizes": task.client_sizes,
-        "split_keys": list(task.key_names), "split_histogram": task.key_histogram,
-        "data_fingerprints": task.data_fingerprints,
-        "versions": {"deca_ds": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
-        "commit": commit(),  # the checkout's ("+dirty": changed files), "unknown" outside one
-        "cpu_kernels": cpu_kernels(),  # ATen's on CPU (AVX2, AVX512, …): a CPU run's bits depend on them
-        # the model's attention: an export's config.json does not say, and its loader takes transformers'
-        # default (sdpa), while the tiny Llama computes eager; deca-eval --run loads the export with it
-        "attn_implementation": attention,
-    }
-    write_json(out / "run_config.json", resolved)
-    # the same run as a run file: deca-train --config <out>/config.yaml (with --resume or --overwrite)
-    write_text(out / "config.yaml", dump_config(opts, ds_config))
-    write_partition_report(out / "partition", task.key_histogram, task.key_names,
-                           None if opts.client_data else task.client_indices)
-    if layout.rank:
-        return
-    print(json.dumps({"options": asdict(opts), "ds_config": ds_config}, indent=2, allow_nan=False))
-    print(topology.describe())
-    print(partition.describe() if opts.method == "deca"
-          else f"method {opts.method}: {trainable:,} trainable parameters")
-    print("examples per client:", task.client_sizes)
-
-
-@dataclass
-class Plan:
-    """What a run will do, built from its options with everything that can fail on bad input checked,
-    before any rank talks or writes (plan_run)."""
-
-    n_clients: int
-    placement: dict  # transport, clients_per_gpu; host_staging once the mixer exists
-    topology: Topology
-    task: Task
-    model: torch.nn.Module
-    fingerprint: dict  # compared across ranks once connected (same_start)
-    partition: Partition
-    method: Method
-    trainable: int
-    out: Path
-    resume_changes: dict[str, list] | None  # None: this node holds no run to resume (check_output_dir)
-    laps: Laps  # the set-up's phases so far
-
-
 def at_step(step: int, where: dict) -> str:
     """Where a message happened: "step 7 (round 0, block 2, r 1)"."""
     return f"step {step} (round {where['round']}, block {where['block']}, r {where['r']})"
-
-
-def plan_run(opts: RunOptions, ds_config: dict) -> Plan:
-    laps = Laps()
-    n_clients = check_layout(int(os.environ.get("WORLD_SIZE", "1")), opts.ranks_per_client, opts.clients)
-    transport = resolve_transport(opts.transport, torch.cuda.is_available())
-    places = env_placement(opts.device_map)
-    # {gpu: clients sharing it}: recorded with the run, since step times of time-shared GPUs differ
-    placement = {"transport": transport,
-                 "clients_per_gpu": check_placement(places, opts.ranks_per_client, transport)}
-    cap_gpu_memory(opts.gpu_memory_gb, local_device(opts.device_map), placement["clients_per_gpu"])  # before the model
-    topology = make_topology(opts.topology, n_clients, weights=opts.weights, p=opts.er_p,
-                             seed=opts.topology_seed, matrix_file=opts.matrix_file)
-    check_questions(opts)
-    # per-client files: a process reads its own client's only
-    task = build_task(opts, n_clients, own_clients(opts))
-    laps("data")
-    # from the config, before the weights load (an 8B model drawn on the CPU takes minutes): the
-    # context, and the blocks asked of the model (a tied LM head has no tensor of its own to train)
-    config = model_config(opts, len(task.tokenizer))
-    check_positions(config, opts.max_seq_len)
-    spec = ModelSpec.from_config(config, trust_remote_code=opts.trust_remote_code)
-    spec.partition(opts.layers_per_block, **opts.trains())
-    model = build_model(opts, len(task.tokenizer))
-    laps("model")
-    # compared across sites once connected; the weights only where nodes load them from their own disks
-    fingerprint = start_fingerprint(model, task.tokenizer, opts, ds_config, weights=spans_nodes())
-    partition = model_partition(model, opts.deca_config())
-    if opts.offload_budget:
-        opts.offload_keep = offload_keep_for_budget(
-            asdict(opts), spec, ds_config, loss_positions=loss_positions_max(opts, task),
-            n_neighbors=max(len(topology.neighbors(i)) for i in range(n_clients)))
-        if launch_rank() == 0:
-            print(f"--offload-budget {opts.offload_budget:g} GB: keeping the top {opts.offload_keep} decoder layers "
-                  "on the device")
-    check_keep(len(find_decoder_layers(model)[1]), opts.offload_keep)
-    check_window(opts.trace_start, opts.trace_steps, opts.total_steps(partition))
-    method = opts.build_method(partition)
-    model = method.prepare(model)
-    trainable = method.num_trainable(model)
-    out, resume_changes = check_output_dir(opts, ds_config, task)
-    return Plan(n_clients, placement, topology, task, model, fingerprint, partition, method, trainable, out,
-                resume_changes, laps)
 
 
 def train(opts: RunOptions, ds_config: dict) -> dict | None:
@@ -676,60 +503,3 @@ def node_lead() -> bool:
     return launch_local_rank() == 0
 
 
-def gather_metrics(out: Path, layout: ClientLayout) -> list[list[dict]] | None:
-    """Every client's metrics records, on rank 0 (None elsewhere): each client's first rank reads
-    the file it wrote on its own node and sends it over the process group, so the summary needs no
-    shared file system."""
-    mine = read_client_metrics(out, layout.client) if layout.local_rank == 0 else None
-    gathered = [None] * layout.world_size if layout.rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    return gathered[::layout.ranks_per_client] if layout.rank == 0 else None
-
-
-def answer_questions(out: Path, model, task: Task, opts: RunOptions, summary: dict) -> None:
-    """--questions, on rank 0 once the process group is gone: x̄ answers each set into
-    answers/NAME.jsonl, and summary.json gains the counts and ROUGE-L (`consensus_answers`)."""
-    summary["consensus_answers"] = answer_sets(model, task.tokenizer, opts.question_sets(), out / "answers",
-                                               max_new_tokens=opts.max_new_tokens)
-    write_json(out / "summary.json", summary)
-    for name, answered in summary["consensus_answers"].items():
-        print(f"consensus model: answered {answered['questions']} questions ({answered['turns']} turns) of {name} "
-              f"in {out / 'answers' / (name + '.jsonl')}"
-              + (f", ROUGE-L {answered['rouge_l']:.3f}" if "rouge_l" in answered else ""))
-
-
-def final_report(out: Path, model, task: Task, opts: RunOptions, records: list[list[dict]],
-                 distances: list[float], placement: dict, end_peaks: list[int | None],
-                 memory: DeviceMemory) -> dict:
-    """The run's summary (summary.json, .md, the loss curve), after x̄'s evaluation. `end_peaks`:
-    each client's tensor memory peak after its last step (None where not counted), rank 0's here
-    with the evaluation it runs."""
-    summary = summarize(records)
-    evaluation = task.evaluate(model, opts.eval_limit or None)
-    if memory.counted:
-        end_peaks = [memory.peak(), *end_peaks[1:]]
-    summary.update(consensus_eval=evaluation, final_consensus_distance=distances, mem_end_peak=end_peaks,
-                   nonfinite_skipped=max((r.get("nonfinite_skipped", 0) for c in records for r in c), default=0),
-                   bytes_sent_total=sum(c["bytes_sent"] for c in summary["clients"]), **placement)
-    plot_losses(records, out / "loss_curve.png", title=opts.method)
-    table = summary_table(summary)
-    write_text(out / "summary.md", table)
-    write_json(out / "summary.json", summary)
-    c = summary["clients"]
-    print("\n" + table)
-    print(f"loss (mean over clients): start {sum(x['loss_start'] for x in c) / len(c):.4f} -> "
-          f"end {sum(x['loss_end'] for x in c) / len(c):.4f}")
-    if evaluation:
-        print(f"consensus model: accuracy {evaluation['accuracy']:.3f} (chance {evaluation['chance']:.3f}), "
-              f"macro-F1 {evaluation['macro_f1']:.3f} on {evaluation['n']} held-out examples")
-    print("final consensus distance ||x_i - x̄|| per client: " + ", ".join(f"{d:.4g}" for d in distances))
-    print(f"bytes sent (all clients): {summary['bytes_sent_total'] / 1e6:.2f} MB over {placement['transport']}"
-          + (" (staged through host memory)" if placement["host_staging"] else ""))
-    if any(k > 1 for k in placement["clients_per_gpu"].values()):
-        print("clients per GPU: " + ", ".join(f"GPU {g}: {k}" for g, k in placement["clients_per_gpu"].items())
-              + " (they time-share it: step times are not one-GPU-per-client figures)")
-    print(f"step time split (mean over clients): forward {sum(x['forward_ms'] for x in c) / len(c):.1f} ms, "
-          f"backward {sum(x['backward_ms'] for x in c) / len(c):.1f} ms, "
-          f"mixing+update {sum(x['mix_update_ms'] for x in c) / len(c):.2f} ms")
-    print(f"outputs: {out} (consensus/, metrics/, loss_curve.png, summary.json)")
-    return summary
