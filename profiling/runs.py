@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deca_ds.runtime.dist import free_port, torchrun_env
+from deca_ds.runtime.rank import free_port, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 import deca_ds
 import runs
 from deca_ds.runtime import plan
-from deca_ds.runtime.dist import local_device, to_device
 from deca_ds.runtime.parsing import parse_args as parse_train_args
+from deca_ds.runtime.rank import local_device, to_device
 from deca_ds.topology import make_topology
 from report import emit, provenance
 

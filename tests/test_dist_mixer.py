@@ -6,7 +6,8 @@ import torch
 
 from deca_ds import make_topology
 from deca_ds.mixing import InProcessMixer, weighted_sum
-from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer, free_port
+from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
+from deca_ds.runtime.rank import free_port
 from deca_ds.runtime.transport import HostStaging
 from ranks import gloo_group, run_on_ranks
 

@@ -32,16 +32,9 @@ from deca_ds.memory import ModelSpec, Workload, estimate_block, offload_block_st
 from deca_ds.models import tiny_config, tiny_llama
 from deca_ds.reporting import commit
 from deca_ds.runtime import plan, trainer
-from deca_ds.runtime.dist import (
-    LAUNCH_VARS,
-    ClientLayout,
-    Heartbeat,
-    cap_gpu_memory,
-    free_port,
-    init_process_group,
-    torchrun_env,
-)
+from deca_ds.runtime.dist import ClientLayout, Heartbeat
 from deca_ds.runtime.parsing import parse_args
+from deca_ds.runtime.rank import LAUNCH_VARS, cap_gpu_memory, free_port, init_process_group, torchrun_env
 from deca_ds.train import main as train_main
 from helpers import RANK_THREADS, assert_only_run_outputs, run_script, torch_threads
 from ranks import Rank, start_rank, wait_all
@@ -1129,7 +1122,7 @@ def test_start_and_end_loss_windows_never_overlap():
 
 
 def test_rank_threads_from_the_environment(monkeypatch):
-    from deca_ds.runtime.dist import rank_threads
+    from deca_ds.runtime.rank import rank_threads
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.delenv("DECA_RANK_THREADS", raising=False)

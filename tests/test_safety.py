@@ -656,7 +656,7 @@ def test_a_dead_rank_under_the_launcher_is_named(tmp_path):
     import sys
     import time
 
-    from deca_ds.runtime.dist import free_port
+    from deca_ds.runtime.rank import free_port
     from helpers import descendants
     from test_runtime import LAUNCH, ROOT
 

@@ -23,7 +23,8 @@ from deca_ds.mixing import mixing_order
 from deca_ds.models import causal_lm_loss, draw_from_config
 from deca_ds.runtime.allocated import TensorBytes
 from deca_ds.runtime.consensus import consensus_distance, to_consensus_
-from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer, free_port
+from deca_ds.runtime.dist import ClientGroups, ClientLayout, DistributedMixer
+from deca_ds.runtime.rank import free_port
 from helpers import needs_bnb
 from ranks import gloo_group, run_on_ranks
 

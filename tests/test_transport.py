@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from deca_ds import make_topology
 from deca_ds.mixing import InProcessMixer, mixing_order
-from deca_ds.runtime.dist import free_port, torchrun_env
 from deca_ds.runtime.options import RunOptions
+from deca_ds.runtime.rank import free_port, torchrun_env
 from deca_ds.runtime.transport import (
     HostStaging,
     RankPlace,
@@ -397,7 +397,7 @@ def test_nccl_without_gpus_is_refused_before_anything_is_written(tmp_path, monke
 def test_a_rendezvous_port_that_cannot_be_bound_is_named(monkeypatch):
     import socket
 
-    from deca_ds.runtime.dist import init_process_group
+    from deca_ds.runtime.rank import init_process_group
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

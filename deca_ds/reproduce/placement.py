@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runtime.dist import free_port
+from ..runtime.rank import free_port
 from .grid import Cell, Grid, GridError
 
 PORT = 29500  # the deepspeed launcher's rendezvous port (deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT)

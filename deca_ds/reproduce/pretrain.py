@@ -44,9 +44,9 @@ from ..data import PROMPT, SyntheticTask, build_word_tokenizer
 from ..datasets import verbalize
 from ..files import atomic_directory, remove_leftovers, sha256, vacant, write_json
 from ..reporting import cpu_kernels, invocation, kernels_of
-from ..runtime.dist import to_device
 from ..runtime.options import KEY_PATH, PATH, RunOptions, expand_paths, per_client
 from ..runtime.parsing import add_option
+from ..runtime.rank import to_device
 from ..runtime.task import DATASETS, load_records
 
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,

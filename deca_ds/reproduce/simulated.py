@@ -28,10 +28,10 @@ from ..optimizer import model_partition
 from ..reporting import commit, cpu_kernels
 from ..rng import ClientGenerators
 from ..runtime import lr_schedule
-from ..runtime.dist import local_device, to_device
 from ..runtime.options import RunOptions
 from ..runtime.plan import build_model
 from ..runtime.progress import Progress
+from ..runtime.rank import local_device, to_device
 from ..runtime.task import build_task
 from ..simulate import simulate
 from ..topology import make_topology

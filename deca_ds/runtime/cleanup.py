@@ -42,7 +42,7 @@ def install(describe: Callable[[], str] | None = None) -> None:
 
     def on_sigterm() -> None:
         signal.sigwait({signal.SIGTERM})
-        # a rank started without a launcher is its job's only rank (deca_ds.runtime.dist)
+        # a rank started without a launcher is its job's only rank (deca_ds.runtime.rank)
         launched = "RANK" in os.environ
         rank = os.environ.get("RANK", "0")
         try:

@@ -19,8 +19,9 @@ from pathlib import Path
 from ..evaluation.classification import SCORE_BATCH
 from ..memory import DEFAULT_RESERVE, GPUS, GiB, MemoryEstimate, ModelSpec, Workload, estimate_memory
 from ..topology import make_topology
-from .dist import check_layout, launch_rank
+from .dist import check_layout
 from .options import TRAINS, RunOptions
+from .rank import launch_rank
 from .transport import parse_device_map
 
 

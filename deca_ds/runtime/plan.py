@@ -27,10 +27,11 @@ from ..optimizer import model_partition
 from ..reporting import commit, cpu_kernels
 from ..topology import Topology, make_topology
 from . import outputs
-from .dist import ClientLayout, cap_gpu_memory, check_layout, launch_rank, local_device
+from .dist import ClientLayout, check_layout
 from .footprint import model_config, offload_keep_for_budget
 from .options import RunOptions
 from .parsing import dump_config
+from .rank import cap_gpu_memory, launch_rank, local_device
 from .same_start import start_fingerprint
 from .task import Task, build_task, check_questions, own_clients
 from .trace import check_window

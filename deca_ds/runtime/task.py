@@ -41,8 +41,9 @@ from ..datasets import (
 from ..evaluation import evaluate_classification, evaluate_records
 from ..models import load_tokenizer
 from . import token_cache
-from .dist import ClientLayout, launch_rank
+from .dist import ClientLayout
 from .options import RunOptions, client_path
+from .rank import launch_rank
 
 
 @dataclass

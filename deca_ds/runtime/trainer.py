@@ -33,20 +33,7 @@ from . import checkpoint as ckpt
 from . import cleanup, lr_schedule, outputs
 from .allocated import DeviceMemory, TensorBytes, counting, cpu_counter
 from .consensus import consensus_distance, consensus_weights, export_consensus
-from .dist import (
-    ClientGroups,
-    ClientLayout,
-    DistributedMixer,
-    Heartbeat,
-    PeerError,
-    answered_within,
-    host_staging,
-    init_process_group,
-    launch_local_rank,
-    launch_rank,
-    local_device,
-    to_device,
-)
+from .dist import ClientGroups, ClientLayout, DistributedMixer, Heartbeat, PeerError, answered_within, host_staging
 from .ds_engine import ClientMPU, initialize
 from .metrics import MetricsWriter
 from .nonfinite import (
@@ -60,6 +47,7 @@ from .nonfinite import (
 from .options import RunOptions
 from .plan import Plan, plan_run, write_run_config
 from .progress import Progress
+from .rank import init_process_group, launch_local_rank, launch_rank, local_device, to_device
 from .report import answer_questions, final_report, gather_metrics
 from .same_start import check_same_start
 from .task import Task, share_counts
