@@ -456,7 +456,12 @@ def test_deca_eval_takes_the_runs_data_options_and_the_command_line_wins(tmp_pat
     assert (opts.dataset, opts.data_files, opts.label_names, opts.max_seq_len) == ("synthetic", None, None, 48)
     assert attention is None  # a run that recorded none: transformers' default
     (run / "consensus").rmdir()
-    with pytest.raises(ValueError, match="exported no consensus/"):
+    with pytest.raises(ValueError, match=r"exported no consensus/ \(run with --no-export, stopped by --time-limit, "
+                                         r"or not finished\): give --model"):
+        resolve("--run", str(run))
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)  # stopped by its --time-limit, say
+    with pytest.raises(ValueError, match=r"not finished\): --checkpoint latest scores x̄ of its newest checkpoint, "
+                                         r"or give --model"):
         resolve("--run", str(run))
     with pytest.raises(ValueError, match="no run_config.json there"):
         resolve("--run", str(tmp_path))

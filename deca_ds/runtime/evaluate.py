@@ -120,8 +120,11 @@ def resolve(args: argparse.Namespace) -> tuple[str, str | None, RunOptions | Non
             model, tokenizer_of = str(run / "checkpoints"), saved.get("model", "tiny")
         elif model is None:
             if not (run / "consensus").is_dir():
-                raise ValueError(f"--run {run}: the run exported no consensus/ (run with --no-export, or not "
-                                 "finished); give --model")
+                from .checkpoint import step_dirs
+
+                newest = "--checkpoint latest scores x̄ of its newest checkpoint, or " if step_dirs(run) else ""
+                raise ValueError(f"--run {run}: the run exported no consensus/ (run with --no-export, stopped by "
+                                 f"--time-limit, or not finished): {newest}give --model")
             # the attention the run scored x̄ with (its export's config.json does not say; older runs: the default)
             model, attention = str(run / "consensus"), recorded.get("attn_implementation")
     elif args.checkpoint is not None:
